@@ -1,0 +1,70 @@
+"""The Celery application, configured from VigilSettings. Every setting says why it is set."""
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from app.models import ModelRegistry, get_registry
+from app.settings import VigilSettings, get_settings
+
+HOUSEKEEPING_QUEUE = "vigil.housekeeping"
+
+
+def declared_queues(registry: ModelRegistry) -> list[str]:
+    """Every queue the app routes to: one per pool, plus housekeeping (beat tasks)."""
+    return [HOUSEKEEPING_QUEUE] + [registry.get(n).queue for n in registry.names()]
+
+
+def create_app(settings: VigilSettings | None = None,
+               registry: ModelRegistry | None = None) -> Celery:
+    """Build Vigil's Celery app. Connects to nothing: safe at import."""
+    s = settings or get_settings()
+    reg = registry or get_registry()
+    app = Celery("vigil", broker=s.redis_url, backend=s.redis_url,
+                 include=["tasks.inference"])
+    redis_opts = {
+        # Above the longest request + backoff: a healthy long generation is never redelivered.
+        "visibility_timeout": s.visibility_timeout,
+        # Restore a dead worker's unacked messages on every sweep, not every 10th (kombu's
+        # default throttle makes recovery ~100 s even with a short visibility timeout).
+        "unacked_restore_throttle": 1,
+        "socket_timeout": max(s.redis_timeout, 10.0),
+        "socket_connect_timeout": s.redis_timeout,
+        "retry_on_timeout": True,
+    }
+    app.conf.update(
+        # JSON only, both ways: no pickle anywhere on the wire.
+        task_serializer="json", result_serializer="json",
+        accept_content=["json"], result_accept_content=["json"],
+        # Ack after the task ran, so a worker that dies mid-request leaves the message to be
+        # delivered again (Vigil's record makes the second delivery exactly-once).
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # One message per thread at a time: the threads pool itself is the batch feeding the engine;
+        # prefetching more would strand messages on a worker that might die.
+        worker_prefetch_multiplier=1,
+        broker_transport_options=redis_opts,
+        result_backend_transport_options=redis_opts,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=s.redis_timeout,
+        # Fail a submit within seconds when Redis is down instead of hanging.
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2,
+                                   "interval_step": 0.5, "interval_max": 1.0},
+        result_expires=s.result_ttl,
+        # Explicit names and queues; a typo'd queue is an error, not a silently created queue
+        # that nothing consumes.
+        task_create_missing_queues=False,
+        task_queues=[Queue(q) for q in declared_queues(reg)],
+        task_default_queue=HOUSEKEEPING_QUEUE,
+        # Task events so Flower shows the lifecycle; sent events are cheap on Redis.
+        worker_send_task_events=True, task_send_sent_event=True,
+        task_track_started=True,
+        # vLLM and Celery log through one setup (app/logging_setup.py); stdout is not a logger.
+        worker_redirect_stdouts=False,
+        worker_hijack_root_logger=True,
+        # The threads pool ignores time limits; Vigil enforces request_timeout itself.
+        task_time_limit=None, task_soft_time_limit=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_connection_retry=True,
+    )
+    return app

@@ -1,0 +1,109 @@
+"""The `vigil` command: worker, model, demo.
+
+    vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
+    vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
+    vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
+    vigil demo                           # the end-to-end demo (make demo)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
+    """The `celery worker` command line for `vigil worker` (pure, for tests)."""
+    from app import app
+    from app.celery_app import HOUSEKEEPING_QUEUE
+    from app.models import queue_for
+
+    if args.gpu is not None:
+        name = args.name or f"gpu{args.gpu}@%h"
+    else:
+        name = args.name or "cpu@%h"
+    pools = [p for p in (args.pools or "").split(",") if p]
+    queues = [HOUSEKEEPING_QUEUE] + [queue_for(p) for p in pools] if pools else [
+        q.name for q in app.conf.task_queues]
+    return [
+        sys.executable, "-m", "celery", "-A", "app", "worker",
+        "-P", "threads", "-c", str(args.concurrency or concurrency),
+        "-n", name, "-Q", ",".join(queues), "-E",
+        "--prefetch-multiplier", "1", "-l", args.loglevel,
+    ]
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from app.models import get_registry
+    from app.settings import get_settings
+
+    s = get_settings()
+    reg = get_registry()
+    for p in [p for p in (args.pools or "").split(",") if p]:
+        reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
+    if args.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    if args.pools:
+        os.environ["VIGIL_POOLS"] = args.pools
+    argv = worker_argv(args, s.worker_concurrency)
+    os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
+    return 0  # pragma: no cover
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from workers.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(args.dir)
+    print(f"built tiny-llama in {path}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return run_demo(n=args.n, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `vigil`."""
+    p = argparse.ArgumentParser(prog="vigil", description="Fault-tolerant LLM inference on Celery.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    w = sub.add_parser("worker", help="run a worker (one per GPU)")
+    dev = w.add_mutually_exclusive_group(required=True)
+    dev.add_argument("--gpu", type=int, metavar="N", help="pin to GPU N (CUDA_VISIBLE_DEVICES)")
+    dev.add_argument("--cpu", action="store_true", help="run on the CPU (no GPU)")
+    w.add_argument("--name", help="Celery node name (default gpuN@%%h or cpu@%%h)")
+    w.add_argument("--pools", help="comma-separated models to serve and preload (default: all "
+                   "registered pools, loaded on first use)")
+    w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")
+    w.add_argument("--loglevel", default="INFO")
+    w.set_defaults(func=_cmd_worker)
+
+    m = sub.add_parser("model", help="model tools")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    bt = msub.add_parser("build-tiny", help="build tiny-llama into DIR")
+    bt.add_argument("dir")
+    bt.set_defaults(func=_cmd_model)
+
+    d = sub.add_parser("demo", help="run the end-to-end demo on a private Redis")
+    d.add_argument("--n", type=int, default=100, help="prompts to send")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vigil` console script."""
+    from app.settings import SettingsError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SettingsError as e:
+        print(f"vigil: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

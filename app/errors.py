@@ -1,0 +1,100 @@
+"""Vigil's one error taxonomy, split by who must act: the request, the fleet, or the worker.
+
+Every error's message starts with its code (`"prompt_too_long: ..."`), so a user who only sees the
+string still knows what happened. The classes live here, importable by producers and workers
+alike: Celery rebuilds a worker's exception in the producer only if the class imports there
+(FIELD-NOTES.md), so `r.get()` raises these very types.
+
+| class            | retried?                                   | codes                                   |
+| ---------------- | ------------------------------------------ | --------------------------------------- |
+| RequestError     | never: the request itself is wrong         | invalid_request, model_not_found,       |
+|                  |                                            | prompt_too_long, token_out_of_vocab,    |
+|                  |                                            | poison_request                          |
+| TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
+|                  |                                            | engine_restarting, worker_lost, wedged, |
+|                  |                                            | redis_unavailable                       |
+| WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
+| TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
+|                  |                                            | attempts_exhausted                      |
+"""
+from __future__ import annotations
+
+# RequestError codes
+INVALID_REQUEST = "invalid_request"
+MODEL_NOT_FOUND = "model_not_found"
+PROMPT_TOO_LONG = "prompt_too_long"
+TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+POISON_REQUEST = "poison_request"
+INVALID_MODEL_CONFIG = "invalid_model_config"
+# TransientError codes
+MEMORY_PRESSURE = "memory_pressure"
+ALLOCATION_FAILED = "allocation_failed"
+ENGINE_RESTARTING = "engine_restarting"
+WORKER_LOST = "worker_lost"
+WEDGED = "wedged"
+REDIS_UNAVAILABLE = "redis_unavailable"
+# WorkerFatalError codes
+CUDA_CONTEXT_LOST = "cuda_context_lost"
+REPEATED_ENGINE_DEATH = "repeated_engine_death"
+# Terminal outcomes
+DEADLINE_EXCEEDED = "deadline_exceeded"
+JOB_DELETED = "job_deleted"
+ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+
+
+class VigilError(Exception):
+    """Root of Vigil's errors. `str(e)` is `"<code>: <detail>"`; `e.code` is the code.
+
+    Constructed from the one message string so Celery's JSON exception transport (which calls
+    `cls(*args)`) rebuilds it intact in the producer.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, code: str, detail: str) -> "VigilError":
+        """Build an error of this class with `code` and a human detail."""
+        return cls(f"{code}: {detail}")
+
+    @property
+    def code(self) -> str:
+        msg = str(self.args[0]) if self.args else ""
+        return msg.split(":", 1)[0].strip() if ":" in msg else "unknown"
+
+    @property
+    def detail(self) -> str:
+        msg = str(self.args[0]) if self.args else ""
+        return msg.split(":", 1)[1].strip() if ":" in msg else msg
+
+
+class RequestError(VigilError):
+    """The request itself is wrong (bad input, unknown model, too long...). Never retried."""
+
+
+class TransientError(VigilError):
+    """The fleet was briefly unable to serve (memory squeeze, engine restart...). Retried with
+    jittered backoff until `max_attempts`; then the request fails with `attempts_exhausted`."""
+
+    retryable = True
+
+
+class WorkerFatalError(VigilError):
+    """This worker or its device is broken. Its in-flight requests are requeued elsewhere and the
+    worker exits for its supervisor to restart. Not a verdict on the request."""
+
+
+class TerminalError(VigilError):
+    """Vigil ended the request itself: deadline passed, job deleted, attempts used up. Final."""
+
+
+ERROR_CLASSES: dict[str, type[VigilError]] = {
+    c.__name__: c for c in (RequestError, TransientError, WorkerFatalError, TerminalError)
+}
+
+
+def error_from_record(kind: str, message: str) -> VigilError:
+    """Rebuild the stored error of a finished request (used for duplicate deliveries)."""
+    return ERROR_CLASSES.get(kind, TerminalError)(message)

@@ -1,0 +1,44 @@
+"""Every Redis key Vigil owns, in one place. Celery's own keys (queues `vigil.pool.*`, `unacked*`,
+`celery-task-meta-*`) live beside these in the same database; Vigil's all start with `vigil:`.
+
+| key                         | type | TTL                         | owner / meaning                          |
+| --------------------------- | ---- | --------------------------- | ---------------------------------------- |
+| vigil:req:{request_id}      | hash | none while live; result_ttl | producer creates (PENDING); worker runs  |
+|                             |      | once terminal               | it; first terminal writer wins           |
+| vigil:inflight:{instance}   | set  | none; dropped at unregister | request ids a worker instance is running |
+| vigil:worker:{instance}     | hash | none; dropped at unregister | worker registry entry + engine stats,    |
+|                             |      |                             | refreshed by the heartbeat               |
+| vigil:workers               | zset | none                        | instance id -> last_seen (unix seconds)  |
+| vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
+|                             |      |                             | duplicate_deliveries, stale_deliveries   |
+
+Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
+request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
+started_at, finished_at, result (result JSON), error_kind, error, last_error.
+"""
+from __future__ import annotations
+
+PREFIX = "vigil:"
+WORKERS = PREFIX + "workers"
+STATS = PREFIX + "stats"
+
+PENDING = "PENDING"
+RUNNING = "RUNNING"
+SUCCEEDED = "SUCCEEDED"
+FAILED = "FAILED"
+TERMINAL = (SUCCEEDED, FAILED)
+
+
+def request(request_id: str) -> str:
+    """The request record hash."""
+    return f"{PREFIX}req:{request_id}"
+
+
+def inflight(instance_id: int | str) -> str:
+    """The set of request ids one worker instance is running."""
+    return f"{PREFIX}inflight:{instance_id}"
+
+
+def worker(instance_id: int | str) -> str:
+    """One worker instance's registry entry."""
+    return f"{PREFIX}worker:{instance_id}"

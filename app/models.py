@@ -1,0 +1,121 @@
+"""The model registry: name -> where the weights are, engine args, memory needed.
+
+A pool is a registered model; each pool has one Celery queue (`queue_for`). The registry is
+`BUILTIN_MODELS` plus the entries of the JSON file named by `VIGIL_MODELS_FILE`:
+
+    {"models": [{"name": "llama-8b", "path": "/models/llama-3-8b", "max_model_len": 8192,
+                 "vocab_size": 128256, "memory_gib": 24, "engine_args": {"max_num_seqs": 256}}]}
+
+`max_model_len` and `vocab_size`, when known, let the producer refuse an oversized token prompt
+or an out-of-vocabulary id before publishing; the engine checks again either way.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.errors import INVALID_MODEL_CONFIG, MODEL_NOT_FOUND, RequestError
+from app.settings import VigilSettings, get_settings
+
+QUEUE_PREFIX = "vigil.pool."
+TINY_LLAMA = "tiny-llama"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class ModelSpec(BaseModel):
+    """One registry entry. `builder` names a recipe that builds the weights locally."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=_NAME)
+    path: str | None = None
+    builder: str | None = None
+    max_model_len: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+    memory_gib: float = Field(1.0, gt=0)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def queue(self) -> str:
+        return queue_for(self.name)
+
+
+def queue_for(model: str) -> str:
+    """The Celery queue that carries a pool's requests."""
+    return QUEUE_PREFIX + model
+
+
+def _builtins(settings: VigilSettings) -> list[ModelSpec]:
+    from workers.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
+
+    return [
+        ModelSpec(
+            name=TINY_LLAMA,
+            path=str(settings.cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
+            builder="tiny-llama",
+            max_model_len=MAX_POSITIONS,
+            vocab_size=VOCAB_SIZE,
+            memory_gib=1.0,
+            # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
+            # tiny model nothing.
+            engine_args={"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+                         # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
+                         "dtype": "float32"},
+        )
+    ]
+
+
+class ModelRegistry:
+    """Read-only map of model name -> ModelSpec."""
+
+    def __init__(self, specs: list[ModelSpec]):
+        self._specs = {s.name: s for s in specs}
+
+    def names(self) -> list[str]:
+        """All registered model names, sorted."""
+        return sorted(self._specs)
+
+    def get(self, name: str) -> ModelSpec:
+        """The spec for `name`; RequestError(model_not_found) naming the known models otherwise."""
+        try:
+            return self._specs[name]
+        except (KeyError, TypeError):
+            known = ", ".join(self.names())
+            raise RequestError.of(
+                MODEL_NOT_FOUND, f"no model named {name!r} is registered (known: {known})"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+
+def load_registry(settings: VigilSettings) -> ModelRegistry:
+    """Builtins plus `settings.models_file`; a bad file raises RequestError(invalid_model_config)."""
+    specs = {s.name: s for s in _builtins(settings)}
+    if settings.models_file is not None:
+        try:
+            raw = json.loads(Path(settings.models_file).read_text())
+            for entry in raw.get("models", []):
+                spec = ModelSpec(**entry)
+                specs[spec.name] = spec
+        except (OSError, ValueError, ValidationError, AttributeError) as e:
+            raise RequestError.of(
+                INVALID_MODEL_CONFIG, f"VIGIL_MODELS_FILE={settings.models_file}: {e}"
+            ) from None
+    return ModelRegistry(list(specs.values()))
+
+
+@functools.lru_cache(maxsize=1)
+def get_registry() -> ModelRegistry:
+    """The process-wide registry built from `get_settings()`."""
+    return load_registry(get_settings())
+
+
+def valid_model_name(name: str) -> bool:
+    """True when `name` could be a registry name (used before a lookup to keep errors short)."""
+    return isinstance(name, str) and re.match(_NAME, name) is not None

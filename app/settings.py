@@ -1,0 +1,143 @@
+"""Vigil's one typed settings object, read from `VIGIL_*` environment variables.
+
+Every default is a named constant with the reason it has that value. `load_settings()` turns a
+pydantic ValidationError into a `SettingsError` whose message names the environment variable, so
+a bad deployment fails at start with a line an operator can act on.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from typing import Annotated
+
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "VIGIL_"
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# Three attempts: one transient blip and one retry on another worker still end in a result,
+# while a request that keeps failing does not burn GPU time forever.
+DEFAULT_MAX_ATTEMPTS = 3
+# An hour: long enough for a queue backlog on a small fleet, short enough that nobody waits a day.
+DEFAULT_REQUEST_DEADLINE_S = 3600.0
+# The longest one generation may run on a worker before Vigil gives up on that attempt; the
+# threads pool ignores Celery's time limits, so Vigil enforces this itself.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# A prompt larger than this is refused at submit time: it protects Redis and the wire, not the
+# model (the model's own context limit is checked separately).
+DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
+DEFAULT_MAX_TOKENS_CAP = 32768
+# A warm engine holds GiBs; free it after a minute with nothing to do.
+DEFAULT_IDLE_CLEANUP_S = 60.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+# Terminal records (and Celery results) are kept a day for late pollers and duplicate deliveries.
+DEFAULT_RESULT_TTL_S = 86400
+# Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
+DEFAULT_WORKER_CONCURRENCY = 128
+DEFAULT_RETRY_BACKOFF_S = 2.0
+DEFAULT_RETRY_BACKOFF_MAX_S = 60.0
+# Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
+DEFAULT_REDIS_TIMEOUT_S = 5.0
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vigil"
+
+
+class SettingsError(Exception):
+    """A setting is invalid; the message names the environment variable and what to change."""
+
+
+class VigilSettings(BaseSettings):
+    """All of Vigil's configuration. Field `x` is read from env var `VIGIL_X`."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    redis_url: str = Field(DEFAULT_REDIS_URL, description="Broker, result backend and state.")
+    max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
+    request_deadline: float = Field(DEFAULT_REQUEST_DEADLINE_S, gt=0)
+    request_timeout: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
+    max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, ge=1)
+    max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1)
+    idle_cleanup: float = Field(DEFAULT_IDLE_CLEANUP_S, ge=0, description="0 keeps engines warm forever.")
+    heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0)
+    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=60)
+    worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
+    retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)
+    retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0)
+    redis_timeout: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0)
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
+    pools: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Models a worker loads at start (comma-separated)."
+    )
+    log_level: str = "INFO"
+    # Prompts and outputs are user data: never logged unless an operator asks for it.
+    log_payloads: bool = False
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return v
+
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _split_pools(cls, v):
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _backoff_order(self):
+        if self.retry_backoff_max < self.retry_backoff:
+            raise ValueError("retry_backoff_max must be >= retry_backoff")
+        return self
+
+    @property
+    def visibility_timeout(self) -> int:
+        """Seconds Redis keeps an unacked message before redelivering it.
+
+        Above the longest request plus the largest retry backoff, so a healthy worker's long
+        generation is never delivered twice (FIELD-NOTES.md: a task longer than this runs twice).
+        """
+        return int(self.request_timeout + self.retry_backoff_max + 60)
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = str(e["loc"][0]) if e.get("loc") else "?"
+        var = ENV_PREFIX + field.upper()
+        lines.append(f"{var}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def load_settings(**overrides) -> VigilSettings:
+    """Read and validate settings from the environment (plus explicit overrides).
+
+    Raises SettingsError naming each bad `VIGIL_*` variable.
+    """
+    try:
+        return VigilSettings(**overrides)
+    except ValidationError as err:
+        raise SettingsError(_explain(err)) from None
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> VigilSettings:
+    """The process-wide settings, read once (tests call `get_settings.cache_clear()`)."""
+    return load_settings()

@@ -1,0 +1,202 @@
+"""Vigil's request state in Redis: the record, the in-flight sets, the set-once result.
+
+Every multi-step change is one Lua script, so a crash between steps cannot leave a record half
+updated, and two writers of a result cannot both win.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from app import keys
+from app.errors import REDIS_UNAVAILABLE, TransientError
+from app.settings import VigilSettings
+
+# KEYS[1] record. ARGV: field, value, ... -> 1 created, 0 already there (never overwritten).
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+# KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats.
+# ARGV: request_id, dispatch, worker, instance, now, max_attempts.
+# -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
+#  | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
+_BEGIN = """
+local rec = KEYS[1]
+local st = redis.call('HGET', rec, 'status')
+if not st then return {'missing'} end
+if st == 'SUCCEEDED' or st == 'FAILED' then
+  redis.call('HINCRBY', KEYS[3], 'duplicate_deliveries', 1)
+  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
+  return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
+end
+local current = tonumber(redis.call('HGET', rec, 'dispatch') or '0')
+local dispatch = tonumber(ARGV[2])
+if dispatch < current then
+  redis.call('HINCRBY', KEYS[3], 'stale_deliveries', 1)
+  return {'stale', tostring(current)}
+end
+local deadline = tonumber(redis.call('HGET', rec, 'deadline_at') or '0')
+if deadline > 0 and tonumber(ARGV[5]) > deadline then return {'expired'} end
+local attempts = tonumber(redis.call('HGET', rec, 'attempts') or '0')
+if attempts >= tonumber(ARGV[6]) then
+  return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
+end
+attempts = attempts + 1
+redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
+           'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[1])
+return {'run', tostring(attempts)}
+"""
+
+# KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats.
+# ARGV: request_id, status, result, error_kind, error, now, ttl.
+# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
+_FINISH = """
+local rec = KEYS[1]
+redis.call('SREM', KEYS[2], ARGV[1])
+local st = redis.call('HGET', rec, 'status')
+if st == 'SUCCEEDED' or st == 'FAILED' then
+  redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
+  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
+  return {0, st, f[1] or '', f[2] or '', f[3] or ''}
+end
+redis.call('HSET', rec, 'status', ARGV[2], 'result', ARGV[3], 'error_kind', ARGV[4],
+           'error', ARGV[5], 'finished_at', ARGV[6])
+redis.call('EXPIRE', rec, tonumber(ARGV[7]))
+return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
+"""
+
+# KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error.
+# Hands a RUNNING request back to the queue for a retry; a no-op (0) if it is no longer ours.
+_RELEASE = """
+redis.call('SREM', KEYS[2], ARGV[1])
+if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then return 0 end
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A terminal outcome as stored: status SUCCEEDED with `result`, or FAILED with an error."""
+
+    status: str
+    result: dict[str, Any] | None
+    error_kind: str
+    error: str
+
+    @classmethod
+    def from_reply(cls, status, result, error_kind, error) -> "Outcome":
+        def s(x):
+            return x.decode() if isinstance(x, bytes) else (x or "")
+
+        res = s(result)
+        return cls(s(status), json.loads(res) if res else None, s(error_kind), s(error))
+
+
+@dataclass(frozen=True)
+class Begin:
+    """What a worker should do with a delivery: run / done / stale / expired / exhausted / missing."""
+
+    action: str
+    attempts: int = 0
+    outcome: Outcome | None = None
+    last_error: str = ""
+
+
+def connect(settings: VigilSettings) -> redis.Redis:
+    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast)."""
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout,
+        socket_connect_timeout=settings.redis_timeout,
+        health_check_interval=30,
+        decode_responses=False,
+    )
+
+
+class RequestStore:
+    """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
+    when Redis cannot be reached, never a bare redis exception."""
+
+    def __init__(self, client: redis.Redis, result_ttl: int):
+        self.r = client
+        self.result_ttl = result_ttl
+        self._create = client.register_script(_CREATE)
+        self._begin = client.register_script(_BEGIN)
+        self._finish = client.register_script(_FINISH)
+        self._release = client.register_script(_RELEASE)
+
+    def _call(self, fn, *a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+
+    def create(self, request_id: str, fields: dict[str, Any]) -> bool:
+        """Write a new PENDING record; False (and nothing changed) if the id already exists."""
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
+        return bool(self._call(self._create, keys=[keys.request(request_id)], args=flat))
+
+    def delete(self, request_id: str) -> None:
+        """Remove a record (used to roll back a submit whose publish failed)."""
+        self._call(self.r.delete, keys.request(request_id))
+
+    def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
+              max_attempts: int) -> Begin:
+        """Claim a delivery for this worker: mark RUNNING and count the attempt, or say why not."""
+        reply = self._call(
+            self._begin,
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS],
+            args=[request_id, dispatch, worker, instance, now, max_attempts],
+        )
+        action = reply[0].decode()
+        if action == "done":
+            return Begin("done", outcome=Outcome.from_reply(*reply[1:5]))
+        if action == "run":
+            return Begin("run", attempts=int(reply[1]))
+        if action == "exhausted":
+            return Begin("exhausted", attempts=int(reply[1]), last_error=reply[2].decode())
+        return Begin(action)
+
+    def finish(self, request_id: str, instance: int, now: float, *, result: dict | None = None,
+               error_kind: str = "", error: str = "") -> tuple[bool, Outcome]:
+        """Set the terminal outcome once. Returns (won, stored outcome): a losing writer gets the
+        outcome that was already there and the attempt is counted as a duplicate result."""
+        status = keys.SUCCEEDED if result is not None else keys.FAILED
+        reply = self._call(
+            self._finish,
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS],
+            args=[request_id, status, json.dumps(result) if result is not None else "",
+                  error_kind, error, now, self.result_ttl],
+        )
+        return bool(reply[0]), Outcome.from_reply(*reply[1:5])
+
+    def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str) -> bool:
+        """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped)."""
+        return bool(self._call(
+            self._release,
+            keys=[keys.request(request_id), keys.inflight(instance)],
+            args=[request_id, instance, next_dispatch, last_error],
+        ))
+
+    def get(self, request_id: str) -> dict[str, str] | None:
+        """The record as a str->str dict, or None if there is none."""
+        raw = self._call(self.r.hgetall, keys.request(request_id))
+        if not raw:
+            return None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def stats(self) -> dict[str, int]:
+        """Fleet counters (duplicate_results, duplicate_deliveries, stale_deliveries)."""
+        raw = self._call(self.r.hgetall, keys.STATS)
+        return {k.decode(): int(v) for k, v in raw.items()}

@@ -1,0 +1,1 @@
+"""Thin Celery tasks: validate, call the service in `workers/`, let the classifier decide."""

@@ -1,0 +1,70 @@
+"""The house task base class: name, queue, acks, expiry, retry policy and submit-time validation."""
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+
+from celery import Task
+from kombu.exceptions import OperationalError
+
+from app.errors import REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
+from app.models import get_registry
+from app.settings import get_settings
+from app.store import RequestStore, connect
+from app.submit import admit, effective_deadline, record_fields, wire_kwargs
+
+# A worker refuses a message this long past the request's deadline without running it; the
+# deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
+EXPIRES_GRACE_S = 300.0
+
+
+class VigilTask(Task):
+    """Base for Vigil's tasks. `apply_async` validates before publishing (a bad request raises
+    RequestError in the producer and nothing is enqueued), writes the request record, then
+    publishes to the pool's queue with the request id as the Celery task id."""
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+    max_retries = None  # bounded by Vigil's own attempt count (VIGIL_MAX_ATTEMPTS)
+    # Expected outcomes: logged at INFO without a traceback, not as worker errors.
+    throws = (RequestError, TerminalError, TransientError)
+    _store: RequestStore | None = None
+
+    @property
+    def store(self) -> RequestStore:
+        if self._store is None:
+            s = get_settings()
+            type(self)._store = RequestStore(connect(s), s.result_ttl)
+        return self._store
+
+    def apply_async(self, args=None, kwargs=None, task_id=None, **options):
+        if options.get("retries"):  # Celery's own republish of a retry: the record exists
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if args:
+            raise RequestError("invalid_request: pass the request as keyword arguments, "
+                               "e.g. generate.delay(model=..., prompt=...)")
+        settings = get_settings()
+        req, spec = admit(kwargs or {}, settings, get_registry())
+        request_id = task_id or str(uuid.uuid4())
+        now = time.time()
+        fields = record_fields(req, now, settings.request_deadline)
+        if not self.store.create(request_id, fields):
+            return self.AsyncResult(request_id)  # same id submitted again: one request, one result
+        expires = dt.datetime.fromtimestamp(
+            now + effective_deadline(req, settings.request_deadline) + EXPIRES_GRACE_S,
+            tz=dt.timezone.utc)
+        options.setdefault("queue", spec.queue)
+        try:
+            return super().apply_async(
+                (), wire_kwargs(req), task_id=request_id, expires=expires,
+                # Flower and logs show the model and job, never the prompt (user data).
+                argsrepr="()", kwargsrepr=f"{{model: {req.model!r}, job: {req.job!r}}}",
+                **options)
+        except (OperationalError, OSError) as e:
+            try:
+                self.store.delete(request_id)  # nothing half-written: no record without a message
+            except TransientError:
+                pass
+            raise TransientError.of(REDIS_UNAVAILABLE, f"could not publish the request: {e}") from None

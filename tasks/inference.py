@@ -1,0 +1,27 @@
+"""`vigil.generate`: the producer contract (DESIGN.md section 1).
+
+    from tasks.inference import generate
+    r = generate.delay(model="tiny-llama", prompt="Hello", max_tokens=32, job="eval-7")
+    r.get(timeout=120)  # {"request_id", "model", "text", "token_ids", "finish_reason", ...}
+"""
+from __future__ import annotations
+
+from celery.exceptions import Ignore
+
+from app import app
+from tasks.base import VigilTask
+from workers import lifecycle  # noqa: F401  (connects the worker start-up/shutdown hooks)
+from workers.runtime import get_runtime
+from workers.service import RetryLater, StaleDelivery, serve
+
+
+@app.task(base=VigilTask, bind=True, name="vigil.generate")
+def generate(self, **kwargs) -> dict:
+    """Generate text for one request; returns the stored result dict (see GenerateResult)."""
+    rt = get_runtime(self.request.hostname or "")
+    try:
+        return serve(rt, self.request.id, self.request.retries or 0, kwargs)
+    except RetryLater as r:
+        raise self.retry(exc=r.error, countdown=r.countdown, max_retries=None)
+    except StaleDelivery:
+        raise Ignore()

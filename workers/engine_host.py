@@ -1,0 +1,242 @@
+"""The engine host: one per worker process, holding one warm engine keyed by model.
+
+Task threads call `generate()`, which hands the request to the host's own asyncio loop thread and
+blocks on the answer; the engine sees every request in flight at once and batches them
+continuously. The engine is built on that loop (lazily, or by `preload`), never at import.
+
+Rules kept here:
+- one model at a time: a request for another model stops new admissions for the current one,
+  waits for its in-flight requests to drain, evicts it and loads the new one;
+- a dead engine is rebuilt by the next request once its in-flight requests have failed;
+- a failed load is shared: every request that was waiting for it fails with that error, instead
+  of each one retrying an 18 s engine start in turn;
+- an engine idle for `idle_cleanup` seconds is shut down (0 keeps it forever).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Callable
+
+from app.errors import VigilError
+from app.models import ModelSpec
+from app.schemas import GenerateRequest
+from workers.classify import classify
+from workers.engines import EngineOutput
+
+log = logging.getLogger("vigil.engine")
+
+EngineFactory = Callable[[ModelSpec], object]
+
+
+class EngineHost:
+    """Owns the loop thread and the warm engine. Thread-safe entry points: generate, preload,
+    snapshot, shutdown."""
+
+    def __init__(self, factory: EngineFactory, *, idle_cleanup: float,
+                 on_change: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0):
+        self._factory = factory
+        self._idle_cleanup = idle_cleanup
+        self._on_change = on_change or (lambda: None)
+        self._clock = clock
+        self._shutdown_timeout = shutdown_timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._cond: asyncio.Condition | None = None
+        self._engine = None
+        self._model: str | None = None
+        self._switch_to: str | None = None
+        self._last_failure: tuple[str, float, VigilError] | None = None
+        self._state = "empty"
+        self._inflight = 0
+        self._last_used = clock()
+        self.loads = 0
+        self.evictions = 0
+        self.peak_in_flight = 0
+        self.served = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "EngineHost":
+        """Start the loop thread (cheap; no engine is built here)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run_loop, name="vigil-engine-loop",
+                                            daemon=True)
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._init(), self._loop).result(10)
+        return self
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _init(self) -> None:
+        self._cond = asyncio.Condition()
+        if self._idle_cleanup > 0:
+            self._loop.create_task(self._idle_reaper())
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Shut the engine down (its processes exit) and stop the loop thread. Idempotent."""
+        if self._thread is None:
+            return
+        timeout = self._shutdown_timeout if timeout is None else timeout
+        try:
+            asyncio.run_coroutine_threadsafe(self._evict_now("shutdown"), self._loop).result(
+                timeout + 5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            log.warning("engine shutdown did not finish cleanly: %s", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._thread = None
+
+    # -- entry points for task threads ----------------------------------------------------------
+    def generate(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
+                 timeout: float) -> EngineOutput:
+        """Run one request to completion in the warm engine (loading it if needed).
+
+        Raises a classified VigilError; on timeout the request is aborted in the engine and
+        TransientError(wedged) is raised.
+        """
+        arrived = self._clock()
+        fut = asyncio.run_coroutine_threadsafe(
+            self._generate(req, spec, engine_request_id, arrived), self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            fut.cancel()  # CancelledError inside the engine's generate aborts the request there
+            raise classify(e) from None
+        except VigilError as e:
+            # A fresh exception: vLLM hands one shared error object to every request, and
+            # re-raising it from many threads grows one traceback without bound.
+            raise type(e)(str(e)) from None
+
+    def preload(self, spec: ModelSpec, timeout: float) -> None:
+        """Load `spec`'s engine now (worker start for configured pools)."""
+        async def _load():
+            await self._acquire(spec, self._clock())
+            await self._release()
+
+        asyncio.run_coroutine_threadsafe(_load(), self._loop).result(timeout)
+
+    def snapshot(self) -> dict:
+        """A consistent-enough view for the heartbeat: model, state, counters."""
+        return {
+            "model": self._model or "",
+            "engine_state": self._state,
+            "in_flight": self._inflight,
+            "peak_in_flight": self.peak_in_flight,
+            "engine_loads": self.loads,
+            "engine_evictions": self.evictions,
+            "served": self.served,
+        }
+
+    def child_pids(self) -> list[tuple[int, float]]:
+        """Processes of the current engine, for the orphan guard."""
+        eng = self._engine
+        return eng.child_pids() if eng is not None else []
+
+    # -- on the loop ------------------------------------------------------------------------
+    async def _generate(self, req, spec, engine_request_id, arrived) -> EngineOutput:
+        engine = await self._acquire(spec, arrived)
+        try:
+            out = await engine.run(req, engine_request_id)
+            self.served += 1
+            return out
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # classified once, here, at the engine boundary
+            raise classify(e) from e
+        finally:
+            await self._release()
+
+    def _usable(self, spec: ModelSpec) -> bool:
+        eng = self._engine
+        return (eng is not None and not eng.dead and self._model == spec.name
+                and self._switch_to in (None, spec.name))
+
+    async def _acquire(self, spec: ModelSpec, arrived: float):
+        async with self._cond:
+            while True:
+                if self._usable(spec):
+                    self._switch_to = None
+                    self._inflight += 1
+                    if self._inflight > self.peak_in_flight:
+                        self.peak_in_flight = self._inflight
+                        self._on_change()
+                    return self._engine
+                failure = self._last_failure
+                if failure and failure[0] == spec.name and failure[1] >= arrived:
+                    raise type(failure[2])(str(failure[2]))
+                if self._inflight > 0:
+                    # Drain the current engine (other model, or dead) before replacing it.
+                    if self._switch_to is None:
+                        self._switch_to = spec.name
+                    self._state = "draining"
+                    await self._cond.wait()
+                    continue
+                self._load(spec)
+                self._cond.notify_all()
+
+    def _load(self, spec: ModelSpec) -> None:
+        # Synchronous on the loop thread: nothing else interleaves with a build, so two loads
+        # can never race, and AsyncLLM binds its output handler to this loop.
+        self._shutdown_engine("model change" if self._engine is not None else "")
+        self._state = "loading"
+        self._switch_to = None
+        started = time.monotonic()
+        log.info("loading engine for model %s", spec.name)
+        try:
+            self._engine = self._factory(spec)
+        except BaseException as e:
+            err = classify(e)
+            self._last_failure = (spec.name, self._clock(), err)
+            self._state = "failed"
+            log.error("engine for %s failed to load: %s", spec.name, err)
+            self._on_change()
+            raise err from e
+        self._model = spec.name
+        self._last_failure = None
+        self._state = "ready"
+        self.loads += 1
+        self._last_used = self._clock()
+        log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
+                 time.monotonic() - started, self.loads)
+        self._on_change()
+
+    async def _release(self) -> None:
+        async with self._cond:
+            self._inflight -= 1
+            self._last_used = self._clock()
+            if self._inflight == 0:
+                self._cond.notify_all()
+
+    def _shutdown_engine(self, reason: str) -> None:
+        eng, self._engine = self._engine, None
+        if eng is None:
+            return
+        if reason:
+            self.evictions += 1
+            log.info("evicting engine for %s (%s)", self._model, reason)
+        self._model = None
+        self._state = "empty"
+        try:
+            eng.shutdown(self._shutdown_timeout)
+        except Exception as e:  # a dead engine may fail to shut down; its processes are gone
+            log.warning("engine shutdown raised %s: %s", type(e).__name__, e)
+        self._on_change()
+
+    async def _evict_now(self, reason: str) -> None:
+        async with self._cond:
+            self._shutdown_engine(reason)
+
+    async def _idle_reaper(self) -> None:
+        period = max(0.05, min(self._idle_cleanup / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            async with self._cond:
+                idle = self._clock() - self._last_used
+                if self._engine is not None and self._inflight == 0 and idle >= self._idle_cleanup:
+                    self._shutdown_engine(f"idle {idle:.0f} s")

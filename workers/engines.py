@@ -1,0 +1,136 @@
+"""Engines the engine host can run: the real vLLM AsyncLLM, and an instant engine for benchmarks.
+
+Both expose the same small surface: `await run(request, request_id) -> EngineOutput`,
+`shutdown(timeout)`, `dead`, `child_pids()`. The host knows nothing else about them.
+
+`InstantEngine` answers at once without a model. It exists to measure Vigil's own per-request
+overhead (bench/throughput.py) and for unit tests; it is never a default and workers log loudly
+when they run it (`VIGIL_ENGINE=instant`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from app.models import ModelSpec
+from app.schemas import GenerateRequest
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """The engine's answer to one request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+
+
+def engine_env_defaults() -> None:
+    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
+
+    Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def ensure_model_files(spec: ModelSpec) -> str:
+    """The local path of the model's weights, building a locally-built model on first use."""
+    if spec.builder == "tiny-llama":
+        from workers.tiny_model import build_tiny_llama, is_built
+
+        if not is_built(spec.path):
+            build_tiny_llama(spec.path)
+    return spec.path or spec.name
+
+
+class VllmEngine:
+    """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
+
+    def __init__(self, spec: ModelSpec):
+        engine_env_defaults()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = {"disable_log_stats": True, **spec.engine_args}
+        self.spec = spec
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
+        self.max_model_len = self._llm.vllm_config.model_config.max_model_len
+        self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+
+    @property
+    def dead(self) -> bool:
+        return bool(self._llm.errored)
+
+    def _sampling(self, req: GenerateRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step;
+        # the front end shares two cores with Celery and Redis (FIELD-NOTES.md).
+        return SamplingParams(
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
+        """Generate to completion; engine exceptions propagate unclassified."""
+        prompt = ({"prompt": req.prompt} if req.prompt is not None
+                  else {"prompt_token_ids": list(req.prompt_token_ids)})
+        final = None
+        async for out in self._llm.generate(prompt, self._sampling(req), request_id=request_id):
+            final = out
+        comp = final.outputs[0]
+        return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
+                            len(final.prompt_token_ids or ()))
+
+    def child_pids(self) -> list[tuple[int, float]]:
+        """(pid, create_time) of every process this engine started (EngineCore, workers)."""
+        return descendants()
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the engine and its processes; safe to call twice."""
+        self._llm.shutdown(timeout=timeout)
+
+
+class InstantEngine:
+    """Answers every request at once with the prompt echoed back: overhead benchmarks only."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.max_model_len = spec.max_model_len or 1 << 30
+        self.max_num_seqs = 1 << 30
+        self.dead = False
+
+    async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
+        ids = list(req.prompt_token_ids or range(len((req.prompt or "").split())))
+        n = min(req.max_tokens, 4)
+        return EngineOutput(" instant" * n, [1] * n, "length", len(ids))
+
+    def child_pids(self) -> list[tuple[int, float]]:
+        return []
+
+    def shutdown(self, timeout: float) -> None:
+        self.dead = True
+
+
+def descendants() -> list[tuple[int, float]]:
+    """(pid, create_time) of every live descendant of this process."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.append((p.pid, p.create_time()))
+        except psutil.Error:
+            continue
+    return out
+
+
+ENGINES = {"vllm": VllmEngine, "instant": InstantEngine}

@@ -1,0 +1,90 @@
+"""The worker's registry entry and heartbeat in Redis (`vigil:worker:{instance}`, `vigil:workers`).
+
+A background thread writes the entry every `heartbeat_interval`, and sooner when poked (engine
+loaded, a new in-flight peak) so operators and tests see engine changes within ~0.2 s. The entry
+is removed on a clean stop; a dead worker's entry stays for the reaper (DESIGN.md section 5).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import redis
+
+from app import keys
+
+log = logging.getLogger("vigil.heartbeat")
+MIN_GAP_S = 0.2
+
+
+class Heartbeat:
+    """Publishes `fields()` for one worker instance until stopped."""
+
+    def __init__(self, client: redis.Redis, instance_id: int, name: str, interval: float,
+                 fields: Callable[[], dict], clock: Callable[[], float] = time.time):
+        self.r = client
+        self.instance_id = instance_id
+        self.name = name
+        self.interval = interval
+        self._fields = fields
+        self._clock = clock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started_at = clock()
+
+    def start(self) -> "Heartbeat":
+        """Write the entry once (synchronously: the worker is registered before it consumes)."""
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="vigil-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        """Ask for an early write (coalesced)."""
+        self._wake.set()
+
+    def beat(self) -> None:
+        """Write the entry now."""
+        now = self._clock()
+        entry = {
+            "name": self.name, "instance_id": self.instance_id, "host": socket.gethostname(),
+            "pid": os.getpid(), "started_at": self.started_at, "last_seen": now,
+            "has_pinged": 1, **self._fields(),
+        }
+        entry = {k: ("" if v is None else v) for k, v in entry.items()}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.worker(self.instance_id), mapping=entry)
+        pipe.zadd(keys.WORKERS, {str(self.instance_id): now})
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.beat()
+            except redis.RedisError as e:  # Redis blips must not kill the heartbeat
+                log.warning("heartbeat failed: %s", e)
+            self._stop.wait(MIN_GAP_S)
+
+    def stop(self, unregister: bool = True) -> None:
+        """Stop beating; on a clean stop remove the entry (in-flight set included)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if unregister:
+            try:
+                pipe = self.r.pipeline(transaction=True)
+                pipe.delete(keys.worker(self.instance_id), keys.inflight(self.instance_id))
+                pipe.zrem(keys.WORKERS, str(self.instance_id))
+                pipe.execute()
+            except redis.RedisError as e:
+                log.warning("could not unregister worker %s: %s", self.name, e)

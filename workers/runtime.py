@@ -1,0 +1,117 @@
+"""The worker process's runtime: built in Celery's start-up hook, torn down at shutdown.
+
+One `WorkerRuntime` per worker process holds the settings, the Redis state, the model registry,
+the engine host, the heartbeat and the orphan guard. Nothing here runs at import: producers
+import `tasks.inference` (and so this module) without starting anything.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+from app.models import ModelRegistry, get_registry
+from app.settings import VigilSettings, get_settings
+from app.store import RequestStore, connect
+from workers.engine_host import EngineHost
+from workers.engines import ENGINES, engine_env_defaults
+from workers.heartbeat import Heartbeat
+from workers.orphan_guard import OrphanGuard
+
+log = logging.getLogger("vigil.worker")
+
+_runtime: "WorkerRuntime | None" = None
+_lock = threading.Lock()
+
+
+def new_instance_id() -> int:
+    """A worker instance id: 63 random bits, never the PID (PIDs recur across restarts)."""
+    return uuid.uuid4().int & (2**63 - 1)
+
+
+class WorkerRuntime:
+    """Everything a worker process needs to serve requests."""
+
+    def __init__(self, settings: VigilSettings, name: str, registry: ModelRegistry | None = None,
+                 engine: str | None = None, guard: bool = True):
+        self.settings = settings
+        self.name = name
+        self.instance_id = new_instance_id()
+        self.registry = registry or get_registry()
+        self.client = connect(settings)
+        self.store = RequestStore(self.client, settings.result_ttl)
+        engine = engine or os.environ.get("VIGIL_ENGINE", "vllm")
+        if engine not in ENGINES:
+            raise ValueError(f"VIGIL_ENGINE must be one of {sorted(ENGINES)}, got {engine!r}")
+        if engine != "vllm":
+            log.warning("VIGIL_ENGINE=%s: this worker answers without a model (benchmarks only)",
+                        engine)
+        engine_env_defaults()
+        self.engine_kind = engine
+        self.guard = OrphanGuard() if guard else None
+        self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
+                               on_change=self._engine_changed)
+        self.heartbeat = Heartbeat(self.client, self.instance_id, name,
+                                   settings.heartbeat_interval, self._heartbeat_fields)
+
+    def _heartbeat_fields(self) -> dict:
+        return {**self.host.snapshot(), "pools": ",".join(self.registry.names()),
+                "engine_kind": self.engine_kind,
+                # None on the CPU: there is no device memory to report (DESIGN.md section 5)
+                "device_free_bytes": None, "device_total_bytes": None}
+
+    def _engine_changed(self) -> None:
+        if self.guard is not None:
+            self.guard.report(self.host.child_pids())
+        self.heartbeat.poke()
+
+    def start(self) -> "WorkerRuntime":
+        """Register (heartbeat), start the engine loop thread. No engine is built here."""
+        log.info("worker %s instance %d starting (engine=%s)", self.name, self.instance_id,
+                 self.engine_kind)
+        self.host.start()
+        self.heartbeat.start()
+        return self
+
+    def preload(self, models: list[str]) -> None:
+        """Build the engines of configured pools before the first request (worker start)."""
+        for name in models:
+            started = time.monotonic()
+            self.host.preload(self.registry.get(name), timeout=self.settings.request_timeout)
+            log.info("preloaded %s in %.1f s", name, time.monotonic() - started)
+
+    def stop(self) -> None:
+        """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""
+        self.heartbeat.stop(unregister=True)
+        self.host.shutdown()
+        if self.guard is not None:
+            self.guard.close()
+
+
+def install(rt: WorkerRuntime) -> WorkerRuntime:
+    """Make `rt` this process's runtime."""
+    global _runtime
+    with _lock:
+        _runtime = rt
+    return rt
+
+
+def get_runtime(name: str = "") -> WorkerRuntime:
+    """This process's runtime; built and started on first use if no start-up hook built it
+    (e.g. an in-process test worker)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = WorkerRuntime(get_settings(), name or f"local@{os.uname().nodename}").start()
+        return _runtime
+
+
+def uninstall() -> None:
+    """Stop and forget this process's runtime (worker shutdown)."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.stop()

@@ -1,0 +1,106 @@
+"""Serving one delivery of `vigil.generate`: the worker-side life of a request (DESIGN.md section 3).
+
+Celery-free so it is testable without a broker: the task passes in the delivery's id and
+dispatch number, and gets back the stored result, a VigilError to raise, or a `RetryLater`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from app.errors import (
+    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, RequestError, TerminalError, TransientError,
+    VigilError, WorkerFatalError, error_from_record,
+)
+from app.schemas import parse_request
+from app.store import Outcome
+from app.submit import record_fields
+from workers.runtime import WorkerRuntime
+
+log = logging.getLogger("vigil.service")
+
+
+class RetryLater(Exception):
+    """This attempt failed transiently; publish the request again after `countdown` seconds."""
+
+    def __init__(self, error: VigilError, countdown: float):
+        super().__init__(str(error))
+        self.error = error
+        self.countdown = countdown
+
+
+class StaleDelivery(Exception):
+    """A superseded copy of a request (an older dispatch); drop it without running."""
+
+
+def backoff(attempt: int, base: float, cap: float, rng: random.Random = random) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**(attempt-1))]."""
+    return rng.uniform(0, min(cap, base * (2 ** max(0, attempt - 1))))
+
+
+def _outcome(o: Outcome) -> dict:
+    if o.status == "SUCCEEDED" and o.result is not None:
+        return o.result
+    raise error_from_record(o.error_kind, o.error)
+
+
+def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> dict:
+    """Serve one delivery; returns the stored result dict or raises the stored VigilError.
+
+    Exactly-once: a terminal record is returned as stored (duplicate delivery), an older dispatch
+    is dropped (StaleDelivery), and the first result written wins.
+    """
+    now = time.time()
+    s = rt.settings
+    try:
+        req = parse_request(kwargs)
+        spec = rt.registry.get(req.model)
+    except RequestError as e:
+        return _fail(rt, request_id, e)
+    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
+    if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
+        rt.store.create(request_id, record_fields(req, now, s.request_deadline))
+        b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
+    if b.action == "done":
+        return _outcome(b.outcome)
+    if b.action == "stale":
+        raise StaleDelivery(request_id)
+    if b.action == "expired":
+        return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
+                                                      "passed before a worker could run it"))
+    if b.action == "exhausted":
+        return _fail(rt, request_id, TerminalError.of(
+            ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {b.last_error}"))
+    if b.action != "run":
+        raise TransientError.of("worker_lost", f"unexpected record state {b.action!r}")
+
+    try:
+        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout)
+    except (TransientError, WorkerFatalError) as e:  # the fleet's or the worker's fault: retry
+        if b.attempts >= s.max_attempts:
+            return _fail(rt, request_id, TerminalError.of(
+                ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {e}"))
+        if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
+            log.info("request %s attempt %d: %s; retrying", request_id, b.attempts, e)
+            raise RetryLater(e, backoff(b.attempts, s.retry_backoff, s.retry_backoff_max)) from None
+        raise StaleDelivery(request_id) from None  # someone else owns it now
+    except VigilError as e:
+        return _fail(rt, request_id, e)
+    result = {
+        "request_id": request_id, "model": req.model, "text": out.text,
+        "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
+        "attempts": b.attempts, "worker": rt.name,
+    }
+    won, stored = rt.store.finish(request_id, rt.instance_id, time.time(), result=result)
+    if not won:
+        log.warning("request %s already had a result; this attempt's result was dropped",
+                    request_id)
+    return _outcome(stored)
+
+
+def _fail(rt: WorkerRuntime, request_id: str, err: VigilError) -> dict:
+    won, stored = rt.store.finish(request_id, rt.instance_id, time.time(),
+                                  error_kind=type(err).__name__, error=str(err))
+    return _outcome(stored)

@@ -1,0 +1,116 @@
+"""Build `tiny-llama`: a Llama-architecture model with random weights and a locally trained tokenizer.
+
+No download happens: the tokenizer is a byte-level BPE trained on generated text, the weights are
+random with a fixed seed, so two builds of the same version produce the same files. The shape
+follows FIELD-NOTES.md (head_dim 32: vLLM's CPU attention refuses smaller heads at the first step).
+Needs the `cpu` or `gpu` extra (torch + transformers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
+VOCAB_SIZE = 2048
+MAX_POSITIONS = 512
+_MARKER = "vigil-tiny.json"
+_WORDS = (
+    "the a an one two three red blue green small large quick slow cat dog bird fish tree river "
+    "mountain city house road car train ship sun moon star cloud rain snow wind fire water stone "
+    "gold silver book page word letter song voice light dark day night morning evening year time "
+    "runs jumps sings reads writes sees hears finds makes takes gives builds opens closes carries "
+    "and or but with without under over near far into from to of in on at by for is was are were "
+    "hello world model prompt token answer question story list number table chair window door "
+    "Alice Bob Carol Dave Eve Paris London Tokyo river-bank half-past forty-two 1 2 3 10 42 100"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(4, 24)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        out.append(" ".join(words) + rng.choice([".", "!", "?", ",", ":"]))
+    return out
+
+
+def is_built(path: str | os.PathLike) -> bool:
+    """True when `path` holds a complete tiny-llama of the current recipe version."""
+    marker = Path(path) / _MARKER
+    try:
+        return json.loads(marker.read_text()).get("version") == TINY_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_llama(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Build tiny-llama into `path` (created; replaced atomically if it exists) and return it.
+
+    The directory is written under a temporary name and renamed into place, so a crash mid-build
+    never leaves a half-written model that a worker would try to load.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    dest = Path(path).resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
+    tmp.chmod(0o755)
+    try:
+        special = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE,
+            special_tokens=special,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(seed), trainer=trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="<pad>",
+            model_max_length=MAX_POSITIONS,
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(tmp)
+
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=MAX_POSITIONS,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / _MARKER).write_text(json.dumps({"version": TINY_VERSION, "seed": seed}))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
