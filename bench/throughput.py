@@ -1,0 +1,476 @@
+"""Throughput of Vigil (Celery + Redis + one warm AsyncLLM) against vLLM's AsyncLLM fed directly.
+
+    python -m bench.throughput                 # full run: overhead, then 3 + 3 rounds (minutes)
+    python -m bench.throughput --requests 128 --rounds 1 --skip-overhead   # quick look
+
+Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
+
+Part 2 (printed first, it runs first): per-request cost of `vigil.generate` on a worker with the
+instant engine (VIGIL_ENGINE=instant: no model) against a bare Celery no-op task
+(bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians.
+
+Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` tokens each
+(ignore_eos, so every request is the same length), through `generate.delay` and one
+`vigil worker --cpu`, against the same prompts given all at once (asyncio.gather) to an AsyncLLM
+in a long-lived subprocess with the same engine args. Rounds alternate celery/direct; both
+engines stay warm and the idle one costs nothing. Each round is timed from the first submit to
+the last result. The last line printed is `ratio R`: median celery req/s / median direct req/s.
+
+Each measured segment also reports the CPU used by each process (psutil), as % of one core over
+the segment's wall time: on a 2-core machine that is where the ratio is won or lost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = "tiny-llama"
+# Words the tiny model's tokenizer was trained on (workers/tiny_model.py): ~1 token per word.
+WORDS = ("the a one two red blue green small large quick slow cat dog bird fish tree river "
+         "mountain city house road car train ship sun moon star cloud rain snow wind fire water "
+         "stone gold book page word song voice light dark day night morning evening year time "
+         "runs jumps sings reads writes sees finds makes takes gives builds opens carries and or "
+         "but with under over near far into from to of in on at by for is was Alice Bob Paris").split()
+GET_TIMEOUT_S = 900.0
+
+
+# -- shared by both sides -----------------------------------------------------------------------
+def make_prompts(n: int, round_no: int, words: int = 10) -> list[str]:
+    """`n` different ~`words`-word prompts, the same for a given round on both sides."""
+    rng = random.Random(7919 * (round_no + 1))
+    return [f"Request {round_no}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words - 2))
+            for i in range(n)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the direct engine (runs in its own process: `--direct-server`) ----------------------------
+def direct_server() -> int:
+    """Build one AsyncLLM like workers/engines.py does, then run rounds on command.
+
+    Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens"} ->
+    {"elapsed", "tokens", "n"}; "quit" or EOF shuts the engine down. vLLM's own output goes to
+    stderr (fd 1 is pointed at fd 2 before vLLM is imported; its children inherit that).
+    """
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import asyncio
+
+    from workers.engines import engine_env_defaults
+
+    engine_env_defaults()
+    from app.models import get_registry
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    spec = get_registry().get(MODEL)
+
+    async def serve() -> None:
+        args = {"disable_log_stats": True, **spec.engine_args}
+        started = time.monotonic()
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=spec.path, **args))
+        proto.write(json.dumps({
+            "ready": round(time.monotonic() - started, 1),
+            "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs}) + "\n")
+        loop = asyncio.get_running_loop()
+
+        async def one(rid: str, prompt: str, max_tokens: int) -> int:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None,
+                                stop=None, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+            final = None
+            async for out in llm.generate({"prompt": prompt}, sp, request_id=rid):
+                final = out
+            return len(final.outputs[0].token_ids)
+
+        try:
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line or line.strip() == "quit":
+                    break
+                cmd = json.loads(line)
+                prompts = make_prompts(cmd["n"], cmd["round"])
+                t0 = time.perf_counter()
+                counts = await asyncio.gather(*(
+                    one(f"d{cmd['round']}-{i}", p, cmd["max_tokens"]) for i, p in enumerate(prompts)))
+                elapsed = time.perf_counter() - t0
+                proto.write(json.dumps({"elapsed": elapsed, "tokens": sum(counts),
+                                        "n": len(counts)}) + "\n")
+        finally:
+            llm.shutdown(timeout=30)
+
+    asyncio.run(serve())
+    return 0
+
+
+class DirectEngine:
+    """Parent side of `direct_server`: a subprocess in its own process group."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, cwd: str):
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.throughput", "--direct-server"], env=env, cwd=cwd,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            start_new_session=True)
+        self.log_path = log_path
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line:
+                    return json.loads(line)
+            if self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"direct engine gave no answer (exit {self.proc.poll()}); "
+                           f"see {self.log_path}:\n{_tail(self.log_path)}")
+
+    def wait_ready(self, timeout: float = 300) -> dict:
+        return self._reply(timeout)
+
+    def run_round(self, round_no: int, n: int, max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"round": round_no, "n": n,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(GET_TIMEOUT_S)
+
+    def close(self, stop_process) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=40)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        stop_process(self.proc)
+        self._log.close()
+
+
+# -- CPU accounting ---------------------------------------------------------------------------
+class CpuMeter:
+    """CPU seconds used by labelled process trees over a segment, as % of one core."""
+
+    def __init__(self):
+        self.roots: dict[str, int] = {}
+
+    def add(self, label: str, pid: int) -> None:
+        self.roots[label] = pid
+
+    def remove(self, label: str) -> None:
+        self.roots.pop(label, None)
+
+    def snapshot(self) -> dict[int, tuple[str, float]]:
+        import psutil
+
+        out = {}
+        for label, pid in self.roots.items():
+            try:
+                root = psutil.Process(pid)
+                procs = [(label, root)] + [(f"{label}/{_pname(c)}", c)
+                                           for c in root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for name, p in procs:
+                try:
+                    t = p.cpu_times()
+                    out[p.pid] = (name, t.user + t.system)
+                except psutil.Error:
+                    continue
+        return out
+
+    @staticmethod
+    def diff(before, after, wall: float) -> dict[str, float]:
+        """label -> % of one core over `wall` seconds (children of one kind summed)."""
+        agg: dict[str, float] = {}
+        for pid, (name, cpu) in after.items():
+            used = cpu - before.get(pid, (name, 0.0))[1]
+            agg[name] = agg.get(name, 0.0) + used
+        return {k: 100.0 * v / wall for k, v in sorted(agg.items()) if 100.0 * v / wall >= 0.5}
+
+
+def _pname(p) -> str:
+    try:
+        name = p.name()
+        if name.startswith("python"):
+            cmd = p.cmdline()
+            name = next((c for c in cmd[1:] if not c.startswith("-")), name).split(".")[-1]
+        return name
+    except Exception:
+        return "?"
+
+
+def _fmt_cpu(cpu: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.0f}" for k, v in cpu.items())
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- the orchestrator -------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=512, help="requests per round (part 1)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per side, alternating (part 1)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (part 1)")
+    p.add_argument("--concurrency", type=int, default=160,
+                   help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
+    p.add_argument("--overhead-requests", type=int, default=2000, help="requests per side (part 2)")
+    p.add_argument("--overhead-rounds", type=int, default=2, help="rounds per side (part 2)")
+    p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
+    p.add_argument("--skip-throughput", action="store_true", help="skip part 1")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
+    p.add_argument("--direct-server", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="vigil-bench-"))
+        self.cache = os.environ.get("VIGIL_CACHE_DIR") or str(self.tmp / "cache")
+        port = _free_port()
+        # Before anything imports `app`: the Celery app and settings are built at import.
+        os.environ["VIGIL_CACHE_DIR"] = self.cache
+        os.environ["VIGIL_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        from app import embedded
+
+        self.emb = embedded
+        self.redis = embedded.EmbeddedRedis(port=port)
+        self.procs: list = []
+        self.cpu = CpuMeter()
+        self.cpu.add("bench", os.getpid())
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def start_worker(self, name: str, **env: str):
+        log = self.tmp / f"{name}.log"
+        proc = self.emb.start_worker(self.redis.url, f"{name}@%h", log,
+                                     concurrency=self.args.concurrency, pools=MODEL,
+                                     VIGIL_IDLE_CLEANUP="0", **env)
+        self.procs.append(proc)
+        return proc, log
+
+    def wait_engine(self, r, name: str, proc, log: Path, timeout: float = 300) -> bytes:
+        """The worker's registry key once its engine is loaded (`engine_loads` >= 1)."""
+        def ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited ({proc.returncode}):\n{_tail(log)}")
+            for key in r.scan_iter("vigil:worker:*"):
+                h = r.hgetall(key)
+                if (h.get(b"name", b"").decode().startswith(name + "@")
+                        and int(h.get(b"engine_loads", 0) or 0) >= 1
+                        and h.get(b"engine_state") == b"ready"):
+                    return key
+            return None
+        return self.emb.wait_for(ready, timeout, interval=0.2, what=f"{name}'s engine")
+
+    def measure(self, fn):
+        before = self.cpu.snapshot()
+        t0 = time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - t0
+        return wall, out, CpuMeter.diff(before, self.cpu.snapshot(), wall)
+
+    # -- part 2 -----------------------------------------------------------------------------
+    def overhead(self) -> dict:
+        from bench.noop_app import PROFILES, make_app
+        from tasks.inference import generate
+
+        a = self.args
+        n = a.overhead_requests
+        inst, inst_log = self.start_worker("bench-instant", VIGIL_ENGINE="instant")
+        noops = {}
+        for profile, queue in PROFILES.items():
+            log = self.tmp / f"noop-{profile}.log"
+            argv = [sys.executable, "-m", "celery", "-A", "bench.noop_app", "worker",
+                    "-P", "threads", "-c", str(a.concurrency), "--prefetch-multiplier", "1",
+                    "-Q", queue, "-n", f"bench-noop-{profile}@%h"]
+            if profile == "vigil-conf":
+                argv += ["-E", "-l", "INFO"]  # exactly the flags `vigil worker` passes
+            proc = self.emb.start_process(
+                argv, self.emb.vigil_env(self.redis.url, BENCH_NOOP_PROFILE=profile), log)
+            self.procs.append(proc)
+            noops[profile] = (proc, make_app(profile, self.redis.url).tasks["bench.noop"])
+        try:
+            self.wait_engine(self.redis.client(), "bench-instant", inst, inst_log)
+            sides = {"vigil": lambda i: generate.delay(model=MODEL, prompt=f"hello there {i}",
+                                                       max_tokens=1)}
+            for profile, (proc, task) in noops.items():
+                sides[f"noop-{profile}"] = (lambda t: lambda i: t.delay(i))(task)
+            for side, submit in sides.items():  # warm: connections, threads, imports
+                for r in [submit(i) for i in range(200)]:
+                    r.get(timeout=120)
+            pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
+            times: dict[str, list[float]] = {s: [] for s in sides}
+            cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
+            for k in range(a.overhead_rounds):
+                for side, submit in sides.items():
+                    self.cpu.add("worker", pids[side])
+                    self.cpu.add("redis", self.redis.proc.pid)
+
+                    def go():
+                        rs = [submit(i) for i in range(n)]
+                        for r in rs:
+                            r.get(timeout=GET_TIMEOUT_S)
+
+                    wall, _, cpu = self.measure(go)
+                    self.cpu.remove("worker")
+                    per_us = 1e6 * wall / n
+                    wcpu = sum(v for key, v in cpu.items() if key.startswith("worker")) * wall / 100
+                    times[side].append(per_us)
+                    cpu_ms[side].append(1e3 * wcpu / n)
+                    self.say(f"overhead round {k + 1} {side:16s}: {n} req in {wall:6.2f} s = "
+                             f"{n / wall:7.1f} req/s, {per_us:7.0f} us/req, worker CPU "
+                             f"{1e3 * wcpu / n:.2f} ms/req | cpu% {_fmt_cpu(cpu)}")
+            med = {s: statistics.median(v) for s, v in times.items()}
+            med_cpu = {s: statistics.median(v) for s, v in cpu_ms.items()}
+            return {"median_us": med, "median_worker_cpu_ms": med_cpu}
+        finally:
+            self.emb.stop_process(inst)
+            for proc, _ in noops.values():
+                self.emb.stop_process(proc)
+
+    # -- part 1 -----------------------------------------------------------------------------
+    def throughput(self) -> dict:
+        from tasks.inference import generate
+
+        a = self.args
+        worker, wlog = self.start_worker("bench-cpu")
+        direct = DirectEngine(self.emb.vigil_env(self.redis.url), self.tmp / "direct.log",
+                              str(self.emb.REPO))
+        self.procs.append(direct.proc)
+        r = self.redis.client()
+        try:
+            t0 = time.monotonic()
+            info = direct.wait_ready()
+            wkey = self.wait_engine(r, "bench-cpu", worker, wlog)
+            self.say(f"engines ready after {time.monotonic() - t0:.0f} s (direct AsyncLLM built "
+                     f"in {info['ready']} s, max_num_seqs {info['max_num_seqs']}); worker "
+                     f"concurrency {a.concurrency}")
+            # warm-up: one small round each (first steps, connections, thread start-up)
+            warm = make_prompts(min(a.requests, 128), 999)
+            for res in [generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
+                        for p in warm]:
+                res.get(timeout=GET_TIMEOUT_S)
+            direct.run_round(999, len(warm), 8)
+            self.cpu.add("redis", self.redis.proc.pid)
+            rates = {"celery": [], "direct": []}
+            for k in range(a.rounds):
+                prompts = make_prompts(a.requests, k)
+
+                def celery_round():
+                    rs = [generate.delay(model=MODEL, prompt=p, max_tokens=a.max_tokens,
+                                         ignore_eos=True) for p in prompts]
+                    return sum(res.get(timeout=GET_TIMEOUT_S)["completion_tokens"] for res in rs)
+
+                self.cpu.add("worker", worker.pid)
+                wall, tokens, cpu = self.measure(celery_round)
+                self.cpu.remove("worker")
+                self._report(k, "celery", wall, tokens, cpu, rates)
+
+                self.cpu.add("direct", direct.proc.pid)
+                wall_outer, reply, cpu = self.measure(
+                    lambda: direct.run_round(k, a.requests, a.max_tokens))
+                self.cpu.remove("direct")
+                self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates)
+            h = {k.decode(): v.decode() for k, v in r.hgetall(wkey).items()}
+            self.say(f"worker engine: peak_in_flight {h.get('peak_in_flight')}, served "
+                     f"{h.get('served')}, engine_loads {h.get('engine_loads')}")
+            return {s: statistics.median(v) for s, v in rates.items()} | {"rates": rates}
+        finally:
+            direct.close(self.emb.stop_process)
+            self.emb.stop_process(worker)
+
+    def _report(self, k, side, wall, tokens, cpu, rates) -> None:
+        a = self.args
+        rate = a.requests / wall
+        rates[side].append(rate)
+        note = "" if tokens == a.requests * a.max_tokens else (
+            f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}")
+        self.say(f"round {k + 1} {side:6s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
+                 f"({tokens / wall:7.0f} tok/s){note} | cpu% {_fmt_cpu(cpu)}")
+
+    # -- the whole run ----------------------------------------------------------------------
+    def run(self) -> int:
+        a = self.args
+        summary: list[str] = []
+        try:
+            self.redis.start()
+            from app.models import get_registry
+            from workers.tiny_model import is_built
+
+            path = get_registry().get(MODEL).path
+            if not is_built(path):  # once, here: two engines building it at once would race
+                subprocess.run([sys.executable, "-m", "app.cli", "model", "build-tiny", path],
+                               check=True, env=self.emb.vigil_env(self.redis.url),
+                               cwd=str(self.emb.REPO), stdout=subprocess.DEVNULL)
+            self.say(f"vigil bench {time.strftime('%Y-%m-%d %H:%M')}: {os.cpu_count()} CPUs, "
+                     f"logs in {self.tmp}")
+            if not a.skip_overhead:
+                o = self.overhead()
+                med, mcpu = o["median_us"], o["median_worker_cpu_ms"]
+                for side in med:
+                    summary.append(f"overhead median {side:16s}: {med[side]:7.0f} us/req, "
+                                   f"worker CPU {mcpu[side]:.2f} ms/req")
+                summary.append(f"overhead ratio vigil/noop-bare {med['vigil'] / med['noop-bare']:.2f}"
+                               f" (vigil/noop-vigil-conf {med['vigil'] / med['noop-vigil-conf']:.2f};"
+                               f" worker CPU per request vigil/noop-bare "
+                               f"{mcpu['vigil'] / mcpu['noop-bare']:.2f})")
+            ratio = None
+            if not a.skip_throughput:
+                t = self.throughput()
+                summary.append(f"throughput {a.requests} req x {a.max_tokens} tokens, "
+                               f"{a.rounds} rounds: median celery {t['celery']:.1f} req/s, "
+                               f"median direct {t['direct']:.1f} req/s")
+                ratio = t["celery"] / t["direct"]
+            self.say("-- summary --")
+            for line in summary:
+                self.say(line)
+            if ratio is not None:
+                self.say(f"ratio {ratio:.2f}")
+            return 0
+        finally:
+            for proc in reversed(self.procs):
+                self.emb.stop_process(proc)
+            self.redis.stop()
+            if not a.keep_logs:
+                import shutil
+
+                # the model cache lives in tmp unless VIGIL_CACHE_DIR was given
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.direct_server:
+        return direct_server()
+    return Bench(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Unit tier: the engine host's rules with fake engines (no vLLM): load once, batch, drain before a
+model switch, share a failed load, free an idle engine, abort on timeout, rebuild a dead engine."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app.errors import RequestError, TransientError
+from app.models import ModelSpec
+from app.schemas import GenerateRequest
+from workers.engine_host import EngineHost
+from workers.engines import EngineOutput
+
+A = ModelSpec(name="model-a")
+B = ModelSpec(name="model-b")
+
+
+def req(model="model-a"):
+    return GenerateRequest(model=model, prompt="hi", max_tokens=4)
+
+
+class FakeEngine:
+    """Holds each request until `gate` opens; records how many were in flight at once."""
+
+    def __init__(self, spec, log, gate: threading.Event, fail_with=None):
+        self.spec, self.log, self.gate = spec, log, gate
+        self.dead = False
+        self.in_flight = 0
+        self.peak = 0
+        self.cancelled = 0
+        self.fail_with = fail_with
+        log.append(("build", spec.name))
+
+    async def run(self, r, rid):
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
+            if self.fail_with is not None:
+                self.dead = True
+                raise self.fail_with
+            return EngineOutput(self.spec.name, [1], "length", 1)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        self.log.append(("shutdown", self.spec.name))
+
+
+class Factory:
+    def __init__(self, gate=None, fail=None):
+        self.log: list = []
+        self.gate = gate or threading.Event()
+        self.fail = fail
+        self.engines: list[FakeEngine] = []
+        self.fail_runs_with = None
+
+    def __call__(self, spec):
+        if self.fail is not None:
+            self.log.append(("build-failed", spec.name))
+            raise self.fail
+        e = FakeEngine(spec, self.log, self.gate, self.fail_runs_with)
+        self.engines.append(e)
+        return e
+
+    def builds(self):
+        return [x for x in self.log if x[0].startswith("build")]
+
+
+@pytest.fixture()
+def make_host():
+    hosts = []
+
+    def _make(factory, **kw):
+        h = EngineHost(factory, idle_cleanup=kw.pop("idle_cleanup", 0), **kw).start()
+        hosts.append(h)
+        return h
+
+    yield _make
+    for h in hosts:
+        h.shutdown(timeout=1)
+
+
+def wait_until(cond, timeout=5.0):
+    ev = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        ev.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_many_concurrent_requests_share_one_engine_load_and_are_in_flight_together(make_host):
+    f = Factory()
+    host = make_host(f)
+    with ThreadPoolExecutor(32) as pool:
+        futs = [pool.submit(host.generate, req(), A, f"r{i}", 10) for i in range(32)]
+        wait_until(lambda: f.engines and f.engines[0].in_flight == 32)
+        f.gate.set()
+        outs = [x.result() for x in futs]
+    assert len(outs) == 32 and len(f.builds()) == 1 and host.loads == 1
+    assert host.peak_in_flight == 32 and f.engines[0].peak == 32
+
+
+def test_a_model_switch_waits_for_in_flight_requests_then_evicts(make_host):
+    f = Factory()
+    host = make_host(f)
+    with ThreadPoolExecutor(8) as pool:
+        a_futs = [pool.submit(host.generate, req(), A, f"a{i}", 10) for i in range(4)]
+        wait_until(lambda: f.engines and f.engines[0].in_flight == 4)
+        b_fut = pool.submit(host.generate, req("model-b"), B, "b", 10)
+        wait_until(lambda: host.snapshot()["engine_state"] == "draining")
+        assert f.log == [("build", "model-a")]  # B waits: A's requests are still running
+        f.gate.set()
+        assert all(x.result().text == "model-a" for x in a_futs)
+        assert b_fut.result().text == "model-b"
+    assert f.log == [("build", "model-a"), ("shutdown", "model-a"), ("build", "model-b")]
+    assert host.evictions == 1
+
+
+def test_a_failed_load_fails_every_waiting_request_once_not_one_load_each(make_host):
+    f = Factory(fail=RuntimeError("Engine core initialization failed"))
+    host = make_host(f)
+    with ThreadPoolExecutor(16) as pool:
+        futs = [pool.submit(host.generate, req(), A, f"r{i}", 10) for i in range(16)]
+        errors = []
+        for x in futs:
+            with pytest.raises(TransientError) as ei:
+                x.result()
+            errors.append(ei.value)
+    # Requests that arrived while the load was failing share its error; only latecomers retry.
+    assert len(f.builds()) < 16
+    assert all(e.code == "engine_error" for e in errors)
+
+
+def test_an_idle_engine_is_freed_after_idle_cleanup(make_host):
+    now = [1000.0]
+    f = Factory()
+    f.gate.set()
+    host = make_host(f, idle_cleanup=0.2, clock=lambda: now[0])
+    host.generate(req(), A, "r", 5)
+    assert host.snapshot()["engine_state"] == "ready"
+    now[0] += 0.5
+    wait_until(lambda: host.snapshot()["engine_state"] == "empty")
+    assert ("shutdown", "model-a") in f.log and host.evictions == 1
+    host.generate(req(), A, "r2", 5)  # comes back on demand
+    assert host.loads == 2
+
+
+def test_a_request_that_times_out_is_aborted_in_the_engine_and_reported_wedged(make_host):
+    f = Factory()
+    host = make_host(f)
+    with pytest.raises(TransientError, match="^wedged: "):
+        host.generate(req(), A, "slow", 0.3)
+    wait_until(lambda: f.engines[0].cancelled == 1 and host.snapshot()["in_flight"] == 0)
+
+
+def test_a_dead_engine_is_rebuilt_by_the_next_request(make_host):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    f = Factory()
+    f.gate.set()
+    f.fail_runs_with = EngineDeadError()
+    host = make_host(f)
+    with pytest.raises(TransientError, match="^engine_restarting: "):
+        host.generate(req(), A, "r1", 5)
+    f.fail_runs_with = None
+    assert host.generate(req(), A, "r2", 5).text == "model-a"
+    assert host.loads == 2 and len(f.builds()) == 2
+
+
+def test_request_errors_from_the_engine_are_not_retryable(make_host):
+    from vllm.exceptions import VLLMValidationError
+
+    f = Factory()
+    f.gate.set()
+    f.fail_runs_with = VLLMValidationError("Token id 9999 is out of vocabulary")
+    host = make_host(f)
+    with pytest.raises(RequestError, match="^token_out_of_vocab: "):
+        host.generate(req(), A, "r1", 5)

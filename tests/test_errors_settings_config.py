@@ -1,0 +1,93 @@
+"""Unit tier: the error taxonomy, its JSON transport, settings validation, Celery configuration."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from app.celery_app import HOUSEKEEPING_QUEUE, create_app, declared_queues
+from app.errors import (RequestError, TerminalError, TransientError, WorkerFatalError,
+                        error_from_record)
+from app.models import get_registry
+from app.settings import SettingsError, load_settings
+
+
+@pytest.mark.parametrize("cls", [RequestError, TransientError, WorkerFatalError, TerminalError])
+def test_errors_survive_celerys_json_exception_transport(cls):
+    app = create_app(load_settings())
+    err = cls.of("some_code", "what to change")
+    wire = app.backend.prepare_exception(err, "json")
+    back = app.backend.exception_to_python(wire)
+    assert type(back) is cls and str(back) == "some_code: what to change"
+    assert back.code == "some_code" and back.detail == "what to change"
+
+
+def test_only_transient_errors_are_retryable():
+    assert TransientError("x: y").retryable
+    assert not any(c("x: y").retryable for c in (RequestError, WorkerFatalError, TerminalError))
+
+
+def test_stored_errors_are_rebuilt_with_their_class():
+    e = error_from_record("RequestError", "prompt_too_long: 600 > 512")
+    assert isinstance(e, RequestError) and e.code == "prompt_too_long"
+
+
+def test_invalid_setting_names_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("VIGIL_MAX_ATTEMPTS", "zero")
+    with pytest.raises(SettingsError, match="VIGIL_MAX_ATTEMPTS"):
+        load_settings()
+
+
+def test_invalid_redis_url_fails_at_start_naming_the_variable():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import app"], capture_output=True, text=True,
+        env={"VIGIL_REDIS_URL": "http://nope", "PATH": "/usr/bin:/bin"}, cwd=".")
+    assert proc.returncode != 0
+    assert "VIGIL_REDIS_URL" in proc.stderr
+
+
+def test_pools_are_read_as_a_comma_list(monkeypatch):
+    monkeypatch.setenv("VIGIL_POOLS", "tiny-llama, other")
+    assert load_settings().pools == ["tiny-llama", "other"]
+
+
+def test_visibility_timeout_exceeds_the_longest_request_plus_backoff():
+    s = load_settings(request_timeout=100, retry_backoff_max=30)
+    assert s.visibility_timeout > 130
+
+
+def test_celery_is_configured_for_json_late_acks_and_declared_queues_only():
+    s = load_settings()
+    c = create_app(s).conf
+    assert c.task_serializer == c.result_serializer == "json"
+    assert c.accept_content == ["json"] and c.result_accept_content == ["json"]
+    assert c.task_acks_late and c.task_reject_on_worker_lost
+    assert c.task_create_missing_queues is False
+    assert c.broker_transport_options["visibility_timeout"] == s.visibility_timeout
+    assert c.broker_transport_options["unacked_restore_throttle"] == 1
+    assert [q.name for q in c.task_queues] == declared_queues(get_registry())
+    assert HOUSEKEEPING_QUEUE in declared_queues(get_registry())
+    assert c.worker_send_task_events
+
+
+def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():
+    from app.cli import build_parser, worker_argv
+
+    args = build_parser().parse_args(["worker", "--gpu", "1"])
+    argv = worker_argv(args, 128)
+    assert argv[argv.index("-P") + 1] == "threads"
+    assert argv[argv.index("-n") + 1] == "gpu1@%h"
+    assert argv[argv.index("-c") + 1] == "128"
+    args = build_parser().parse_args(["worker", "--cpu", "--name", "a@%h", "--pools", "tiny-llama"])
+    argv = worker_argv(args, 8)
+    assert argv[argv.index("-n") + 1] == "a@%h"
+    assert argv[argv.index("-Q") + 1] == f"{HOUSEKEEPING_QUEUE},vigil.pool.tiny-llama"
+
+
+def test_worker_refuses_both_or_neither_device_flag():
+    from app.cli import build_parser
+
+    for argv in (["worker"], ["worker", "--gpu", "0", "--cpu"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
