@@ -169,10 +169,10 @@ class CpuMeter:
     """CPU seconds used by labelled process trees over a segment, as % of one core."""
 
     def __init__(self):
-        self.roots: dict[str, int] = {}
+        self.roots: dict[str, tuple[int, bool]] = {}
 
-    def add(self, label: str, pid: int) -> None:
-        self.roots[label] = pid
+    def add(self, label: str, pid: int, children: bool = True) -> None:
+        self.roots[label] = (pid, children)
 
     def remove(self, label: str) -> None:
         self.roots.pop(label, None)
@@ -181,11 +181,12 @@ class CpuMeter:
         import psutil
 
         out = {}
-        for label, pid in self.roots.items():
+        for label, (pid, children) in self.roots.items():
             try:
                 root = psutil.Process(pid)
                 procs = [(label, root)] + [(f"{label}/{_pname(c)}", c)
-                                           for c in root.children(recursive=True)]
+                                           for c in (root.children(recursive=True)
+                                                     if children else ())]
             except psutil.Error:
                 continue
             for name, p in procs:
@@ -238,6 +239,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
     p.add_argument("--overhead-requests", type=int, default=2000, help="requests per side (part 2)")
     p.add_argument("--overhead-rounds", type=int, default=2, help="rounds per side (part 2)")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
     p.add_argument("--skip-throughput", action="store_true", help="skip part 1")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
@@ -260,7 +263,7 @@ class Bench:
         self.redis = embedded.EmbeddedRedis(port=port)
         self.procs: list = []
         self.cpu = CpuMeter()
-        self.cpu.add("bench", os.getpid())
+        self.cpu.add("bench", os.getpid(), children=False)
         self.lines: list[str] = []
 
     def say(self, line: str) -> None:
@@ -290,11 +293,26 @@ class Bench:
         return self.emb.wait_for(ready, timeout, interval=0.2, what=f"{name}'s engine")
 
     def measure(self, fn):
-        before = self.cpu.snapshot()
+        # vLLM's model process busy-polls its input for 1 s after its last step
+        # (shm_broadcast.SpinCondition); let the engine that just ran go idle first, since both
+        # engines' model processes share a core.
+        time.sleep(self.args.settle)
+        import psutil
+
+        sys0, before = psutil.cpu_times(), self.cpu.snapshot()
         t0 = time.perf_counter()
         out = fn()
         wall = time.perf_counter() - t0
-        return wall, out, CpuMeter.diff(before, self.cpu.snapshot(), wall)
+        sys1, after = psutil.cpu_times(), self.cpu.snapshot()
+        cpu = CpuMeter.diff(before, after, wall)
+        # Everything else on the machine (other users' processes, the kernel): a noisy
+        # neighbour shows here, and in `steal` on a VM.
+        busy = sum(getattr(sys1, f) - getattr(sys0, f) for f in
+                   ("user", "nice", "system", "irq", "softirq") if hasattr(sys1, f))
+        cpu["OTHER"] = max(0.0, 100.0 * busy / wall - sum(cpu.values()))
+        if hasattr(sys1, "steal"):
+            cpu["steal"] = 100.0 * (sys1.steal - sys0.steal) / wall
+        return wall, out, cpu
 
     # -- part 2 -----------------------------------------------------------------------------
     def overhead(self) -> dict:
@@ -328,10 +346,10 @@ class Bench:
             pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
             times: dict[str, list[float]] = {s: [] for s in sides}
             cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
+            self.cpu.add("redis", self.redis.proc.pid)
             for k in range(a.overhead_rounds):
                 for side, submit in sides.items():
                     self.cpu.add("worker", pids[side])
-                    self.cpu.add("redis", self.redis.proc.pid)
 
                     def go():
                         rs = [submit(i) for i in range(n)]
@@ -379,25 +397,29 @@ class Bench:
                 res.get(timeout=GET_TIMEOUT_S)
             direct.run_round(999, len(warm), 8)
             self.cpu.add("redis", self.redis.proc.pid)
+            self.cpu.add("worker", worker.pid)
+            self.cpu.add("direct", direct.proc.pid)
             rates = {"celery": [], "direct": []}
             for k in range(a.rounds):
                 prompts = make_prompts(a.requests, k)
 
+                submit_s = []
+
                 def celery_round():
+                    t0 = time.perf_counter()
                     rs = [generate.delay(model=MODEL, prompt=p, max_tokens=a.max_tokens,
                                          ignore_eos=True) for p in prompts]
+                    submit_s.append(time.perf_counter() - t0)
                     return sum(res.get(timeout=GET_TIMEOUT_S)["completion_tokens"] for res in rs)
 
-                self.cpu.add("worker", worker.pid)
                 wall, tokens, cpu = self.measure(celery_round)
-                self.cpu.remove("worker")
-                self._report(k, "celery", wall, tokens, cpu, rates)
+                self._report(k, "celery", wall, tokens, cpu, rates,
+                             f" [submit {submit_s[0]:.2f} s]")
 
-                self.cpu.add("direct", direct.proc.pid)
-                wall_outer, reply, cpu = self.measure(
-                    lambda: direct.run_round(k, a.requests, a.max_tokens))
-                self.cpu.remove("direct")
+                _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests, a.max_tokens))
                 self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates)
+            self.cpu.remove("worker")
+            self.cpu.remove("direct")
             h = {k.decode(): v.decode() for k, v in r.hgetall(wkey).items()}
             self.say(f"worker engine: peak_in_flight {h.get('peak_in_flight')}, served "
                      f"{h.get('served')}, engine_loads {h.get('engine_loads')}")
@@ -406,14 +428,14 @@ class Bench:
             direct.close(self.emb.stop_process)
             self.emb.stop_process(worker)
 
-    def _report(self, k, side, wall, tokens, cpu, rates) -> None:
+    def _report(self, k, side, wall, tokens, cpu, rates, extra: str = "") -> None:
         a = self.args
         rate = a.requests / wall
         rates[side].append(rate)
         note = "" if tokens == a.requests * a.max_tokens else (
             f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}")
         self.say(f"round {k + 1} {side:6s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
-                 f"({tokens / wall:7.0f} tok/s){note} | cpu% {_fmt_cpu(cpu)}")
+                 f"({tokens / wall:7.0f} tok/s){note}{extra} | cpu% {_fmt_cpu(cpu)}")
 
     # -- the whole run ----------------------------------------------------------------------
     def run(self) -> int:

@@ -54,3 +54,59 @@ def settings(redis_db1_url):
     from app.settings import load_settings
 
     return load_settings(redis_url=redis_db1_url, cache_dir=CACHE_DIR)
+
+
+# -- worker tier -----------------------------------------------------------------------------
+def worker_entry(client, name: str) -> dict[str, str] | None:
+    """The registry hash of the live worker called `name` (Celery node name), if any."""
+    for key in client.scan_iter("vigil:worker:*"):
+        raw = client.hgetall(key)
+        entry = {k.decode(): v.decode() for k, v in raw.items()}
+        if entry.get("name") == name:
+            return entry
+    return None
+
+
+class RunningWorker:
+    """A real `vigil worker --cpu` subprocess (Celery threads pool, vLLM CPU engine)."""
+
+    def __init__(self, redis_server, name: str, tmp: Path, **env):
+        from app.embedded import start_worker
+
+        self.name = name
+        self.log = tmp / f"{name.split('@')[0]}.log"
+        self.client = redis_server.client()
+        env.setdefault("VIGIL_HEARTBEAT_INTERVAL", "1")
+        self.proc = start_worker(redis_server.url, name, self.log, concurrency=64,
+                                 pools="tiny-llama", **env)
+
+    def entry(self) -> dict[str, str] | None:
+        return worker_entry(self.client, self.name)
+
+    def wait_engine(self, timeout: float = 300) -> dict[str, str]:
+        from app.embedded import wait_for
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}); log:\n"
+                                   + self.log.read_text()[-4000:])
+            e = self.entry()
+            return e if e and int(e.get("engine_loads", 0)) >= 1 else None
+
+        return wait_for(ready, timeout, 0.2, f"{self.name}'s engine")
+
+    def stop(self) -> None:
+        from app.embedded import stop_process
+
+        stop_process(self.proc, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def warm_worker(redis_server, tmp_path_factory):
+    """One warm worker shared by the worker-tier tests that only send it requests."""
+    w = RunningWorker(redis_server, "warm@testhost", tmp_path_factory.mktemp("warm"))
+    try:
+        w.wait_engine()
+        yield w
+    finally:
+        w.stop()

@@ -39,12 +39,14 @@ def test_invalid_setting_names_the_environment_variable(monkeypatch):
         load_settings()
 
 
-def test_invalid_redis_url_fails_at_start_naming_the_variable():
+@pytest.mark.parametrize("argv", [["-c", "from app import app"],
+                                  ["-m", "app.cli", "worker", "--cpu"]])
+def test_invalid_redis_url_fails_at_start_naming_the_variable(argv):
     proc = subprocess.run(
-        [sys.executable, "-c", "import app"], capture_output=True, text=True,
+        [sys.executable, *argv], capture_output=True, text=True, timeout=60,
         env={"VIGIL_REDIS_URL": "http://nope", "PATH": "/usr/bin:/bin"}, cwd=".")
     assert proc.returncode != 0
-    assert "VIGIL_REDIS_URL" in proc.stderr
+    assert "VIGIL_REDIS_URL: " in proc.stderr and "redis://" in proc.stderr
 
 
 def test_pools_are_read_as_a_comma_list(monkeypatch):

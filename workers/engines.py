@@ -9,6 +9,7 @@ when they run it (`VIGIL_ENGINE=instant`).
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ class VllmEngine:
 
     @property
     def dead(self) -> bool:
-        return bool(self._llm.errored)
+        return self._llm is None or bool(self._llm.errored)
 
     def _sampling(self, req: GenerateRequest):
         from vllm import SamplingParams
@@ -97,8 +98,18 @@ class VllmEngine:
         return descendants()
 
     def shutdown(self, timeout: float) -> None:
-        """Stop the engine and its processes; safe to call twice."""
-        self._llm.shutdown(timeout=timeout)
+        """Stop the engine and its processes; safe to call twice.
+
+        The AsyncLLM is released and collected here, while the interpreter is whole: left to
+        interpreter exit, its __del__ calls shutdown again with half-torn-down modules and prints
+        a TypeError (FIELD-NOTES.md).
+        """
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        llm.shutdown(timeout=timeout)
+        del llm
+        gc.collect()
 
 
 class InstantEngine:

@@ -23,6 +23,17 @@ import time
 import psutil
 
 POLL_S = 1.0
+# After the worker is gone, processes that exit on their own (vLLM's resource tracker) get this
+# long before they are killed.
+GRACE_S = 3.0
+
+
+def _alive(pid: int, create_time: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class OrphanGuard:
@@ -48,25 +59,20 @@ class OrphanGuard:
                 pass
 
     def close(self) -> None:
-        """Clean stop: closing the pipe makes the guard sweep stragglers and exit."""
-        try:
-            os.close(self._write_fd)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        """Clean stop: nothing to do. The pipe stays open until this process exits, so the guard
+        sweeps only what is still alive *after* the worker is gone (vLLM's resource tracker
+        legitimately lives until then), and exits itself."""
 
 
-def _kill_all(known: dict[int, float]) -> int:
-    killed = 0
+def _kill_all(known: dict[int, float]) -> list[str]:
+    killed = []
     for pid, ct in known.items():
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - ct) < 0.01:
+            if abs(p.create_time() - ct) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                name = p.name()
                 p.kill()
-                killed += 1
+                killed.append(f"{name}[{pid}]")
         except psutil.Error:
             continue
     return killed
@@ -101,12 +107,12 @@ def main(argv: list[str]) -> int:
         except psutil.Error:
             pass
     # EOF: the worker is gone (or stopped cleanly). Give a clean shutdown a moment, then kill.
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in known):
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(_alive(p, ct) for p, ct in known.items()):
         time.sleep(0.05)
-    n = _kill_all(known)
-    if n:
-        print(f"vigil orphan guard: worker {worker_pid} is gone; killed {n} engine process(es)",
+    killed = _kill_all(known)
+    if killed:
+        print(f"vigil orphan guard: worker {worker_pid} is gone; killed {', '.join(killed)}",
               file=sys.stderr, flush=True)
     return 0
 

@@ -1,0 +1,203 @@
+"""Redis tier: the request record's Lua transitions and the worker-side service, on a real
+redis-server (database 1, flushed per test). The engine is a scripted fake: these tests are about
+Vigil's state machine, the real engine is exercised in test_worker_e2e.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app import keys
+from app.errors import RequestError, TerminalError, TransientError
+from app.schemas import parse_request
+from app.store import RequestStore, connect
+from app.submit import record_fields
+from workers.engine_host import EngineHost
+from workers.engines import EngineOutput
+from workers.runtime import WorkerRuntime
+from workers.service import RetryLater, StaleDelivery, backoff, serve
+
+pytestmark = pytest.mark.redis
+KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture()
+def store(settings):
+    return RequestStore(connect(settings), settings.result_ttl)
+
+
+def create(store, rid="r1", now=None, **kw):
+    req = parse_request({**KW, **kw})
+    assert store.create(rid, record_fields(req, now or time.time(), 3600))
+    return req
+
+
+def test_create_never_overwrites_an_existing_record(store):
+    create(store)
+    assert not store.create("r1", {"status": "PENDING", "model": "other"})
+    assert store.get("r1")["model"] == "tiny-llama"
+
+
+def test_begin_claims_once_and_counts_attempts(store):
+    create(store)
+    b = store.begin("r1", 0, "w1", 11, time.time(), 3)
+    assert b.action == "run" and b.attempts == 1
+    rec = store.get("r1")
+    assert rec["status"] == "RUNNING" and rec["instance"] == "11"
+    assert store.r.sismember(keys.inflight(11), "r1")
+
+
+def test_a_terminal_record_answers_a_duplicate_delivery_with_the_stored_outcome(store):
+    create(store)
+    store.begin("r1", 0, "w1", 11, time.time(), 3)
+    won, _ = store.finish("r1", 11, time.time(), result={"text": "x"})
+    assert won
+    b = store.begin("r1", 0, "w2", 22, time.time(), 3)
+    assert b.action == "done" and b.outcome.result == {"text": "x"}
+    assert store.stats()["duplicate_deliveries"] == 1
+    assert not store.r.sismember(keys.inflight(11), "r1")
+    assert 0 < store.r.ttl(keys.request("r1")) <= store.result_ttl
+
+
+def test_the_first_result_wins_and_later_writers_are_counted(store):
+    create(store)
+    assert store.finish("r1", 1, time.time(), result={"text": "first"})[0]
+    won, stored = store.finish("r1", 2, time.time(), error_kind="RequestError",
+                               error="invalid_request: late")
+    assert not won and stored.status == "SUCCEEDED" and stored.result == {"text": "first"}
+    assert store.stats()["duplicate_results"] == 1
+
+
+def test_an_older_dispatch_is_stale(store):
+    create(store)
+    store.begin("r1", 0, "w1", 11, time.time(), 3)
+    assert store.release("r1", 11, 1, "engine_restarting: x")
+    assert store.begin("r1", 0, "w2", 22, time.time(), 3).action == "stale"
+    assert store.begin("r1", 1, "w2", 22, time.time(), 3).action == "run"
+
+
+def test_release_is_refused_once_another_instance_owns_the_request(store):
+    create(store)
+    store.begin("r1", 0, "w1", 11, time.time(), 3)
+    store.begin("r1", 0, "w2", 22, time.time(), 3)  # redelivery taken over by w2
+    assert not store.release("r1", 11, 1, "late")
+    assert store.get("r1")["instance"] == "22"
+
+
+def test_past_deadline_and_out_of_attempts_are_reported(store):
+    create(store, "late", now=time.time() - 7200)
+    assert store.begin("late", 0, "w", 1, time.time(), 3).action == "expired"
+    create(store, "tired")
+    for _ in range(2):
+        store.begin("tired", 0, "w", 1, time.time(), 2)
+    b = store.begin("tired", 0, "w", 1, time.time(), 2)
+    assert b.action == "exhausted" and b.attempts == 2
+
+
+# -- the service, with a scripted engine --------------------------------------------------------
+class Scripted:
+    """An engine whose answers are scripted per call: an EngineOutput or an exception."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.calls = 0
+        self.dead = False
+
+    def __call__(self, spec):
+        return self
+
+    async def run(self, req, rid):
+        self.calls += 1
+        step = self.script.pop(0) if self.script else EngineOutput("ok", [1, 2], "length", 1)
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        pass
+
+
+@pytest.fixture()
+def runtime(settings):
+    rts = []
+
+    def _make(script=(), **overrides):
+        s = settings.model_copy(update=overrides)
+        rt = WorkerRuntime(s, "w-test", engine="instant", guard=False)
+        engine = Scripted(script)
+        rt.host = EngineHost(engine, idle_cleanup=0).start()
+        rt.engine = engine
+        rts.append(rt)
+        return rt
+
+    yield _make
+    for rt in rts:
+        rt.host.shutdown(1)
+
+
+def test_serve_runs_once_and_a_duplicate_returns_the_stored_result(runtime):
+    rt = runtime()
+    create(rt.store, "s1")
+    out = serve(rt, "s1", 0, KW)
+    assert out["text"] == "ok" and out["attempts"] == 1 and out["worker"] == "w-test"
+    assert serve(rt, "s1", 0, KW) == out
+    assert rt.engine.calls == 1
+
+
+def test_a_message_sent_around_the_producer_is_recorded_and_served(runtime):
+    rt = runtime()
+    out = serve(rt, "bypass", 0, KW)
+    assert out["request_id"] == "bypass" and rt.store.get("bypass")["status"] == "SUCCEEDED"
+
+
+def test_bad_kwargs_in_the_worker_fail_the_request_with_a_typed_error(runtime):
+    rt = runtime()
+    with pytest.raises(RequestError, match="^invalid_request: "):
+        serve(rt, "bad", 0, {"model": "tiny-llama", "prompt": 42})
+    assert rt.store.get("bad")["status"] == "FAILED" and rt.engine.calls == 0
+
+
+def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    rt = runtime([EngineDeadError(), EngineDeadError()], max_attempts=2)
+    create(rt.store, "t1")
+    with pytest.raises(RetryLater) as ei:
+        serve(rt, "t1", 0, KW)
+    assert ei.value.error.code == "engine_restarting"
+    assert rt.store.get("t1")["status"] == "PENDING"
+    with pytest.raises(StaleDelivery):
+        serve(rt, "t1", 0, KW)  # the superseded copy of dispatch 0
+    with pytest.raises(TerminalError, match="^attempts_exhausted: 2 attempts"):
+        serve(rt, "t1", 1, KW)
+    assert rt.store.get("t1")["status"] == "FAILED"
+
+
+def test_a_transient_failure_then_success_lands_once(runtime):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    rt = runtime([EngineDeadError()])
+    create(rt.store, "t2")
+    with pytest.raises(RetryLater):
+        serve(rt, "t2", 0, KW)
+    assert serve(rt, "t2", 1, KW)["attempts"] == 2
+
+
+def test_a_request_past_its_deadline_fails_deadline_exceeded_without_running(runtime):
+    rt = runtime()
+    create(rt.store, "old", now=time.time() - 4000)
+    with pytest.raises(TerminalError, match="^deadline_exceeded: "):
+        serve(rt, "old", 0, KW)
+    assert rt.engine.calls == 0
+
+
+def test_backoff_is_jittered_and_capped():
+    import random
+
+    rng = random.Random(1)
+    xs = [backoff(a, 2.0, 10.0, rng) for a in range(1, 10) for _ in range(20)]
+    assert all(0 <= x <= 10.0 for x in xs) and len(set(xs)) > 100
+    assert all(backoff(1, 2.0, 10.0, rng) <= 2.0 for _ in range(50))

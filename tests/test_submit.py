@@ -1,0 +1,95 @@
+"""Redis tier: what `generate.delay` does before anything reaches a worker."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from app import app
+from app.celery_app import declared_queues
+from app.embedded import free_port, vigil_env
+from app.errors import RequestError
+from app.models import get_registry
+from tasks.inference import generate
+
+pytestmark = pytest.mark.redis
+
+
+def queue_state(r):
+    return ({q: r.llen(q) for q in declared_queues(get_registry())},
+            sorted(r.scan_iter("vigil:req:*")))
+
+
+@pytest.fixture()
+def r(redis_server):
+    return redis_server.client()
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    ({"model": "tiny-llama", "prompt": ""}, "invalid_request"),
+    ({"model": "tiny-llama", "prompt": "hi", "max_tokens": -1}, "invalid_request"),
+    ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 10**9}, "invalid_request"),
+    ({"model": "tiny-llama", "prompt": "hi", "prompt_token_ids": [1]}, "invalid_request"),
+    ({"model": "tiny-llama"}, "invalid_request"),
+    ({"model": "tiny-llama", "prompt": "x" * 300_000}, "invalid_request"),
+    ({"model": "no-such-model", "prompt": "hi"}, "model_not_found"),
+    ({"model": "tiny-llama", "prompt_token_ids": [3] * 600}, "prompt_too_long"),
+    ({"model": "tiny-llama", "prompt_token_ids": [99999]}, "token_out_of_vocab"),
+])
+def test_a_bad_request_raises_in_the_producer_and_nothing_is_enqueued(r, kwargs, code):
+    before = queue_state(r)
+    with pytest.raises(RequestError) as ei:
+        generate.delay(**kwargs)
+    assert ei.value.code == code and str(ei.value).startswith(code + ": ")
+    assert queue_state(r) == before
+
+
+def test_positional_arguments_are_refused_with_advice(r):
+    with pytest.raises(RequestError, match="keyword arguments"):
+        generate.delay("tiny-llama", "hello")
+
+
+def test_an_unreachable_redis_fails_the_submit_fast_with_a_clear_error():
+    port = free_port()  # nothing listens here
+    code = (
+        "import json, time\n"
+        "from tasks.inference import generate\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    generate.delay(model='tiny-llama', prompt='hi')\n"
+        "except Exception as e:\n"
+        "    print(json.dumps([type(e).__name__, str(e), time.monotonic() - t]))\n"
+    )
+    env = vigil_env(f"redis://127.0.0.1:{port}/0", VIGIL_REDIS_TIMEOUT="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    name, msg, elapsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert name == "TransientError" and msg.startswith("redis_unavailable: ")
+    assert elapsed < 20
+
+
+def test_the_published_message_is_json_and_hides_the_prompt_from_logs(r, monkeypatch):
+    """Given a valid request, when it is published, then the message body is JSON kwargs (no
+    pickle), the task id is the request id, and kwargsrepr names model and job only."""
+    sent = {}
+
+    def capture(self, name, args=None, kwargs=None, **options):
+        sent.update(name=name, args=args, kwargs=kwargs, **options)
+        return self.AsyncResult(options["task_id"])
+
+    monkeypatch.setattr(type(app), "send_task", capture)
+    res = generate.delay(model="tiny-llama", prompt="secret prompt", max_tokens=3, job="j1")
+    rec = {k.decode(): v.decode() for k, v in r.hgetall(f"vigil:req:{res.id}").items()}
+    try:
+        assert sent["task_id"] == res.id and sent["queue"] == "vigil.pool.tiny-llama"
+        json.dumps(sent["kwargs"])
+        assert sent["kwargs"]["prompt"] == "secret prompt" and sent["kwargs"]["schema_version"] == 1
+        assert "secret" not in sent["kwargsrepr"] and "j1" in sent["kwargsrepr"]
+        assert rec["status"] == "PENDING" and rec["job"] == "j1" and rec["attempts"] == "0"
+        assert float(rec["deadline_at"]) - float(rec["created_at"]) == pytest.approx(3600)
+        assert sent["expires"].timestamp() > time.time() + 3600
+    finally:
+        r.delete(f"vigil:req:{res.id}")

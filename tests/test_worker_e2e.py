@@ -1,0 +1,89 @@
+"""Worker tier: `generate.delay` end to end through a real `celery worker` process running the
+real vLLM CPU engine on tiny-llama. One warm worker is shared (its engine load is what
+test_200_concurrent_requests checks, so the load count is read before and after)."""
+from __future__ import annotations
+
+import pytest
+
+from app import app
+from app.embedded import wait_for
+from app.errors import RequestError
+from app.store import RequestStore
+from tasks.inference import generate
+
+pytestmark = pytest.mark.worker
+
+
+@pytest.fixture()
+def store(redis_server):
+    return RequestStore(redis_server.client(), 3600)
+
+
+def test_200_concurrent_requests_all_succeed_on_one_engine_load_and_are_batched(warm_worker):
+    """Given a warm worker, when 200 requests are submitted at once, then all succeed on the first
+    attempt, the engine was loaded exactly once, and the engine held many requests at once."""
+    loads_before = int(warm_worker.entry()["engine_loads"])
+    rs = [generate.delay(model="tiny-llama", prompt=f"the cat number {i} finds", max_tokens=16,
+                         ignore_eos=True, temperature=0.0, job="e2e") for i in range(200)]
+    outs = [r.get(timeout=300) for r in rs]
+    assert [o["request_id"] for o in outs] == [r.id for r in rs]
+    assert all(o["completion_tokens"] == 16 and len(o["token_ids"]) == 16 for o in outs)
+    assert all(o["attempts"] == 1 and o["worker"] == "warm@testhost" for o in outs)
+    assert all(o["model"] == "tiny-llama" and o["finish_reason"] == "length" for o in outs)
+    entry = wait_for(lambda: (e := warm_worker.entry()) and int(e["served"]) >= 200 and e, 30)
+    assert int(entry["engine_loads"]) == loads_before == 1
+    assert int(entry["peak_in_flight"]) > 1
+
+
+def test_greedy_generation_is_deterministic_across_requests(warm_worker):
+    a, b = (generate.delay(model="tiny-llama", prompt="Alice reads a book", max_tokens=8,
+                           temperature=0.0) for _ in range(2))
+    assert a.get(timeout=120)["token_ids"] == b.get(timeout=120)["token_ids"]
+
+
+def test_a_duplicate_delivery_returns_the_stored_result_without_touching_the_engine(
+        warm_worker, store):
+    """Given a finished request, when its message is delivered again (same id), then the worker
+    answers with the stored result and the engine serves nothing new."""
+    r = generate.delay(model="tiny-llama", prompt="the river sings", max_tokens=8)
+    first = r.get(timeout=120)
+    served = int(warm_worker.entry()["served"])
+    dups = store.stats().get("duplicate_deliveries", 0)
+    again = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
+                                                    "prompt": "the river sings", "max_tokens": 8},
+                          task_id=r.id, queue="vigil.pool.tiny-llama")
+    wait_for(lambda: store.stats().get("duplicate_deliveries", 0) > dups, 60)
+    assert again.get(timeout=60) == first
+    seen = float(warm_worker.entry()["last_seen"])
+    entry = wait_for(lambda: (e := warm_worker.entry()) and float(e["last_seen"]) > seen and e, 30)
+    assert int(entry["served"]) == served  # a fresh heartbeat: the engine ran nothing new
+
+
+def test_resubmitting_the_same_request_id_is_one_request(warm_worker):
+    r1 = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "one", "max_tokens": 4},
+                              task_id="fixed-id-1")
+    out = r1.get(timeout=120)
+    r2 = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "one", "max_tokens": 4},
+                              task_id="fixed-id-1")
+    assert r2.id == "fixed-id-1" and r2.get(timeout=30) == out
+
+
+def test_a_text_prompt_longer_than_the_context_fails_at_once_with_prompt_too_long(
+        warm_worker, store):
+    r = generate.delay(model="tiny-llama", prompt="word " * 700, max_tokens=4)
+    with pytest.raises(RequestError) as ei:
+        r.get(timeout=120)
+    assert ei.value.code == "prompt_too_long"
+    rec = store.get(r.id)
+    assert rec["status"] == "FAILED" and rec["attempts"] == "1"
+
+
+def test_a_message_sent_around_the_producer_is_validated_in_the_worker(warm_worker):
+    bad = app.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": 7},
+                        queue="vigil.pool.tiny-llama")
+    with pytest.raises(RequestError, match="^invalid_request: prompt"):
+        bad.get(timeout=60)
+    unknown = app.send_task("vigil.generate", kwargs={"model": "ghost", "prompt": "x"},
+                            queue="vigil.pool.tiny-llama")
+    with pytest.raises(RequestError, match="^model_not_found: "):
+        unknown.get(timeout=60)
