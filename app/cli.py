@@ -17,6 +17,7 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     from app import app
     from app.celery_app import HOUSEKEEPING_QUEUE
     from app.models import queue_for
+    from app.settings import get_settings
 
     if args.gpu is not None:
         name = args.name or f"gpu{args.gpu}@%h"
@@ -29,7 +30,7 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
         sys.executable, "-m", "celery", "-A", "app", "worker",
         "-P", "threads", "-c", str(args.concurrency or concurrency),
         "-n", name, "-Q", ",".join(queues), "-E",
-        "--prefetch-multiplier", "1", "-l", args.loglevel,
+        "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
     ]
 
 
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--pools", help="comma-separated models to serve and preload (default: all "
                    "registered pools, loaded on first use)")
     w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
     w.set_defaults(func=_cmd_worker)
 
     m = sub.add_parser("model", help="model tools")

@@ -41,10 +41,10 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
     rds = None
     try:
         with console.status("building tiny-llama (random weights, local tokenizer)..."):
-            from workers.tiny_model import build_tiny_llama, is_built
-            model_dir = Path(cache) / "models" / "tiny-llama-v1"
-            if not is_built(model_dir):
-                build_tiny_llama(model_dir)
+            os.environ["VIGIL_CACHE_DIR"] = cache
+            from app.models import TINY_LLAMA, get_registry
+            from workers.engines import ensure_model_files
+            model_dir = ensure_model_files(get_registry().get(TINY_LLAMA))
         console.print(f"[green]tiny-llama[/] ready in {model_dir}")
         rds = EmbeddedRedis().start()
         console.print(f"private Redis on {rds.url}")

@@ -8,11 +8,12 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | class            | retried?                                   | codes                                   |
 | ---------------- | ------------------------------------------ | --------------------------------------- |
 | RequestError     | never: the request itself is wrong         | invalid_request, model_not_found,       |
+|                  |                                            | invalid_model_config,                   |
 |                  |                                            | prompt_too_long, token_out_of_vocab,    |
 |                  |                                            | poison_request                          |
 | TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
 |                  |                                            | engine_restarting, worker_lost, wedged, |
-|                  |                                            | redis_unavailable                       |
+|                  |                                            | redis_unavailable, engine_error         |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
 |                  |                                            | attempts_exhausted                      |
@@ -33,6 +34,8 @@ ENGINE_RESTARTING = "engine_restarting"
 WORKER_LOST = "worker_lost"
 WEDGED = "wedged"
 REDIS_UNAVAILABLE = "redis_unavailable"
+# An engine failure nobody recognised: retried (bounded) rather than failed for good.
+ENGINE_ERROR = "engine_error"
 # WorkerFatalError codes
 CUDA_CONTEXT_LOST = "cuda_context_lost"
 REPEATED_ENGINE_DEATH = "repeated_engine_death"

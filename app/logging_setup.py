@@ -3,7 +3,8 @@
 Celery configures the worker's root logger; vLLM would otherwise install its own stdout handler
 with another format, and its EngineCore/Worker children log on their own. We hand vLLM a
 dictConfig file (VLLM_LOGGING_CONFIG_PATH, inherited by the children through the environment)
-that uses Celery's line format on stderr, so every line of a worker reads the same way.
+that uses Celery's line format (plus the logger name) on stderr, so every line of a worker
+reads the same way.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.errors import INVALID_MODEL_CONFIG, MODEL_NOT_FOUND, RequestError
-from app.settings import VigilSettings, get_settings
+from app.errors import MODEL_NOT_FOUND, RequestError
+from app.settings import SettingsError, VigilSettings, get_settings
 
 QUEUE_PREFIX = "vigil.pool."
 TINY_LLAMA = "tiny-llama"
@@ -95,7 +95,7 @@ class ModelRegistry:
 
 
 def load_registry(settings: VigilSettings) -> ModelRegistry:
-    """Builtins plus `settings.models_file`; a bad file raises RequestError(invalid_model_config)."""
+    """Builtins plus `settings.models_file`; a bad file raises SettingsError naming the variable."""
     specs = {s.name: s for s in _builtins(settings)}
     if settings.models_file is not None:
         try:
@@ -104,9 +104,8 @@ def load_registry(settings: VigilSettings) -> ModelRegistry:
                 spec = ModelSpec(**entry)
                 specs[spec.name] = spec
         except (OSError, ValueError, ValidationError, AttributeError) as e:
-            raise RequestError.of(
-                INVALID_MODEL_CONFIG, f"VIGIL_MODELS_FILE={settings.models_file}: {e}"
-            ) from None
+            raise SettingsError(
+                f"invalid settings: VIGIL_MODELS_FILE={settings.models_file}: {e}") from None
     return ModelRegistry(list(specs.values()))
 
 

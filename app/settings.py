@@ -86,6 +86,11 @@ class VigilSettings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return v
 
+    @field_validator("models_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        return None if v == "" else v
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, v: str) -> str:

@@ -207,6 +207,27 @@ class CpuMeter:
         return {k: 100.0 * v / wall for k, v in sorted(agg.items()) if 100.0 * v / wall >= 0.5}
 
 
+def collect(results) -> tuple[list, list[str]]:
+    """Wait for every AsyncResult: (values of the successes, errors as 'Type: message')."""
+    values, errors = [], []
+    for res in results:
+        try:
+            values.append(res.get(timeout=GET_TIMEOUT_S))
+        except Exception as e:  # a failed request is counted and reported, not fatal
+            errors.append(f"{type(e).__name__}: {e}"[:200])
+    return values, errors
+
+
+def _errors_note(errors: list[str]) -> str:
+    if not errors:
+        return ""
+    kinds: dict[str, int] = {}
+    for e in errors:
+        kinds[e] = kinds.get(e, 0) + 1
+    top = max(kinds, key=kinds.get)
+    return f" (!) {len(errors)} FAILED, e.g. {kinds[top]} x {top}"
+
+
 def _pname(p) -> str:
     try:
         name = p.name()
@@ -239,6 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
     p.add_argument("--overhead-requests", type=int, default=2000, help="requests per side (part 2)")
     p.add_argument("--overhead-rounds", type=int, default=2, help="rounds per side (part 2)")
+    p.add_argument("--redis-max-connections", type=int, default=0, metavar="N",
+                   help="raise the worker's Redis connection-pool cap to N (redis-py 8 "
+                        "defaults to 100, below --concurrency); 0 = stock configuration")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
@@ -264,7 +288,6 @@ class Bench:
         self.procs: list = []
         self.cpu = CpuMeter()
         self.cpu.add("bench", os.getpid(), children=False)
-        self.lines: list[str] = []
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -272,7 +295,14 @@ class Bench:
     # -- helpers ----------------------------------------------------------------------------
     def start_worker(self, name: str, **env: str):
         log = self.tmp / f"{name}.log"
-        proc = self.emb.start_worker(self.redis.url, f"{name}@%h", log,
+        if self.args.redis_max_connections:
+            # redis-py 8 caps a connection pool at 100 connections by default, below the
+            # worker's task threads; raise the cap for Vigil's store and Celery's result backend
+            # (URL query), keep the plain URL for the broker (kombu refuses the parameter).
+            capped = f"{self.redis.url}?max_connections={self.args.redis_max_connections}"
+            env = {"VIGIL_REDIS_URL": capped, "CELERY_RESULT_BACKEND": capped,
+                   "CELERY_BROKER_URL": self.redis.url, **env}
+        proc = self.emb.start_worker(env.pop("VIGIL_REDIS_URL", self.redis.url), f"{name}@%h", log,
                                      concurrency=self.args.concurrency, pools=MODEL,
                                      VIGIL_IDLE_CLEANUP="0", **env)
         self.procs.append(proc)
@@ -341,8 +371,7 @@ class Bench:
             for profile, (proc, task) in noops.items():
                 sides[f"noop-{profile}"] = (lambda t: lambda i: t.delay(i))(task)
             for side, submit in sides.items():  # warm: connections, threads, imports
-                for r in [submit(i) for i in range(200)]:
-                    r.get(timeout=120)
+                collect([submit(i) for i in range(200)])
             pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
             times: dict[str, list[float]] = {s: [] for s in sides}
             cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
@@ -352,11 +381,9 @@ class Bench:
                     self.cpu.add("worker", pids[side])
 
                     def go():
-                        rs = [submit(i) for i in range(n)]
-                        for r in rs:
-                            r.get(timeout=GET_TIMEOUT_S)
+                        return collect([submit(i) for i in range(n)])[1]
 
-                    wall, _, cpu = self.measure(go)
+                    wall, errors, cpu = self.measure(go)
                     self.cpu.remove("worker")
                     per_us = 1e6 * wall / n
                     wcpu = sum(v for key, v in cpu.items() if key.startswith("worker")) * wall / 100
@@ -364,7 +391,8 @@ class Bench:
                     cpu_ms[side].append(1e3 * wcpu / n)
                     self.say(f"overhead round {k + 1} {side:16s}: {n} req in {wall:6.2f} s = "
                              f"{n / wall:7.1f} req/s, {per_us:7.0f} us/req, worker CPU "
-                             f"{1e3 * wcpu / n:.2f} ms/req | cpu% {_fmt_cpu(cpu)}")
+                             f"{1e3 * wcpu / n:.2f} ms/req{_errors_note(errors)} | cpu% "
+                             f"{_fmt_cpu(cpu)}")
             med = {s: statistics.median(v) for s, v in times.items()}
             med_cpu = {s: statistics.median(v) for s, v in cpu_ms.items()}
             return {"median_us": med, "median_worker_cpu_ms": med_cpu}
@@ -392,9 +420,8 @@ class Bench:
                      f"concurrency {a.concurrency}")
             # warm-up: one small round each (first steps, connections, thread start-up)
             warm = make_prompts(min(a.requests, 128), 999)
-            for res in [generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
-                        for p in warm]:
-                res.get(timeout=GET_TIMEOUT_S)
+            collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
+                     for p in warm])
             direct.run_round(999, len(warm), 8)
             self.cpu.add("redis", self.redis.proc.pid)
             self.cpu.add("worker", worker.pid)
@@ -410,11 +437,12 @@ class Bench:
                     rs = [generate.delay(model=MODEL, prompt=p, max_tokens=a.max_tokens,
                                          ignore_eos=True) for p in prompts]
                     submit_s.append(time.perf_counter() - t0)
-                    return sum(res.get(timeout=GET_TIMEOUT_S)["completion_tokens"] for res in rs)
+                    values, errors = collect(rs)
+                    return sum(v["completion_tokens"] for v in values), len(values), errors
 
-                wall, tokens, cpu = self.measure(celery_round)
+                wall, (tokens, ok, errors), cpu = self.measure(celery_round)
                 self._report(k, "celery", wall, tokens, cpu, rates,
-                             f" [submit {submit_s[0]:.2f} s]")
+                             f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)}", ok)
 
                 _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests, a.max_tokens))
                 self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates)
@@ -428,12 +456,12 @@ class Bench:
             direct.close(self.emb.stop_process)
             self.emb.stop_process(worker)
 
-    def _report(self, k, side, wall, tokens, cpu, rates, extra: str = "") -> None:
+    def _report(self, k, side, wall, tokens, cpu, rates, extra: str = "", ok=None) -> None:
         a = self.args
-        rate = a.requests / wall
+        rate = (a.requests if ok is None else ok) / wall  # failed requests do not count
         rates[side].append(rate)
-        note = "" if tokens == a.requests * a.max_tokens else (
-            f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}")
+        note = "" if tokens == a.requests * a.max_tokens or ok is not None and ok < a.requests \
+            else f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}"
         self.say(f"round {k + 1} {side:6s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
                  f"({tokens / wall:7.0f} tok/s){note}{extra} | cpu% {_fmt_cpu(cpu)}")
 

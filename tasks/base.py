@@ -51,7 +51,13 @@ class VigilTask(Task):
         now = time.time()
         fields = record_fields(req, now, settings.request_deadline)
         if not self.store.create(request_id, fields):
-            return self.AsyncResult(request_id)  # same id submitted again: one request, one result
+            # The same id submitted again is one request with one result, as long as it is the
+            # same request; reusing an id for a different request is a mistake worth a loud error.
+            existing = self.store.get(request_id) or {}
+            if existing.get("request") not in (None, fields["request"]):
+                raise RequestError(f"invalid_request: request id {request_id!r} is already used "
+                                   "by a different request; use a new task_id")
+            return self.AsyncResult(request_id)
         expires = dt.datetime.fromtimestamp(
             now + effective_deadline(req, settings.request_deadline) + EXPIRES_GRACE_S,
             tz=dt.timezone.utc)
@@ -62,9 +68,12 @@ class VigilTask(Task):
                 # Flower and logs show the model and job, never the prompt (user data).
                 argsrepr="()", kwargsrepr=f"{{model: {req.model!r}, job: {req.job!r}}}",
                 **options)
-        except (OperationalError, OSError) as e:
+        except BaseException as e:
             try:
                 self.store.delete(request_id)  # nothing half-written: no record without a message
             except TransientError:
-                pass
-            raise TransientError.of(REDIS_UNAVAILABLE, f"could not publish the request: {e}") from None
+                pass  # Redis is gone too; the deadline sweep ends the orphaned record
+            if isinstance(e, (OperationalError, OSError)):
+                raise TransientError.of(REDIS_UNAVAILABLE,
+                                        f"could not publish the request: {e}") from None
+            raise

@@ -177,6 +177,21 @@ def test_a_dead_engine_is_rebuilt_by_the_next_request(make_host):
     f.fail_runs_with = None
     assert host.generate(req(), A, "r2", 5).text == "model-a"
     assert host.loads == 2 and len(f.builds()) == 2
+    assert host.restarts == 1 and host.evictions == 0
+
+
+def test_a_switch_whose_requester_timed_out_does_not_block_the_current_model(make_host):
+    f = Factory()
+    host = make_host(f)
+    with ThreadPoolExecutor(8) as pool:
+        a_fut = pool.submit(host.generate, req(), A, "a-long", 10)
+        wait_until(lambda: f.engines and f.engines[0].in_flight == 1)
+        with pytest.raises(TransientError, match="^wedged: "):
+            host.generate(req("model-b"), B, "b-impatient", 0.2)
+        f.gate.set()
+        assert a_fut.result().text == "model-a"
+        assert host.generate(req(), A, "a-next", 5).text == "model-a"
+    assert f.builds() == [("build", "model-a")]
 
 
 def test_request_errors_from_the_engine_are_not_retryable(make_host):

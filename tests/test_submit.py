@@ -93,3 +93,33 @@ def test_the_published_message_is_json_and_hides_the_prompt_from_logs(r, monkeyp
         assert sent["expires"].timestamp() > time.time() + 3600
     finally:
         r.delete(f"vigil:req:{res.id}")
+
+
+def test_reusing_a_request_id_for_a_different_request_is_refused(r, monkeypatch):
+    monkeypatch.setattr(type(app), "send_task",
+                        lambda self, name, args=None, kwargs=None, **o:
+                        self.AsyncResult(o["task_id"]))
+    rid = "reused-id-test"
+    try:
+        first = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "a"}, task_id=rid)
+        same = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "a"}, task_id=rid)
+        assert first.id == same.id == rid
+        with pytest.raises(RequestError, match="already used by a different request"):
+            generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "b"}, task_id=rid)
+    finally:
+        r.delete(f"vigil:req:{rid}")
+
+
+def test_a_failed_publish_leaves_no_record_behind(r, monkeypatch):
+    from kombu.exceptions import OperationalError
+
+    from app.errors import TransientError
+
+    def boom(self, name, args=None, kwargs=None, **o):
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(type(app), "send_task", boom)
+    before = queue_state(r)
+    with pytest.raises(TransientError, match="^redis_unavailable: "):
+        generate.delay(model="tiny-llama", prompt="hello")
+    assert queue_state(r) == before

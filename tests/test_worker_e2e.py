@@ -14,6 +14,13 @@ from tasks.inference import generate
 pytestmark = pytest.mark.worker
 
 
+def fresh_entry(worker) -> dict:
+    """The worker's registry entry from a heartbeat written after this call."""
+    seen = float(worker.entry()["last_seen"])
+    return wait_for(lambda: (e := worker.entry()) and float(e["last_seen"]) > seen and e, 30,
+                    what="a fresh heartbeat")
+
+
 @pytest.fixture()
 def store(redis_server):
     return RequestStore(redis_server.client(), 3600)
@@ -47,16 +54,14 @@ def test_a_duplicate_delivery_returns_the_stored_result_without_touching_the_eng
     answers with the stored result and the engine serves nothing new."""
     r = generate.delay(model="tiny-llama", prompt="the river sings", max_tokens=8)
     first = r.get(timeout=120)
-    served = int(warm_worker.entry()["served"])
+    served = int(fresh_entry(warm_worker)["served"])
     dups = store.stats().get("duplicate_deliveries", 0)
     again = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
                                                     "prompt": "the river sings", "max_tokens": 8},
                           task_id=r.id, queue="vigil.pool.tiny-llama")
     wait_for(lambda: store.stats().get("duplicate_deliveries", 0) > dups, 60)
     assert again.get(timeout=60) == first
-    seen = float(warm_worker.entry()["last_seen"])
-    entry = wait_for(lambda: (e := warm_worker.entry()) and float(e["last_seen"]) > seen and e, 30)
-    assert int(entry["served"]) == served  # a fresh heartbeat: the engine ran nothing new
+    assert int(fresh_entry(warm_worker)["served"]) == served  # the engine ran nothing new
 
 
 def test_resubmitting_the_same_request_id_is_one_request(warm_worker):
@@ -87,3 +92,18 @@ def test_a_message_sent_around_the_producer_is_validated_in_the_worker(warm_work
                             queue="vigil.pool.tiny-llama")
     with pytest.raises(RequestError, match="^model_not_found: "):
         unknown.get(timeout=60)
+
+
+def test_an_expired_message_ends_with_deadline_exceeded_not_a_celery_revoke(warm_worker):
+    """Given a message whose Celery `expires` has passed, when the worker meets it, then it is not
+    run and `r.get()` raises Vigil's deadline_exceeded (not TaskRevokedError)."""
+    import datetime as dt
+
+    from app.errors import TerminalError
+
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
+    r = app.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": "late"},
+                      queue="vigil.pool.tiny-llama", expires=past)
+    with pytest.raises(TerminalError, match="^deadline_exceeded: "):
+        wait_for(lambda: r.ready(), 60, what="the expired message to be handled")
+        r.get(timeout=5)

@@ -12,11 +12,11 @@ import asyncio
 import concurrent.futures
 
 from app.errors import (
-    ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_RESTARTING, INVALID_REQUEST, PROMPT_TOO_LONG,
+    ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING, INVALID_REQUEST,
+    PROMPT_TOO_LONG,
     TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError, VigilError, WorkerFatalError,
 )
 
-ENGINE_ERROR = "engine_error"
 _CUDA_FATAL = ("cuda error", "illegal memory access", "device-side assert", "cudaerror",
                "cuda_error_illegal_address")
 

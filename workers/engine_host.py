@@ -56,6 +56,7 @@ class EngineHost:
         self._last_used = clock()
         self.loads = 0
         self.evictions = 0
+        self.restarts = 0
         self.peak_in_flight = 0
         self.served = 0
 
@@ -130,6 +131,7 @@ class EngineHost:
             "peak_in_flight": self.peak_in_flight,
             "engine_loads": self.loads,
             "engine_evictions": self.evictions,
+            "engine_restarts": self.restarts,
             "served": self.served,
         }
 
@@ -172,10 +174,19 @@ class EngineHost:
                     raise type(failure[2])(str(failure[2]))
                 if self._inflight > 0:
                     # Drain the current engine (other model, or dead) before replacing it.
-                    if self._switch_to is None:
+                    claimed = self._switch_to is None
+                    if claimed:
                         self._switch_to = spec.name
                     self._state = "draining"
-                    await self._cond.wait()
+                    try:
+                        await self._cond.wait()
+                    except asyncio.CancelledError:
+                        # The request that asked for the switch gave up (timeout): the current
+                        # model's requests must not stay blocked behind a switch nobody wants.
+                        if claimed and self._switch_to == spec.name:
+                            self._switch_to = None
+                            self._cond.notify_all()
+                        raise
                     continue
                 self._load(spec)
                 self._cond.notify_all()
@@ -183,7 +194,12 @@ class EngineHost:
     def _load(self, spec: ModelSpec) -> None:
         # Synchronous on the loop thread: nothing else interleaves with a build, so two loads
         # can never race, and AsyncLLM binds its output handler to this loop.
-        self._shutdown_engine("model change" if self._engine is not None else "")
+        old = self._engine
+        if old is not None and old.dead:
+            self.restarts += 1
+            self._shutdown_engine("")  # a dead engine is replaced, not evicted
+        elif old is not None:
+            self._shutdown_engine("model change")
         self._state = "loading"
         self._switch_to = None
         started = time.monotonic()

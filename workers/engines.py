@@ -45,10 +45,9 @@ def engine_env_defaults() -> None:
 def ensure_model_files(spec: ModelSpec) -> str:
     """The local path of the model's weights, building a locally-built model on first use."""
     if spec.builder == "tiny-llama":
-        from workers.tiny_model import build_tiny_llama, is_built
+        from workers.tiny_model import ensure_tiny_llama
 
-        if not is_built(spec.path):
-            build_tiny_llama(spec.path)
+        ensure_tiny_llama(spec.path)
     return spec.path or spec.name
 
 

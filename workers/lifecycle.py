@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from celery.app import trace as celery_trace
-from celery.signals import worker_init, worker_ready, worker_shutdown
+from celery.signals import task_revoked, worker_init, worker_ready, worker_shutdown
 
+from app.errors import DEADLINE_EXCEEDED, TerminalError, error_from_record
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
 from workers import runtime
@@ -44,6 +46,25 @@ def _on_worker_ready(sender=None, **_):
             log.error("preloading %s failed: %s", pools, e)
 
     threading.Thread(target=_preload, name="vigil-preload", daemon=True).start()
+
+
+@task_revoked.connect
+def _on_task_revoked(sender=None, request=None, expired=False, **_):
+    """Celery dropped an expired message (past deadline + grace) without running it. Give the
+    request its typed end: record FAILED and the backend's REVOKED replaced by the same
+    deadline_exceeded error, so `r.get()` raises a Vigil error, not TaskRevokedError."""
+    if not expired or getattr(sender, "name", "") != "vigil.generate" or request is None:
+        return
+    rt = runtime.get_runtime()
+    err = TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
+                           "could run it (message expired)")
+    won, stored = rt.store.finish(request.id, rt.instance_id, time.time(),
+                                  error_kind=type(err).__name__, error=str(err))
+    if stored.status == "FAILED":
+        sender.backend.mark_as_failure(request.id, error_from_record(stored.error_kind,
+                                                                     stored.error))
+    elif stored.result is not None:
+        sender.backend.mark_as_done(request.id, stored.result)
 
 
 @worker_shutdown.connect

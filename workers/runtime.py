@@ -50,6 +50,8 @@ class WorkerRuntime:
                         engine)
         engine_env_defaults()
         self.engine_kind = engine
+        # The pools this worker serves: those named at start (`vigil worker --pools`), else all.
+        self.pools = list(settings.pools) or self.registry.names()
         self.guard = OrphanGuard() if guard else None
         self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
                                on_change=self._engine_changed)
@@ -57,7 +59,7 @@ class WorkerRuntime:
                                    settings.heartbeat_interval, self._heartbeat_fields)
 
     def _heartbeat_fields(self) -> dict:
-        return {**self.host.snapshot(), "pools": ",".join(self.registry.names()),
+        return {**self.host.snapshot(), "pools": ",".join(self.pools),
                 "engine_kind": self.engine_kind,
                 # None on the CPU: there is no device memory to report (DESIGN.md section 5)
                 "device_free_bytes": None, "device_total_bytes": None}

@@ -10,7 +10,7 @@ import random
 import time
 
 from app.errors import (
-    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, RequestError, TerminalError, TransientError,
+    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, WORKER_LOST, RequestError, TerminalError, TransientError,
     VigilError, WorkerFatalError, error_from_record,
 )
 from app.schemas import parse_request
@@ -73,7 +73,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         return _fail(rt, request_id, TerminalError.of(
             ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {b.last_error}"))
     if b.action != "run":
-        raise TransientError.of("worker_lost", f"unexpected record state {b.action!r}")
+        raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
 
     try:
         out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout)

@@ -52,6 +52,22 @@ def is_built(path: str | os.PathLike) -> bool:
         return False
 
 
+def ensure_tiny_llama(path: str | os.PathLike) -> Path:
+    """Build tiny-llama into `path` unless a current build is there. Safe when several workers
+    share a cache dir: builders take an exclusive file lock, and a waiter re-checks after it."""
+    import fcntl
+
+    dest = Path(path)
+    if is_built(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_built(dest):
+            build_tiny_llama(dest)
+    return dest
+
+
 def build_tiny_llama(path: str | os.PathLike, seed: int = 0) -> Path:
     """Build tiny-llama into `path` (created; replaced atomically if it exists) and return it.
 
