@@ -263,6 +263,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-max-connections", type=int, default=0, metavar="N",
                    help="raise the worker's Redis connection-pool cap to N (redis-py 8 "
                         "defaults to 100, below --concurrency); 0 = stock configuration")
+    p.add_argument("--submit-threads", type=int, default=1, metavar="N",
+                   help="producer threads calling generate.delay in part 1 (default 1)")
+    p.add_argument("--worker-loglevel", default="INFO",
+                   help="the Vigil worker's --loglevel (vigil worker's default is INFO)")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
@@ -302,11 +306,30 @@ class Bench:
             capped = f"{self.redis.url}?max_connections={self.args.redis_max_connections}"
             env = {"VIGIL_REDIS_URL": capped, "CELERY_RESULT_BACKEND": capped,
                    "CELERY_BROKER_URL": self.redis.url, **env}
-        proc = self.emb.start_worker(env.pop("VIGIL_REDIS_URL", self.redis.url), f"{name}@%h", log,
-                                     concurrency=self.args.concurrency, pools=MODEL,
-                                     VIGIL_IDLE_CLEANUP="0", **env)
+        url = env.pop("VIGIL_REDIS_URL", self.redis.url)
+        env = {"VIGIL_IDLE_CLEANUP": "0", **env}  # the engine stays warm between rounds
+        if self.args.worker_loglevel.upper() == "INFO":
+            proc = self.emb.start_worker(url, f"{name}@%h", log, concurrency=self.args.concurrency,
+                                         pools=MODEL, **env)
+        else:  # app.embedded.start_worker has no log level: the same command, spelled out
+            argv = [sys.executable, "-m", "app.cli", "worker", "--cpu", "--name", f"{name}@%h",
+                    "--concurrency", str(self.args.concurrency), "--pools", MODEL,
+                    "--loglevel", self.args.worker_loglevel]
+            proc = self.emb.start_process(argv, self.emb.vigil_env(url, **env), log)
         self.procs.append(proc)
         return proc, log
+
+    def submit_all(self, task, kwargs_list: list[dict]) -> list:
+        """`task.delay(**kw)` for each; from `--submit-threads` threads when above 1 (the
+        results are rebound to this thread's backend, which is thread-local in Celery)."""
+        n = self.args.submit_threads
+        if n <= 1:
+            return [task.delay(**kw) for kw in kwargs_list]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(n) as ex:
+            ids = list(ex.map(lambda kw: task.delay(**kw).id, kwargs_list))
+        return [task.AsyncResult(i) for i in ids]
 
     def wait_engine(self, r, name: str, proc, log: Path, timeout: float = 300) -> bytes:
         """The worker's registry key once its engine is loaded (`engine_loads` >= 1)."""
@@ -434,8 +457,9 @@ class Bench:
 
                 def celery_round():
                     t0 = time.perf_counter()
-                    rs = [generate.delay(model=MODEL, prompt=p, max_tokens=a.max_tokens,
-                                         ignore_eos=True) for p in prompts]
+                    rs = self.submit_all(
+                        generate, [dict(model=MODEL, prompt=p, max_tokens=a.max_tokens,
+                                        ignore_eos=True) for p in prompts])
                     submit_s.append(time.perf_counter() - t0)
                     values, errors = collect(rs)
                     return sum(v["completion_tokens"] for v in values), len(values), errors

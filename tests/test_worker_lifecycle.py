@@ -15,8 +15,15 @@ pytestmark = pytest.mark.worker
 
 
 def engine_processes(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "orphan_guard" not in " ".join(p.cmdline())]
+    """Live descendants of the worker, less its orphan guard."""
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "orphan_guard" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
 
 
 def test_a_sigkilled_worker_leaves_no_engine_process_behind(redis_server, tmp_path):
