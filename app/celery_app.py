@@ -56,9 +56,16 @@ def create_app(settings: VigilSettings | None = None,
         task_create_missing_queues=False,
         task_queues=[Queue(q) for q in declared_queues(reg)],
         task_default_queue=HOUSEKEEPING_QUEUE,
-        # Task events so Flower shows the lifecycle; sent events are cheap on Redis.
-        worker_send_task_events=True, task_send_sent_event=True,
-        task_track_started=True,
+        # Task events cost ~1 ms of worker CPU per request (bench/README.md), taken from the
+        # engine on a saturated host. Flower turns them on in the workers while it runs (its
+        # enable_events), so its views show the lifecycle; VIGIL_TASK_EVENTS=1 keeps them on.
+        worker_send_task_events=s.task_events, task_send_sent_event=s.task_events,
+        # No STARTED state in the backend: Vigil's record already says RUNNING (and by whom),
+        # and the extra GET+SET+PUBLISH per task was the largest single overhead measured.
+        task_track_started=False,
+        # Every task thread may store a result at once (a whole batch ends in one engine step):
+        # redis-py's default cap of 100 connections would fail finished requests.
+        redis_max_connections=s.worker_concurrency + 64,
         # vLLM and Celery log through one setup (app/logging_setup.py); stdout is not a logger.
         worker_redirect_stdouts=False,
         worker_hijack_root_logger=True,

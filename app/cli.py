@@ -29,7 +29,7 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "app", "worker",
         "-P", "threads", "-c", str(args.concurrency or concurrency),
-        "-n", name, "-Q", ",".join(queues), "-E",
+        "-n", name, "-Q", ",".join(queues), *(["-E"] if get_settings().task_events else []),
         "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
     ]
 

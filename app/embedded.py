@@ -1,7 +1,9 @@
 """The embedded default: a private redis-server and Vigil's processes on one machine.
 
 Used by `vigil demo`, the benchmarks and the test suite. Every process started here is put in its
-own process group and stopped (TERM, then KILL) by `stop`, so nothing is left behind.
+own process group and stopped (TERM, then KILL) by `stop`, so nothing is left behind. Groups, not
+sessions: a new session is a new scheduler autogroup on Linux, and with the engine spinning on
+both cores an autogrouped Redis or producer starved (bench/README.md: "slow mode").
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class EmbeddedRedis:
                 "--appendonly", "yes" if self.appendonly else "no", "--loglevel", "warning"]
         if self.appendonly:
             args += ["--appendfsync", "everysec"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, process_group=0)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         wait_for(lambda: _ping(client), timeout, what=f"redis-server on port {self.port}")
         return self
@@ -115,7 +117,7 @@ def start_process(argv: list[str], env: dict[str, str], log_path: Path | None = 
     try:
         return subprocess.Popen(argv, env=env, cwd=str(REPO), stdout=out,
                                 stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                process_group=0)
     finally:
         if out:
             out.close()

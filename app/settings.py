@@ -75,6 +75,8 @@ class VigilSettings(BaseSettings):
     pools: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Models a worker loads at start (comma-separated)."
     )
+    task_events: bool = Field(False, description="Celery task events from start (Flower turns "
+                              "them on while it runs).")
     log_level: str = "INFO"
     # Prompts and outputs are user data: never logged unless an operator asks for it.
     log_payloads: bool = False

@@ -15,6 +15,9 @@ from app import keys
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
 
+# Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
+REDIS_POOL_HEADROOM = 16
+
 # KEYS[1] record. ARGV: field, value, ... -> 1 created, 0 already there (never overwritten).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -112,14 +115,21 @@ class Begin:
 
 
 def connect(settings: VigilSettings) -> redis.Redis:
-    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast)."""
-    return redis.Redis.from_url(
+    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast).
+
+    The pool blocks (up to redis_timeout) instead of failing when every connection is busy:
+    redis-py's default pool raises "Too many connections" past 100, and a worker's whole batch
+    of task threads finishes in the same engine step.
+    """
+    pool = redis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.worker_concurrency + REDIS_POOL_HEADROOM,
+        timeout=settings.redis_timeout,
         socket_timeout=settings.redis_timeout,
         socket_connect_timeout=settings.redis_timeout,
         health_check_interval=30,
-        decode_responses=False,
     )
+    return redis.Redis(connection_pool=pool)
 
 
 class RequestStore:

@@ -283,11 +283,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "defaults to 100, below --concurrency); 0 = stock configuration")
     p.add_argument("--submit-threads", type=int, default=1, metavar="N",
                    help="producer threads calling generate.delay in part 1 (default 1)")
-    p.add_argument("--worker-loglevel", default="INFO",
-                   help="the Vigil worker's --loglevel (vigil worker's default is INFO)")
+    p.add_argument("--worker-loglevel", default=None,
+                   help="the Vigil worker's --loglevel (default: vigil worker's, "
+                        "VIGIL_LOG_LEVEL or INFO)")
     p.add_argument("--renice-engine", type=int, default=0, metavar="N",
                    help="EXPERIMENT: nice the vLLM EngineCore/worker processes of both sides "
                         "to N (validates a suggested fix; not what Vigil does today)")
+    p.add_argument("--one-session", action="store_true",
+                   help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
+                        "instead of app.embedded's one session per process")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
@@ -329,7 +333,7 @@ class Bench:
                    "CELERY_BROKER_URL": self.redis.url, **env}
         url = env.pop("VIGIL_REDIS_URL", self.redis.url)
         env = {"VIGIL_IDLE_CLEANUP": "0", **env}  # the engine stays warm between rounds
-        if self.args.worker_loglevel.upper() == "INFO":
+        if not self.args.worker_loglevel:
             proc = self.emb.start_worker(url, f"{name}@%h", log, concurrency=self.args.concurrency,
                                          pools=MODEL, **env)
         else:  # app.embedded.start_worker has no log level: the same command, spelled out
@@ -565,10 +569,27 @@ class Bench:
                 shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _one_session() -> None:
+    """EXPERIMENT (--one-session): start every child in a new process group of *this* session
+    instead of a new session, so that all of them share one scheduler autogroup
+    (/proc/sys/kernel/sched_autogroup_enabled). Process groups are kept: stop_process still works."""
+    popen = subprocess.Popen
+
+    class Popen(popen):
+        def __init__(self, *a, **kw):
+            if kw.pop("start_new_session", False):
+                kw["process_group"] = 0
+            super().__init__(*a, **kw)
+
+    subprocess.Popen = Popen
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.direct_server:
         return direct_server()
+    if args.one_session:
+        _one_session()
     return Bench(args).run()
 
 

@@ -12,7 +12,8 @@ from app import app
 from tasks.base import VigilTask
 from workers import lifecycle  # noqa: F401  (connects the worker start-up/shutdown hooks)
 from workers.runtime import get_runtime
-from workers.service import RetryLater, StaleDelivery, serve
+from app.errors import TransientError
+from workers.service import RetryLater, StaleDelivery, backoff, serve
 
 
 @app.task(base=VigilTask, bind=True, name="vigil.generate")
@@ -23,5 +24,9 @@ def generate(self, **kwargs) -> dict:
         return serve(rt, self.request.id, self.request.retries or 0, kwargs)
     except RetryLater as r:
         raise self.retry(exc=r.error, countdown=r.countdown, max_retries=None)
+    except TransientError as e:  # Vigil's own state was unreachable (redis_unavailable): the
+        # request is not at fault, so it goes back to the queue (a later delivery takes it over)
+        raise self.retry(exc=e, countdown=backoff(self.request.retries + 1, rt.settings.retry_backoff,
+                                                  rt.settings.retry_backoff_max), max_retries=None)
     except StaleDelivery:
         raise Ignore()

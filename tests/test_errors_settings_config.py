@@ -70,7 +70,22 @@ def test_celery_is_configured_for_json_late_acks_and_declared_queues_only():
     assert c.broker_transport_options["unacked_restore_throttle"] == 1
     assert [q.name for q in c.task_queues] == declared_queues(get_registry())
     assert HOUSEKEEPING_QUEUE in declared_queues(get_registry())
-    assert c.worker_send_task_events
+    assert c.task_track_started is False  # Vigil's record holds RUNNING; one less write per task
+    assert c.worker_send_task_events is False  # Flower enables events while it runs
+    assert create_app(load_settings(task_events=True)).conf.worker_send_task_events
+
+
+def test_redis_pools_hold_a_connection_per_task_thread():
+    """A whole batch of task threads finishes in one engine step; redis-py's default pool cap
+    (100) made finished requests fail with 'Too many connections' at concurrency 160."""
+    import redis
+
+    from app.store import connect
+
+    s = load_settings(worker_concurrency=160)
+    pool = connect(s).connection_pool
+    assert isinstance(pool, redis.BlockingConnectionPool) and pool.max_connections > 160
+    assert create_app(s).conf.redis_max_connections > 160
 
 
 def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():

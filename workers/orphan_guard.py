@@ -44,7 +44,7 @@ class OrphanGuard:
         # started later never hold the write end, so EOF means exactly "the worker is gone"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers.orphan_guard", str(os.getpid())],
-            stdin=read_fd, close_fds=True, start_new_session=True,
+            stdin=read_fd, close_fds=True, process_group=0,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         os.close(read_fd)
