@@ -7,9 +7,9 @@ Run by bench/throughput.py as
 with `VIGIL_REDIS_URL` naming the Redis. `BENCH_NOOP_PROFILE` picks the configuration:
 
 - `bare` (default): JSON, a result backend, Celery's defaults otherwise (early ack, no events).
-- `vigil-conf`: the Celery settings Vigil uses (acks_late, task events incl. task-sent,
-  track_started) on queue `bench.noop.vconf`, but none of Vigil's code: separates the cost of
-  Celery configuration from the cost of Vigil's own work per request.
+- `vigil-conf`: the Celery settings Vigil uses (read from `app.celery_app.create_app`, so they
+  follow Vigil's configuration) on queue `bench.noop.vconf`, but none of Vigil's code: separates
+  the cost of Celery configuration from the cost of Vigil's own work per request.
 """
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from celery import Celery
 from kombu import Queue
 
 PROFILES = {"bare": "bench.noop", "vigil-conf": "bench.noop.vconf"}
+# Vigil's Celery settings that change the per-task cost.
+VIGIL_KEYS = ("task_acks_late", "task_reject_on_worker_lost", "worker_send_task_events",
+              "task_send_sent_event", "task_track_started", "broker_transport_options",
+              "result_backend_transport_options", "redis_max_connections", "result_expires",
+              "worker_redirect_stdouts")
 
 
 def make_app(profile: str = "bare", redis_url: str | None = None) -> Celery:
@@ -35,9 +40,11 @@ def make_app(profile: str = "bare", redis_url: str | None = None) -> Celery:
         worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
     )
     if profile == "vigil-conf":
-        app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True,
-                        worker_send_task_events=True, task_send_sent_event=True,
-                        task_track_started=True)
+        from app.celery_app import create_app
+        from app.settings import load_settings
+
+        vigil = create_app(load_settings(redis_url=url)).conf
+        app.conf.update({k: vigil[k] for k in VIGIL_KEYS})
 
     app.task(name="bench.noop")(noop)
     return app

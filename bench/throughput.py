@@ -407,7 +407,7 @@ class Bench:
                     "-P", "threads", "-c", str(a.concurrency), "--prefetch-multiplier", "1",
                     "-Q", queue, "-n", f"bench-noop-{profile}@%h"]
             if profile == "vigil-conf":
-                argv += ["-E", "-l", "INFO"]  # exactly the flags `vigil worker` passes
+                argv += ["-l", "INFO"]  # the flags `vigil worker` passes (events per settings)
             proc = self.emb.start_process(
                 argv, self.emb.vigil_env(self.redis.url, BENCH_NOOP_PROFILE=profile), log)
             self.procs.append(proc)
