@@ -21,7 +21,7 @@ def create_app(settings: VigilSettings | None = None,
     s = settings or get_settings()
     reg = registry or get_registry()
     app = Celery("vigil", broker=s.redis_url, backend=s.redis_url,
-                 include=["tasks.inference"])
+                 include=["tasks.inference", "tasks.housekeeping"])
     redis_opts = {
         # Above the longest request + backoff: a healthy long generation is never redelivered.
         "visibility_timeout": s.visibility_timeout,
@@ -73,5 +73,13 @@ def create_app(settings: VigilSettings | None = None,
         task_time_limit=None, task_soft_time_limit=None,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry=True,
+        # Housekeeping. Every beat task is idempotent and lock-guarded, so a second beat is
+        # harmless; each expires before its next run so a backlog of them never piles up.
+        beat_schedule={
+            "vigil.deadline_sweep": {
+                "task": "vigil.deadline_sweep", "schedule": s.deadline_sweep_interval,
+                "options": {"queue": HOUSEKEEPING_QUEUE, "expires": s.deadline_sweep_interval},
+            },
+        },
     )
     return app

@@ -11,6 +11,11 @@
 | vigil:workers               | zset | none                        | instance id -> last_seen (unix seconds)  |
 | vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
 |                             |      |                             | duplicate_deliveries, stale_deliveries   |
+| vigil:deadlines             | zset | none                        | request id -> deadline_at, non-terminal  |
+|                             |      |                             | requests only (create adds, finish drops)|
+|                             |      |                             | read by the deadline sweep               |
+| vigil:lock:{name}           | str  | the holder's lease (PX)     | beat task locks (two beats never both    |
+|                             |      |                             | act); value = holder id                  |
 
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
@@ -21,6 +26,7 @@ from __future__ import annotations
 PREFIX = "vigil:"
 WORKERS = PREFIX + "workers"
 STATS = PREFIX + "stats"
+DEADLINES = PREFIX + "deadlines"
 
 PENDING = "PENDING"
 RUNNING = "RUNNING"
@@ -42,3 +48,8 @@ def inflight(instance_id: int | str) -> str:
 def worker(instance_id: int | str) -> str:
     """One worker instance's registry entry."""
     return f"{PREFIX}worker:{instance_id}"
+
+
+def lock(name: str) -> str:
+    """A beat task's lock."""
+    return f"{PREFIX}lock:{name}"

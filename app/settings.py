@@ -33,6 +33,8 @@ DEFAULT_MAX_TOKENS_CAP = 32768
 # A warm engine holds GiBs; free it after a minute with nothing to do.
 DEFAULT_IDLE_CLEANUP_S = 60.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+# How often beat fails requests past their deadline: a request ends at most this late.
+DEFAULT_DEADLINE_SWEEP_S = 30.0
 # Terminal records (and Celery results) are kept a day for late pollers and duplicate deliveries.
 DEFAULT_RESULT_TTL_S = 86400
 # Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
@@ -65,6 +67,7 @@ class VigilSettings(BaseSettings):
     max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1)
     idle_cleanup: float = Field(DEFAULT_IDLE_CLEANUP_S, ge=0, description="0 keeps engines warm forever.")
     heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0)
+    deadline_sweep_interval: float = Field(DEFAULT_DEADLINE_SWEEP_S, gt=0)
     result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=60)
     worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
     retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)

@@ -18,10 +18,12 @@ from app.settings import VigilSettings
 # Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
 REDIS_POOL_HEADROOM = 16
 
-# KEYS[1] record. ARGV: field, value, ... -> 1 created, 0 already there (never overwritten).
+# KEYS[1] record, KEYS[2] deadline index. ARGV: request_id, deadline_at, field, value, ...
+# -> 1 created, 0 already there (never overwritten).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 1
 """
 
@@ -57,12 +59,17 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return {'run', tostring(attempts)}
 """
 
-# KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats.
-# ARGV: request_id, status, result, error_kind, error, now, ttl.
-# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
+# KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
+# KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
+# inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
+# that a worker holds). -> {1, status, result, error_kind, error} when this write won,
+# {0, ...stored} when it lost.
 _FINISH = """
 local rec = KEYS[1]
 redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+local owner = redis.call('HGET', rec, 'instance')
+if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
 local st = redis.call('HGET', rec, 'status')
 if st == 'SUCCEEDED' or st == 'FAILED' then
   redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
@@ -83,6 +90,13 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then return 0 end
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
 return 1
+"""
+
+
+# KEYS[1] lock. ARGV: owner. Deletes the lock only if this owner still holds it.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -143,6 +157,7 @@ class RequestStore:
         self._begin = client.register_script(_BEGIN)
         self._finish = client.register_script(_FINISH)
         self._release = client.register_script(_RELEASE)
+        self._unlock = client.register_script(_UNLOCK)
 
     def _call(self, fn, *a, **kw):
         try:
@@ -152,14 +167,32 @@ class RequestStore:
 
     def create(self, request_id: str, fields: dict[str, Any]) -> bool:
         """Write a new PENDING record; False (and nothing changed) if the id already exists."""
-        flat: list[Any] = []
+        flat: list[Any] = [request_id, fields.get("deadline_at", "+inf")]
         for k, v in fields.items():
             flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
-        return bool(self._call(self._create, keys=[keys.request(request_id)], args=flat))
+        return bool(self._call(self._create, keys=[keys.request(request_id), keys.DEADLINES],
+                               args=flat))
 
     def delete(self, request_id: str) -> None:
         """Remove a record (used to roll back a submit whose publish failed)."""
-        self._call(self.r.delete, keys.request(request_id))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.request(request_id))
+        pipe.zrem(keys.DEADLINES, request_id)
+        self._call(pipe.execute)
+
+    def past_deadline(self, now: float, limit: int = 100) -> list[str]:
+        """Up to `limit` ids of non-terminal requests whose deadline is before `now`, oldest
+        deadline first (the index holds only non-terminal requests)."""
+        ids = self._call(self.r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take the named lock for `ttl_s` unless someone else holds it."""
+        return bool(self._call(self.r.set, keys.lock(name), owner, nx=True, px=int(ttl_s * 1000)))
+
+    def unlock(self, name: str, owner: str) -> None:
+        """Release the named lock if `owner` still holds it."""
+        self._call(self._unlock, keys=[keys.lock(name)], args=[owner])
 
     def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
               max_attempts: int) -> Begin:
@@ -185,9 +218,9 @@ class RequestStore:
         status = keys.SUCCEEDED if result is not None else keys.FAILED
         reply = self._call(
             self._finish,
-            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS],
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
             args=[request_id, status, json.dumps(result) if result is not None else "",
-                  error_kind, error, now, self.result_ttl],
+                  error_kind, error, now, self.result_ttl, keys.inflight("")],
         )
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 

@@ -6,6 +6,7 @@ worker-tier tests share database 0 with real `celery worker` processes.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from app.embedded import EmbeddedRedis
 
 _redis: EmbeddedRedis | None = None
+UNSERVED_MODEL = "unserved-model"
 # One model cache for the run (the tiny model is built once, ~5 s); reuse the developer's cache
 # when VIGIL_TEST_CACHE_DIR is set.
 CACHE_DIR = Path(os.environ.get("VIGIL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="vigil-test-"))
@@ -25,6 +27,11 @@ def pytest_configure(config):
     _redis = EmbeddedRedis().start()
     os.environ["VIGIL_REDIS_URL"] = _redis.url
     os.environ["VIGIL_CACHE_DIR"] = str(CACHE_DIR)
+    # A pool that no test worker serves (never loaded): requests for it can only end by deadline.
+    models = CACHE_DIR / "test-models.json"
+    models.write_text(json.dumps({"models": [
+        {"name": UNSERVED_MODEL, "path": str(CACHE_DIR / "no-such-weights"), "max_model_len": 512}]}))
+    os.environ["VIGIL_MODELS_FILE"] = str(models)
     os.environ.pop("VIGIL_ENGINE", None)
 
 
