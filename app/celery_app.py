@@ -15,6 +15,18 @@ def declared_queues(registry: ModelRegistry) -> list[str]:
     return [HOUSEKEEPING_QUEUE] + [registry.get(n).queue for n in registry.names()]
 
 
+def _beat_schedule(s: VigilSettings) -> dict:
+    # Beat's own settings decide the timing; the reap timeout travels with the task so the worker
+    # that runs it reaps by the same rule beat was configured with.
+    sched = {"vigil.deadline_sweep": (s.deadline_sweep_interval, "vigil.deadline_sweep", {})}
+    if s.worker_reap_timeout > 0:  # reap_timeout/4: a dead worker is found within 1.25 timeouts
+        sched["vigil.reap_workers"] = (s.worker_reap_timeout / 4, "vigil.reap_workers",
+                                       {"reap_timeout": s.worker_reap_timeout})
+    return {name: {"task": task, "schedule": every, "kwargs": kwargs,
+                   "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
+            for name, (every, task, kwargs) in sched.items()}
+
+
 def create_app(settings: VigilSettings | None = None,
                registry: ModelRegistry | None = None) -> Celery:
     """Build Vigil's Celery app. Connects to nothing: safe at import."""
@@ -75,11 +87,6 @@ def create_app(settings: VigilSettings | None = None,
         broker_connection_retry=True,
         # Housekeeping. Every beat task is idempotent and lock-guarded, so a second beat is
         # harmless; each expires before its next run so a backlog of them never piles up.
-        beat_schedule={
-            "vigil.deadline_sweep": {
-                "task": "vigil.deadline_sweep", "schedule": s.deadline_sweep_interval,
-                "options": {"queue": HOUSEKEEPING_QUEUE, "expires": s.deadline_sweep_interval},
-            },
-        },
+        beat_schedule=_beat_schedule(s),
     )
     return app

@@ -1,8 +1,8 @@
 """Beat housekeeping as plain functions of `(store, now)`: injectable clock, chunked scans,
 per-item failure isolation, a lock so a second beat never double-acts.
 
-So far: the deadline sweep. (The reaper, pool reconcile and job leases are planned: DESIGN.md
-sections 5 and 6.)
+So far: the deadline sweep and the reaper. (Pool reconcile and job leases are planned: DESIGN.md
+section 6.)
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import logging
 import uuid
 from typing import Callable
 
-from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, VigilError
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError, TransientError,
+                        VigilError)
 from app.store import RequestStore
 
 log = logging.getLogger("vigil.housekeeping")
@@ -20,6 +21,9 @@ DEADLINE_SWEEP_LOCK = "deadline_sweep"
 SWEEPER_INSTANCE = 0  # finishes are attributed to no worker instance
 
 OnFailed = Callable[[str, VigilError], None]
+# republish(request_id, record, dispatch): publish the request's message again under `dispatch`.
+Republish = Callable[[str, dict, int], None]
+REAPER_LOCK = "reaper"
 
 
 def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
@@ -62,3 +66,71 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
     if failed:
         log.warning("deadline sweep failed %d request(s) with deadline_exceeded", failed)
     return failed
+
+
+def reap_workers(store: RequestStore, now: float, republish: Republish, on_failed: OnFailed, *,
+                 reap_timeout: float, max_attempts: int, lock_ttl_s: float = 60.0
+                 ) -> dict[str, tuple[int, int]]:
+    """Reap every worker whose last heartbeat is older than `reap_timeout`.
+
+    Each request it held (RUNNING, or PENDING with its message in that worker's consumer:
+    received but not begun, or a retry's delayed message) is published again (same id, dispatch + 1) and handed back to
+    PENDING, or failed when out of attempts (attempts_exhausted) or past its deadline
+    (deadline_exceeded); then the worker's registry entry and in-flight set are dropped. The
+    message is published before the record moves, so the newest dispatch always has a message:
+    Celery's own copy, if it comes back after the visibility timeout, is an older dispatch and is
+    dropped unexecuted. Returns {worker name: (requeued, failed)}; {} when another reaper holds
+    the lock or `reap_timeout` is 0.
+    """
+    if reap_timeout <= 0:
+        return {}
+    owner = uuid.uuid4().hex
+    if not store.try_lock(REAPER_LOCK, owner, lock_ttl_s):
+        return {}
+    report: dict[str, tuple[int, int]] = {}
+    try:
+        for inst in store.silent_workers(now - reap_timeout):
+            name = store.worker_name(inst) or f"instance {inst}"
+            requeued = failed = 0
+            for rid in store.inflight_ids(inst):
+                try:
+                    outcome = _reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
+                except Exception as e:  # one bad record must not keep the others stranded
+                    log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
+                    continue
+                requeued += outcome == "requeued"
+                failed += outcome == "failed"
+            store.drop_worker(inst)
+            report[name] = (requeued, failed)
+            log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s; "
+                        "requeued %d request(s), failed %d", name, inst, reap_timeout, requeued,
+                        failed)
+    finally:
+        store.unlock(REAPER_LOCK, owner)
+    return report
+
+
+def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
+    rec = store.get(rid)
+    # RUNNING under the dead worker, or PENDING with its message held by the dead worker's
+    # consumer (received but not begun, or a retry's ETA message): both need a new message.
+    status = rec.get("status") if rec else None
+    if status not in ("RUNNING", "PENDING") or (status == "RUNNING"
+                                                  and rec.get("instance") != str(inst)):
+        return "skipped"
+    attempts = int(rec.get("attempts", 0))
+    err = None
+    if float(rec.get("deadline_at") or 0) and float(rec["deadline_at"]) < now:
+        err = TerminalError.of(DEADLINE_EXCEEDED, "its worker died and the deadline has passed")
+    elif attempts >= max_attempts:
+        err = TerminalError.of(ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: "
+                               "worker_lost: its worker stopped heartbeating and was reaped")
+    if err is not None:
+        won, _ = store.finish(rid, SWEEPER_INSTANCE, now, error_kind=type(err).__name__,
+                              error=str(err))
+        if won:
+            on_failed(rid, err)
+        return "failed" if won else "skipped"
+    dispatch = int(rec.get("dispatch", 0)) + 1
+    republish(rid, rec, dispatch)
+    return "requeued" if store.requeue(rid, inst, dispatch) else "skipped"

@@ -33,6 +33,10 @@ DEFAULT_MAX_TOKENS_CAP = 32768
 # A warm engine holds GiBs; free it after a minute with nothing to do.
 DEFAULT_IDLE_CLEANUP_S = 60.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+# A worker silent this long is dead: its in-flight requests are requeued elsewhere. Far below
+# Redis' visibility timeout (1 h by default), which is all Celery alone would offer.
+DEFAULT_WORKER_REAP_TIMEOUT_S = 120.0
+MIN_WORKER_REAP_TIMEOUT_S = 30.0
 # How often beat fails requests past their deadline: a request ends at most this late.
 DEFAULT_DEADLINE_SWEEP_S = 30.0
 # Terminal records (and Celery results) are kept a day for late pollers and duplicate deliveries.
@@ -68,6 +72,11 @@ class VigilSettings(BaseSettings):
     idle_cleanup: float = Field(DEFAULT_IDLE_CLEANUP_S, ge=0, description="0 keeps engines warm forever.")
     heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0)
     deadline_sweep_interval: float = Field(DEFAULT_DEADLINE_SWEEP_S, gt=0)
+    worker_reap_timeout: float = Field(DEFAULT_WORKER_REAP_TIMEOUT_S, ge=0,
+                                       description="0 disables the reaper.")
+    # Test-only: lets a test shorten the reap timeout below the production floor. Never set it
+    # in a deployment: a timeout near the heartbeat interval reaps live workers.
+    allow_short_reap_timeout: bool = False
     result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=60)
     worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
     retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)
@@ -117,6 +126,16 @@ class VigilSettings(BaseSettings):
             raise ValueError("retry_backoff_max must be >= retry_backoff")
         return self
 
+    @model_validator(mode="after")
+    def _reap_after_heartbeats(self):
+        t = self.worker_reap_timeout
+        if t > 0 and not self.allow_short_reap_timeout:
+            floor = max(MIN_WORKER_REAP_TIMEOUT_S, 3 * self.heartbeat_interval)
+            if t < floor:
+                raise ValueError(f"worker_reap_timeout must be 0 (off) or >= {floor:g} s "
+                                 "(30 s and 3 heartbeat intervals)")
+        return self
+
     @property
     def visibility_timeout(self) -> int:
         """Seconds Redis keeps an unacked message before redelivering it.
@@ -130,7 +149,9 @@ class VigilSettings(BaseSettings):
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        field = str(e["loc"][0]) if e.get("loc") else "?"
+        field = str(e["loc"][0]) if e.get("loc") else ""
+        if not field:  # a cross-field rule: name the field its message starts with
+            field = str(e.get("msg", "")).removeprefix("Value error, ").split(" ")[0]
         var = ENV_PREFIX + field.upper()
         lines.append(f"{var}: {e['msg']} (got {e.get('input')!r})")
     return "invalid settings: " + "; ".join(lines)

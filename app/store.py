@@ -28,7 +28,9 @@ return 1
 """
 
 # KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats.
-# ARGV: request_id, dispatch, worker, instance, now, max_attempts.
+# ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix.
+# The request leaves its previous holder's in-flight set (a worker keeps a request it released
+# for a retry there until someone begins it: see _RELEASE).
 # -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
 #  | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
 _BEGIN = """
@@ -36,6 +38,7 @@ local rec = KEYS[1]
 local st = redis.call('HGET', rec, 'status')
 if not st then return {'missing'} end
 if st == 'SUCCEEDED' or st == 'FAILED' then
+  redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[3], 'duplicate_deliveries', 1)
   local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
   return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
@@ -43,6 +46,7 @@ end
 local current = tonumber(redis.call('HGET', rec, 'dispatch') or '0')
 local dispatch = tonumber(ARGV[2])
 if dispatch < current then
+  redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[3], 'stale_deliveries', 1)
   return {'stale', tostring(current)}
 end
@@ -53,6 +57,8 @@ if attempts >= tonumber(ARGV[6]) then
   return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
 end
 attempts = attempts + 1
+local prev = redis.call('HGET', rec, 'instance')
+if prev and prev ~= ARGV[4] then redis.call('SREM', ARGV[7] .. prev, ARGV[1]) end
 redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
            'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[1])
@@ -84,14 +90,37 @@ return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
 
 # KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error.
 # Hands a RUNNING request back to the queue for a retry; a no-op (0) if it is no longer ours.
+# The id stays in this worker's in-flight set: the retry's message is an ETA message that this
+# worker's consumer holds unacked until it is due, so if the worker dies now the reaper must
+# still find the request (the next _BEGIN, anywhere, removes it from the set).
 _RELEASE = """
-redis.call('SREM', KEYS[2], ARGV[1])
-if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then return 0 end
+if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 0
+end
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
 return 1
 """
 
+
+# KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
+# new dispatch. Hands a dead worker's request (RUNNING under it, or PENDING: received but not
+# begun, or released for a retry whose ETA message it held) back to PENDING under a newer
+# dispatch (the
+# message for that dispatch was published first, so a newer message always exists); a no-op (0)
+# if the request is terminal or no longer the dead worker's.
+_REQUEUE = """
+redis.call('SREM', KEYS[2], ARGV[1])
+local st = redis.call('HGET', KEYS[1], 'status')
+if st ~= 'RUNNING' and st ~= 'PENDING' then return 0 end
+if st == 'RUNNING' and redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
+local d = tonumber(redis.call('HGET', KEYS[1], 'dispatch') or '0')
+if tonumber(ARGV[3]) > d then d = tonumber(ARGV[3]) end
+redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d,
+           'last_error', 'worker_lost: its worker stopped heartbeating and was reaped')
+return 1
+"""
 
 # KEYS[1] lock. ARGV: owner. Deletes the lock only if this owner still holds it.
 _UNLOCK = """
@@ -158,6 +187,7 @@ class RequestStore:
         self._finish = client.register_script(_FINISH)
         self._release = client.register_script(_RELEASE)
         self._unlock = client.register_script(_UNLOCK)
+        self._requeue = client.register_script(_REQUEUE)
 
     def _call(self, fn, *a, **kw):
         try:
@@ -186,6 +216,39 @@ class RequestStore:
         ids = self._call(self.r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
         return [i.decode() for i in ids]
 
+    def hold(self, request_id: str, instance: int | str) -> None:
+        """Note that this worker instance holds a request's message (received, not yet begun),
+        so the reaper finds it if the worker dies before running it."""
+        self._call(self.r.sadd, keys.inflight(instance), request_id)
+
+    def requeue(self, request_id: str, dead_instance: int | str, dispatch: int) -> bool:
+        """Mark a dead worker's RUNNING request PENDING under `dispatch` (publish that dispatch's
+        message first). False when it had already ended or moved on."""
+        return bool(self._call(self._requeue,
+                               keys=[keys.request(request_id), keys.inflight(dead_instance)],
+                               args=[request_id, dead_instance, dispatch]))
+
+    def silent_workers(self, before: float, limit: int = 100) -> list[str]:
+        """Instance ids whose last heartbeat is older than `before`."""
+        ids = self._call(self.r.zrangebyscore, keys.WORKERS, "-inf", before, start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def inflight_ids(self, instance: int | str) -> list[str]:
+        """A worker instance's in-flight request ids (bounded by its concurrency)."""
+        return [r.decode() for r in self._call(self.r.smembers, keys.inflight(instance))]
+
+    def worker_name(self, instance: int | str) -> str:
+        """The Celery node name a worker instance registered with ('' if unknown)."""
+        name = self._call(self.r.hget, keys.worker(instance), "name")
+        return name.decode() if name else ""
+
+    def drop_worker(self, instance: int | str) -> None:
+        """Remove a worker instance's registry entry and in-flight set."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.worker(instance), keys.inflight(instance))
+        pipe.zrem(keys.WORKERS, str(instance))
+        self._call(pipe.execute)
+
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         """Take the named lock for `ttl_s` unless someone else holds it."""
         return bool(self._call(self.r.set, keys.lock(name), owner, nx=True, px=int(ttl_s * 1000)))
@@ -200,7 +263,7 @@ class RequestStore:
         reply = self._call(
             self._begin,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS],
-            args=[request_id, dispatch, worker, instance, now, max_attempts],
+            args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight("")],
         )
         action = reply[0].decode()
         if action == "done":

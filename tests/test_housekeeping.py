@@ -94,3 +94,136 @@ def test_a_held_lock_makes_a_second_sweep_do_nothing(store):
     assert sweep_deadlines(store, T0 + 5, lambda *a: None) == 0
     store.unlock("deadline_sweep", "other-beat")
     assert sweep_deadlines(store, T0 + 5, lambda *a: None) == 1
+
+
+# -- the reaper ----------------------------------------------------------------------------------
+from app.housekeeping import reap_workers  # noqa: E402
+
+
+def register(store, instance, name, last_seen):
+    store.r.hset(keys.worker(instance), mapping={"name": name, "last_seen": last_seen})
+    store.r.zadd(keys.WORKERS, {str(instance): last_seen})
+
+
+def run_on(store, instance, rid, now=T0, deadline_s=3600.0):
+    add(store, rid, created=now, deadline_s=deadline_s)
+    assert store.begin(rid, 0, "w", instance, now, 3).action == "run"
+
+
+class Published(list):
+    def __call__(self, rid, rec, dispatch):
+        self.append((rid, dispatch, rec["pool"]))
+
+
+def reap(store, now, published, failed=None, max_attempts=3):
+    failed = [] if failed is None else failed
+    return reap_workers(store, now, published, lambda rid, e: failed.append((rid, str(e))),
+                        reap_timeout=120, max_attempts=max_attempts)
+
+
+def test_a_silent_workers_requests_are_republished_under_a_new_dispatch(store):
+    """Given a worker silent past the reap timeout holding two requests and a live worker holding
+    one, when the reaper runs, then the dead worker's requests are published again (dispatch 1)
+    and back to PENDING, its entry is gone, and the live worker is untouched."""
+    register(store, 1, "dead@h", T0)
+    register(store, 2, "alive@h", T0 + 200)
+    run_on(store, 1, "a")
+    run_on(store, 1, "b")
+    run_on(store, 2, "c")
+    published = Published()
+    report = reap(store, T0 + 201, published)
+    assert report == {"dead@h": (2, 0)}
+    assert sorted(published) == [("a", 1, "tiny-llama"), ("b", 1, "tiny-llama")]
+    for rid in "ab":
+        rec = store.get(rid)
+        assert rec["status"] == "PENDING" and rec["dispatch"] == "1"
+    assert store.get("c")["status"] == "RUNNING"
+    assert store.r.exists(keys.worker(1), keys.inflight(1)) == 0
+    assert store.r.zscore(keys.WORKERS, "1") is None and store.r.zscore(keys.WORKERS, "2")
+
+
+def test_celerys_own_copy_coming_back_later_is_dropped_and_the_requeue_runs(store):
+    register(store, 1, "dead@h", T0)
+    run_on(store, 1, "a")
+    reap(store, T0 + 500, Published())
+    assert store.begin("a", 0, "w2", 9, T0 + 600, 3).action == "stale"  # visibility-timeout copy
+    b = store.begin("a", 1, "w2", 9, T0 + 600, 3)
+    assert b.action == "run" and b.attempts == 2
+
+
+def test_a_dead_workers_request_out_of_attempts_or_time_is_failed_not_requeued(store):
+    register(store, 1, "dead@h", T0)
+    run_on(store, 1, "tired")
+    run_on(store, 1, "late", deadline_s=100)
+    published, failed = Published(), []
+    report = reap(store, T0 + 200, published, failed, max_attempts=1)
+    assert published == [] and report == {"dead@h": (0, 2)}
+    codes = dict((rid, msg.split(":")[0]) for rid, msg in failed)
+    assert codes == {"tired": "attempts_exhausted", "late": "deadline_exceeded"}
+    assert store.get("tired")["status"] == store.get("late")["status"] == "FAILED"
+
+
+def test_a_restarted_worker_with_the_same_name_gets_a_fresh_entry_and_the_old_one_is_reaped(store):
+    register(store, 1, "gpu0@h", T0)
+    run_on(store, 1, "a")
+    register(store, 3, "gpu0@h", T0 + 200)  # same hostname, new instance id
+    report = reap(store, T0 + 201, Published())
+    assert report == {"gpu0@h": (1, 0)}
+    assert store.r.exists(keys.worker(3)) and not store.r.exists(keys.worker(1))
+
+
+def test_two_reapers_at_once_requeue_each_request_once(store):
+    register(store, 1, "dead@h", T0)
+    for i in range(50):
+        run_on(store, 1, f"r{i}")
+    published = Published()
+    threads = [threading.Thread(target=reap, args=(store, T0 + 500, published)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(r for r, _, _ in published) == sorted(f"r{i}" for i in range(50))
+
+
+def test_a_reap_timeout_below_the_floor_is_refused_unless_a_test_allows_it():
+    from app.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="VIGIL_WORKER_REAP_TIMEOUT"):
+        load_settings(worker_reap_timeout=10)
+    assert load_settings(worker_reap_timeout=0).worker_reap_timeout == 0
+    assert load_settings(worker_reap_timeout=5, allow_short_reap_timeout=True).worker_reap_timeout == 5
+
+
+def test_a_request_waiting_on_a_retry_held_by_a_dead_worker_is_requeued(store):
+    """Given a worker that released a request for a retry (its ETA message sits unacked in that
+    worker's consumer) and then died, the reaper still finds and republishes the request."""
+    register(store, 1, "dead@h", T0)
+    run_on(store, 1, "retrying")
+    assert store.release("retrying", 1, 1, "engine_restarting: x")
+    published = Published()
+    assert reap(store, T0 + 500, published) == {"dead@h": (1, 0)}
+    assert published == [("retrying", 2, "tiny-llama")]
+    assert store.get("retrying")["dispatch"] == "2"
+
+
+def test_beginning_a_request_takes_it_out_of_its_previous_holders_set(store):
+    run_on(store, 1, "moved")
+    store.release("moved", 1, 1, "engine_restarting: x")
+    assert store.r.sismember(keys.inflight(1), "moved")
+    assert store.begin("moved", 1, "w2", 2, T0, 3).action == "run"
+    assert not store.r.sismember(keys.inflight(1), "moved")
+    assert store.r.sismember(keys.inflight(2), "moved")
+
+
+def test_a_message_received_but_not_begun_by_a_dead_worker_is_requeued(store):
+    """Given a worker that received a request's message (held, not begun) and died, the reaper
+    republishes it; a stale or duplicate delivery leaves no trace in a worker's set."""
+    register(store, 1, "dead@h", T0 - 200)
+    add(store, "held")
+    store.hold("held", 1)
+    published = Published()
+    assert reap(store, T0 + 10, published) == {"dead@h": (1, 0)}
+    assert published == [("held", 1, "tiny-llama")]
+    store.hold("held", 5)
+    assert store.begin("held", 0, "w", 5, T0, 3).action == "stale"
+    assert not store.r.sismember(keys.inflight(5), "held")

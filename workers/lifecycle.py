@@ -11,9 +11,10 @@ import threading
 import time
 
 from celery.app import trace as celery_trace
-from celery.signals import task_revoked, worker_init, worker_ready, worker_shutdown
+from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
+                            worker_shutdown)
 
-from app.errors import DEADLINE_EXCEEDED, TerminalError, error_from_record
+from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, error_from_record
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
 from workers import runtime
@@ -46,6 +47,20 @@ def _on_worker_ready(sender=None, **_):
             log.error("preloading %s failed: %s", pools, e)
 
     threading.Thread(target=_preload, name="vigil-preload", daemon=True).start()
+
+
+@task_received.connect
+def _on_task_received(sender=None, request=None, **_):
+    """A generate message reached this worker's consumer: record that this instance holds it,
+    so if the worker dies before a thread begins it, the reaper still finds it (otherwise only
+    Redis' visibility timeout would bring it back)."""
+    if request is None or getattr(request, "name", "") != "vigil.generate":
+        return
+    rt = runtime.get_runtime()
+    try:
+        rt.store.hold(request.id, rt.instance_id)
+    except TransientError as e:  # Redis blip: the visibility timeout remains the backstop
+        log.warning("could not record holding %s: %s", request.id, e)
 
 
 @task_revoked.connect
