@@ -34,7 +34,8 @@ DEFAULT_MAX_TOKENS_CAP = 32768
 DEFAULT_IDLE_CLEANUP_S = 60.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 # A worker silent this long is dead: its in-flight requests are requeued elsewhere. Far below
-# Redis' visibility timeout (1 h by default), which is all Celery alone would offer.
+# the visibility timeout (720 s with Vigil's defaults; kombu's own default is 1 h), which is all
+# Celery alone would offer for a dead threads-pool worker.
 DEFAULT_WORKER_REAP_TIMEOUT_S = 120.0
 MIN_WORKER_REAP_TIMEOUT_S = 30.0
 # How often beat fails requests past their deadline: a request ends at most this late.
