@@ -6,6 +6,8 @@ section 6.)
 """
 from __future__ import annotations
 
+import datetime as dt
+import json
 import logging
 import uuid
 from typing import Callable
@@ -108,6 +110,33 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     finally:
         store.unlock(REAPER_LOCK, owner)
     return report
+
+
+def republish_request(request_id: str, record: dict, dispatch: int) -> None:
+    """Publish a request again (same id, its pool's queue) under `dispatch` (Celery's `retries`
+    header, which the worker reads as the dispatch number)."""
+    from app import app
+    from app.models import queue_for
+    from app.submit import EXPIRES_GRACE_S
+
+    kwargs = json.loads(record["request"])
+    expires = dt.datetime.fromtimestamp(float(record["deadline_at"]) + EXPIRES_GRACE_S,
+                                        tz=dt.timezone.utc)
+    app.send_task("vigil.generate", kwargs=kwargs, task_id=request_id, retries=dispatch,
+                  queue=queue_for(record["pool"]), expires=expires, argsrepr="()",
+                  kwargsrepr=f"{{model: {record['model']!r}, job: {record['job']!r}}}")
+
+
+def hand_back(store: RequestStore, now: float, instance: int | str, republish: Republish,
+              on_failed: OnFailed, max_attempts: int) -> tuple[int, int]:
+    """Requeue (or fail, when out of attempts or time) every request a worker instance holds:
+    the reaper's rule, applied by a worker to itself at shutdown. Returns (requeued, failed)."""
+    requeued = failed = 0
+    for rid in store.inflight_ids(instance):
+        outcome = _reap_one(store, now, rid, instance, republish, on_failed, max_attempts)
+        requeued += outcome == "requeued"
+        failed += outcome == "failed"
+    return requeued, failed
 
 
 def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:

@@ -16,6 +16,10 @@ from app.models import ModelRegistry, ModelSpec
 from app.schemas import GenerateRequest, parse_request
 from app.settings import VigilSettings
 
+# A worker refuses a message this long past the request's deadline without running it; the
+# deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
+EXPIRES_GRACE_S = 300.0
+
 
 def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
           ) -> tuple[GenerateRequest, ModelSpec]:

@@ -12,11 +12,8 @@ from app.errors import REDIS_UNAVAILABLE, RequestError, TerminalError, Transient
 from app.models import get_registry
 from app.settings import get_settings
 from app.store import RequestStore, connect
-from app.submit import admit, effective_deadline, record_fields, wire_kwargs
+from app.submit import EXPIRES_GRACE_S, admit, effective_deadline, record_fields, wire_kwargs
 
-# A worker refuses a message this long past the request's deadline without running it; the
-# deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
-EXPIRES_GRACE_S = 300.0
 
 
 class VigilTask(Task):

@@ -1,17 +1,13 @@
 """Beat tasks (thin): each calls a `(store, now)` function in app/housekeeping.py."""
 from __future__ import annotations
 
-import datetime as dt
-import json
 import time
 
 from app import app
 from app.celery_app import HOUSEKEEPING_QUEUE
-from app.housekeeping import reap_workers, sweep_deadlines
-from app.models import queue_for
+from app.housekeeping import reap_workers, republish_request, sweep_deadlines
 from app.settings import get_settings
 from app.store import RequestStore, connect
-from tasks.base import EXPIRES_GRACE_S
 
 _store: RequestStore | None = None
 
@@ -32,16 +28,6 @@ def deadline_sweep() -> int:
                            lambda rid, err: app.backend.mark_as_failure(rid, err))
 
 
-def _republish(request_id: str, record: dict, dispatch: int) -> None:
-    """Publish a request again (same id) under `dispatch` (Celery's `retries` header)."""
-    kwargs = json.loads(record["request"])
-    expires = dt.datetime.fromtimestamp(float(record["deadline_at"]) + EXPIRES_GRACE_S,
-                                        tz=dt.timezone.utc)
-    app.send_task("vigil.generate", kwargs=kwargs, task_id=request_id, retries=dispatch,
-                  queue=queue_for(record["pool"]), expires=expires, argsrepr="()",
-                  kwargsrepr=f"{{model: {record['model']!r}, job: {record['job']!r}}}")
-
-
 @app.task(name="vigil.reap_workers", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def reap(reap_timeout: float | None = None) -> int:
@@ -49,6 +35,6 @@ def reap(reap_timeout: float | None = None) -> int:
     this worker's VIGIL_WORKER_REAP_TIMEOUT if not given); returns how many were reaped."""
     s = get_settings()
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
-    return len(reap_workers(_get_store(), time.time(), _republish,
+    return len(reap_workers(_get_store(), time.time(), republish_request,
                             lambda rid, err: app.backend.mark_as_failure(rid, err),
                             reap_timeout=timeout, max_attempts=s.max_attempts))

@@ -6,14 +6,14 @@
 """
 from __future__ import annotations
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 
 from app import app
 from tasks.base import VigilTask
 from workers import lifecycle  # noqa: F401  (connects the worker start-up/shutdown hooks)
 from workers.runtime import get_runtime
 from app.errors import TransientError
-from workers.service import RetryLater, StaleDelivery, backoff, serve
+from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, serve
 
 
 @app.task(base=VigilTask, bind=True, name="vigil.generate")
@@ -30,3 +30,5 @@ def generate(self, **kwargs) -> dict:
                                                   rt.settings.retry_backoff_max), max_retries=None)
     except StaleDelivery:
         raise Ignore()
+    except GiveBack:  # stopping: back on the queue, untouched, for another worker
+        raise Reject(requeue=True)

@@ -203,3 +203,20 @@ def test_request_errors_from_the_engine_are_not_retryable(make_host):
     host = make_host(f)
     with pytest.raises(RequestError, match="^token_out_of_vocab: "):
         host.generate(req(), A, "r1", 5)
+
+
+def test_drain_aborts_in_flight_requests_and_refuses_new_ones(make_host):
+    from workers.engine_host import HandedBack
+
+    f = Factory()
+    host = make_host(f)
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(host.generate, req(), A, f"r{i}", 10) for i in range(3)]
+        wait_until(lambda: f.engines and f.engines[0].in_flight == 3)
+        assert host.drain() == 3
+        for x in futs:
+            with pytest.raises(HandedBack):
+                x.result()
+    wait_until(lambda: f.engines[0].cancelled == 3)
+    with pytest.raises(HandedBack):
+        host.generate(req(), A, "late", 5)

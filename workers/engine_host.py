@@ -32,6 +32,10 @@ log = logging.getLogger("vigil.engine")
 EngineFactory = Callable[[ModelSpec], object]
 
 
+class HandedBack(Exception):
+    """The worker is stopping and handed this request back to the queue: drop this delivery."""
+
+
 class EngineHost:
     """Owns the loop thread and the warm engine. Thread-safe entry points: generate, preload,
     snapshot, shutdown."""
@@ -59,6 +63,9 @@ class EngineHost:
         self.restarts = 0
         self.peak_in_flight = 0
         self.served = 0
+        self._draining = False
+        self._futures: set[concurrent.futures.Future] = set()
+        self._futures_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "EngineHost":
@@ -101,18 +108,48 @@ class EngineHost:
         Raises a classified VigilError; on timeout the request is aborted in the engine and
         TransientError(wedged) is raised.
         """
+        if self._draining:
+            raise HandedBack(engine_request_id)
         arrived = self._clock()
         fut = asyncio.run_coroutine_threadsafe(
             self._generate(req, spec, engine_request_id, arrived), self._loop)
+        with self._futures_lock:
+            self._futures.add(fut)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError as e:
             fut.cancel()  # CancelledError inside the engine's generate aborts the request there
             raise classify(e) from None
+        except concurrent.futures.CancelledError:
+            if self._draining:
+                raise HandedBack(engine_request_id) from None
+            raise
         except VigilError as e:
             # A fresh exception: vLLM hands one shared error object to every request, and
             # re-raising it from many threads grows one traceback without bound.
             raise type(e)(str(e)) from None
+        finally:
+            with self._futures_lock:
+                self._futures.discard(fut)
+
+    @property
+    def draining(self) -> bool:
+        """True once the worker is stopping: no new request enters the engine."""
+        return self._draining
+
+    def refuse_new(self) -> None:
+        """Stop taking requests (callers get HandedBack); those in flight carry on."""
+        self._draining = True
+
+    def drain(self) -> int:
+        """Stop taking requests and abort every one in flight (their callers get HandedBack);
+        the worker has handed them back to the queue. Returns how many were aborted."""
+        self._draining = True
+        with self._futures_lock:
+            futures = list(self._futures)
+        for f in futures:
+            f.cancel()  # the engine aborts the request (CancelledError inside generate)
+        return len(futures)
 
     def preload(self, spec: ModelSpec, timeout: float) -> None:
         """Load `spec`'s engine now (worker start for configured pools)."""

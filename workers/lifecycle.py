@@ -12,7 +12,7 @@ import time
 
 from celery.app import trace as celery_trace
 from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
-                            worker_shutdown)
+                            worker_shutdown, worker_shutting_down)
 
 from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, error_from_record
 from app.logging_setup import configure_vllm_logging
@@ -20,6 +20,7 @@ from app.settings import get_settings
 from workers import runtime
 
 log = logging.getLogger("vigil.worker")
+_hand_back_thread: threading.Thread | None = None
 
 
 @worker_init.connect
@@ -82,6 +83,24 @@ def _on_task_revoked(sender=None, request=None, expired=False, **_):
         sender.backend.mark_as_done(request.id, stored.result)
 
 
+@worker_shutting_down.connect
+def _on_worker_shutting_down(sender=None, **_):
+    """SIGTERM/SIGINT: hand in-flight requests back to the queue at once, instead of making
+    them wait for this worker's warm shutdown or the reaper. Runs on its own thread: this
+    signal is sent from inside Celery's signal handler, where Redis I/O must not happen."""
+    def _run():
+        try:
+            runtime.get_runtime().hand_back()
+        except Exception as e:  # the reaper remains the backstop
+            log.error("handing back in-flight requests failed: %s", e)
+
+    global _hand_back_thread
+    _hand_back_thread = threading.Thread(target=_run, name="vigil-hand-back", daemon=True)
+    _hand_back_thread.start()
+
+
 @worker_shutdown.connect
 def _on_worker_shutdown(sender=None, **_):
+    if _hand_back_thread is not None:
+        _hand_back_thread.join(timeout=30)
     runtime.uninstall()

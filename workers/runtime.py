@@ -84,6 +84,28 @@ class WorkerRuntime:
             self.host.preload(self.registry.get(name), timeout=self.settings.request_timeout)
             log.info("preloaded %s in %.1f s", name, time.monotonic() - started)
 
+    def hand_back(self) -> tuple[int, int]:
+        """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds
+        again (same id, next dispatch) so another worker takes it now instead of after the reap
+        timeout, abort them in the engine, and unregister. Returns (requeued, failed)."""
+        from app.housekeeping import hand_back, republish_request
+
+        # Order matters: refuse new deliveries first (they go back on the queue untouched), then
+        # republish what is held, then abort it in the engine. A delivery that slipped in
+        # between is still RUNNING here when aborted, and retries itself (service.serve).
+        self.host.refuse_new()
+        self.heartbeat.stop(unregister=False)
+        from app import app
+
+        done = hand_back(self.store, time.time(), self.instance_id, republish_request,
+                         lambda rid, err: app.backend.mark_as_failure(rid, err),
+                         self.settings.max_attempts)
+        aborted = self.host.drain()
+        self.store.drop_worker(self.instance_id)
+        log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
+                    "failed %d out of attempts or time", self.name, done[0], aborted, done[1])
+        return done
+
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""
         self.heartbeat.stop(unregister=True)

@@ -16,6 +16,7 @@ from app.errors import (
 from app.schemas import parse_request
 from app.store import Outcome
 from app.submit import record_fields
+from workers.engine_host import HandedBack
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
@@ -32,6 +33,10 @@ class RetryLater(Exception):
 
 class StaleDelivery(Exception):
     """A superseded copy of a request (an older dispatch); drop it without running."""
+
+
+class GiveBack(Exception):
+    """The worker is stopping: put this message back on its queue untouched for another worker."""
 
 
 def backoff(attempt: int, base: float, cap: float, rng: random.Random = random) -> float:
@@ -58,6 +63,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         spec = rt.registry.get(req.model)
     except RequestError as e:
         return _fail(rt, request_id, e)
+    if rt.host.draining:
+        raise GiveBack(request_id)
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))
@@ -77,6 +84,13 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
 
     try:
         out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout)
+    except HandedBack:
+        # The stopping worker republished what it held (its record moved to a newer dispatch):
+        # this copy is stale. A request begun after that scan is still ours: retry it at once.
+        if rt.store.release(request_id, rt.instance_id, dispatch + 1,
+                            "worker_lost: the worker stopped"):
+            raise RetryLater(TransientError.of(WORKER_LOST, "the worker stopped"), 0) from None
+        raise StaleDelivery(request_id) from None
     except (TransientError, WorkerFatalError) as e:  # the fleet's or the worker's fault: retry
         if b.attempts >= s.max_attempts:
             return _fail(rt, request_id, TerminalError.of(

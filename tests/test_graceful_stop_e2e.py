@@ -1,0 +1,59 @@
+"""Worker tier: SIGTERM (a PaaS stop) hands in-flight requests to another worker at once."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from app import keys
+from app.embedded import wait_for
+from app.store import RequestStore
+from tasks.inference import generate
+from tests.conftest import RunningWorker
+
+pytestmark = pytest.mark.worker
+
+
+def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
+        warm_worker, redis_server, tmp_path):
+    """Given two workers and no beat at all (so no reaper can help), when one gets SIGTERM with
+    long generations in flight, then it hands them back at once: every request completes
+    exactly once, those it held on the other worker, and the stopped worker exits cleanly."""
+    store = RequestStore(redis_server.client(), 3600)
+    victim = RunningWorker(redis_server, "leaver@testhost", tmp_path)
+    try:
+        inst = victim.wait_engine()["instance_id"]
+        warm_inst = warm_worker.entry()["instance_id"]
+        dup_before = store.stats().get("duplicate_results", 0)
+        rs = [generate.delay(model="tiny-llama", prompt=f"a very long tale {i}", max_tokens=480,
+                             ignore_eos=True) for i in range(24)]
+
+        def all_taken() -> bool:
+            if store.r.llen("vigil.pool.tiny-llama"):
+                return False
+            sets = store.r.smembers(keys.inflight(inst)) | store.r.smembers(keys.inflight(warm_inst))
+            return all(r.id.encode() in sets or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")
+                       for r in rs)
+
+        wait_for(all_taken, 120, what="every request to be taken by a worker")
+        held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
+        assert held, "the leaving worker took no request"
+        stopped_at = time.monotonic()
+        victim.proc.send_signal(signal.SIGTERM)
+        outs = [r.get(timeout=300) for r in rs]
+        done_s = time.monotonic() - stopped_at
+        print(f"\n{len(held)} requests handed back by SIGTERM; all 24 done {done_s:.1f} s later")
+        by_id = {o["request_id"]: o for o in outs}
+        moved = [rid for rid in held if by_id[rid]["worker"] == "warm@testhost"]
+        # Each held request (running, or received and not begun yet) either finished on the
+        # leaving worker before the hand-back reached it or completed on the other one; none
+        # was lost or doubled.
+        assert moved
+        assert all(by_id[rid]["worker"] in ("warm@testhost", "leaver@testhost") for rid in held)
+        assert store.stats().get("duplicate_results", 0) == dup_before
+        assert victim.proc.wait(timeout=120) == 0
+        assert victim.entry() is None
+        assert "handed back" in victim.log.read_text()
+    finally:
+        victim.stop()
