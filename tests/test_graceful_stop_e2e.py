@@ -10,7 +10,7 @@ from app import keys
 from app.embedded import wait_for
 from app.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker
+from tests.conftest import RunningWorker, every_request_taken
 
 pytestmark = pytest.mark.worker
 
@@ -29,14 +29,8 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         rs = [generate.delay(model="tiny-llama", prompt=f"a very long tale {i}", max_tokens=480,
                              ignore_eos=True) for i in range(24)]
 
-        def all_taken() -> bool:
-            if store.r.llen("vigil.pool.tiny-llama"):
-                return False
-            sets = store.r.smembers(keys.inflight(inst)) | store.r.smembers(keys.inflight(warm_inst))
-            return all(r.id.encode() in sets or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")
-                       for r in rs)
-
-        wait_for(all_taken, 120, what="every request to be taken by a worker")
+        wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
+                 what="every request to be taken by a worker")
         held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
         assert held, "the leaving worker took no request"
         stopped_at = time.monotonic()

@@ -14,7 +14,7 @@ from app.embedded import start_process, stop_process, vigil_env, wait_for
 from app.settings import get_settings
 from app.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker
+from tests.conftest import RunningWorker, every_request_taken
 
 pytestmark = pytest.mark.worker
 REAP_TIMEOUT_S = 8
@@ -41,17 +41,8 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
                              max_tokens=400, ignore_eos=True) for i in range(32)]
         warm_inst = warm_worker.entry()["instance_id"]
 
-        def all_taken() -> bool:
-            # Every message has left the queue and is held by a worker (or done): a message a
-            # consumer fetched in the last instant before the kill, before Celery's
-            # task_received, is invisible to the reaper (docs/architecture.md, known gaps).
-            if store.r.llen("vigil.pool.tiny-llama"):
-                return False
-            sets = store.r.smembers(keys.inflight(inst)) | store.r.smembers(keys.inflight(warm_inst))
-            return all(r.id.encode() in sets or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")
-                       for r in rs)
-
-        wait_for(all_taken, 120, what="every request to be taken by a worker")
+        wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
+                 what="every request to be taken by a worker")
         held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
         assert held, "the victim took no request"
         killed_at = time.monotonic()

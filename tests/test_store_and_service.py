@@ -8,7 +8,7 @@ import time
 import pytest
 
 from app import keys
-from app.errors import RequestError, TerminalError, TransientError
+from app.errors import RequestError, TerminalError
 from app.schemas import parse_request
 from app.store import RequestStore, connect
 from app.submit import record_fields
