@@ -175,6 +175,20 @@ def connect(settings: VigilSettings) -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
+def shared_store() -> "RequestStore":
+    """This process's store for `get_settings()`, built on first use (producers, beat tasks)."""
+    global _shared
+    if _shared is None:
+        from app.settings import get_settings
+
+        s = get_settings()
+        _shared = RequestStore(connect(s), s.result_ttl)
+    return _shared
+
+
+_shared: "RequestStore | None" = None
+
+
 class RequestStore:
     """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
     when Redis cannot be reached, never a bare redis exception."""

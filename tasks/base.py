@@ -11,7 +11,7 @@ from kombu.exceptions import OperationalError
 from app.errors import REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
 from app.models import get_registry
 from app.settings import get_settings
-from app.store import RequestStore, connect
+from app.store import RequestStore, shared_store
 from app.submit import EXPIRES_GRACE_S, admit, effective_deadline, record_fields, wire_kwargs
 
 
@@ -27,14 +27,10 @@ class VigilTask(Task):
     max_retries = None  # bounded by Vigil's own attempt count (VIGIL_MAX_ATTEMPTS)
     # Expected outcomes: logged at INFO without a traceback, not as worker errors.
     throws = (RequestError, TerminalError, TransientError)
-    _store: RequestStore | None = None
 
     @property
     def store(self) -> RequestStore:
-        if self._store is None:
-            s = get_settings()
-            type(self)._store = RequestStore(connect(s), s.result_ttl)
-        return self._store
+        return shared_store()
 
     def apply_async(self, args=None, kwargs=None, task_id=None, **options):
         if options.get("retries"):  # Celery's own republish of a retry: the record exists

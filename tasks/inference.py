@@ -9,10 +9,10 @@ from __future__ import annotations
 from celery.exceptions import Ignore, Reject
 
 from app import app
+from app.errors import TransientError
 from tasks.base import VigilTask
 from workers import lifecycle  # noqa: F401  (connects the worker start-up/shutdown hooks)
 from workers.runtime import get_runtime
-from app.errors import TransientError
 from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, serve
 
 
@@ -26,8 +26,9 @@ def generate(self, **kwargs) -> dict:
         raise self.retry(exc=r.error, countdown=r.countdown, max_retries=None)
     except TransientError as e:  # Vigil's own state was unreachable (redis_unavailable): the
         # request is not at fault, so it goes back to the queue (a later delivery takes it over)
-        raise self.retry(exc=e, countdown=backoff(self.request.retries + 1, rt.settings.retry_backoff,
-                                                  rt.settings.retry_backoff_max), max_retries=None)
+        s = rt.settings
+        countdown = backoff(self.request.retries + 1, s.retry_backoff, s.retry_backoff_max)
+        raise self.retry(exc=e, countdown=countdown, max_retries=None)
     except StaleDelivery:
         raise Ignore()
     except GiveBack:  # stopping: back on the queue, untouched, for another worker
