@@ -162,4 +162,4 @@ def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
         return "failed" if won else "skipped"
     dispatch = int(rec.get("dispatch", 0)) + 1
     republish(rid, rec, dispatch)
-    return "requeued" if store.requeue(rid, inst, dispatch) else "skipped"
+    return "requeued" if store.requeue(rid, inst, dispatch, now=now) else "skipped"

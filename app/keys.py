@@ -19,7 +19,16 @@
 
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
-started_at, finished_at, result (result JSON), error_kind, error, last_error.
+started_at, finished_at, result (result JSON), error_kind, error, last_error, history.
+
+history: a JSON list, one entry per attempt begun (oldest first, the newest 32 kept), written by
+the Lua scripts in app/store.py in the same step as the status change:
+    {"attempt": n, "dispatch": d, "worker": "<node name>", "instance": "<instance id, a string>",
+     "started_at": t, "ended_at": t | null, "outcome": null | "succeeded" | "failed" | "retry" |
+     "requeued", "error": null | "<code>"}
+begin appends an open entry (ended_at and outcome null); release closes it "retry", requeue
+"requeued" (worker_lost), the winning finish "succeeded" / "failed". Read it with
+RequestStore.history.
 """
 from __future__ import annotations
 

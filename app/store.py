@@ -6,6 +6,7 @@ updated, and two writers of a result cannot both win.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,47 @@ from app.settings import VigilSettings
 
 # Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
 REDIS_POOL_HEADROOM = 16
+# The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
+# bounded by max_attempts anyway; this only bounds the field whatever the settings.
+HISTORY_MAX = 32
+
+# Lua helpers for the record's `history` field, prepended to the scripts that change it: a JSON
+# list (cjson) of one entry per attempt, {attempt, dispatch, worker, instance (a string: cjson
+# would turn a 63-bit id into a float), started_at, ended_at, outcome, error}. An entry is open
+# while its outcome is null. error_code mirrors VigilError.code: the text before the first ':'
+# ('unknown' without one), null for no error.
+_HISTORY_LUA = """
+local function error_code(err)
+  if not err or err == '' then return cjson.null end
+  local i = string.find(err, ':', 1, true)
+  if not i then return 'unknown' end
+  return string.match(string.sub(err, 1, i - 1), '^%s*(.-)%s*$')
+end
+local function read_history(rec)
+  local raw = redis.call('HGET', rec, 'history')
+  if not raw then return {} end
+  return cjson.decode(raw)
+end
+local function write_history(rec, h)
+  while #h > """ + str(HISTORY_MAX) + """ do table.remove(h, 1) end
+  redis.call('HSET', rec, 'history', cjson.encode(h))
+end
+-- Close the attempt `instance` has open (its latest), else the last entry if it is open; an
+-- attempt is never invented when none is open (e.g. a PENDING request failed by the sweeper).
+local function close_attempt(rec, instance, now, outcome, err)
+  local h = read_history(rec)
+  local pick = nil
+  for i = #h, 1, -1 do
+    if h[i].outcome == cjson.null and h[i].instance == instance then pick = i break end
+  end
+  if not pick and #h > 0 and h[#h].outcome == cjson.null then pick = #h end
+  if not pick then return end
+  h[pick].ended_at = tonumber(now)
+  h[pick].outcome = outcome
+  h[pick].error = error_code(err)
+  write_history(rec, h)
+end
+"""
 
 # KEYS[1] record, KEYS[2] deadline index. ARGV: request_id, deadline_at, field, value, ...
 # -> 1 created, 0 already there (never overwritten).
@@ -30,10 +72,11 @@ return 1
 # KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats.
 # ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix.
 # The request leaves its previous holder's in-flight set (a worker keeps a request it released
-# for a retry there until someone begins it: see _RELEASE).
+# for a retry there until someone begins it: see _RELEASE). A run appends an open attempt to
+# `history`.
 # -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
 #  | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
-_BEGIN = """
+_BEGIN = _HISTORY_LUA + """
 local rec = KEYS[1]
 local st = redis.call('HGET', rec, 'status')
 if not st then return {'missing'} end
@@ -61,6 +104,11 @@ local prev = redis.call('HGET', rec, 'instance')
 if prev and prev ~= ARGV[4] then redis.call('SREM', ARGV[7] .. prev, ARGV[1]) end
 redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
            'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5])
+local h = read_history(rec)
+h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance = ARGV[4],
+             started_at = tonumber(ARGV[5]), ended_at = cjson.null, outcome = cjson.null,
+             error = cjson.null}
+write_history(rec, h)
 redis.call('SADD', KEYS[2], ARGV[1])
 return {'run', tostring(attempts)}
 """
@@ -68,9 +116,10 @@ return {'run', tostring(attempts)}
 # KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
 # KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
 # inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
-# that a worker holds). -> {1, status, result, error_kind, error} when this write won,
-# {0, ...stored} when it lost.
-_FINISH = """
+# that a worker holds), finishing instance. -> {1, status, result, error_kind, error} when this
+# write won, {0, ...stored} when it lost. Only a winning write closes an attempt in `history`
+# (the finisher's open one, else the last if open) as succeeded / failed.
+_FINISH = _HISTORY_LUA + """
 local rec = KEYS[1]
 redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
@@ -84,41 +133,46 @@ if st == 'SUCCEEDED' or st == 'FAILED' then
 end
 redis.call('HSET', rec, 'status', ARGV[2], 'result', ARGV[3], 'error_kind', ARGV[4],
            'error', ARGV[5], 'finished_at', ARGV[6])
+close_attempt(rec, ARGV[9], ARGV[6], ARGV[2] == 'SUCCEEDED' and 'succeeded' or 'failed',
+              ARGV[5])
 redis.call('EXPIRE', rec, tonumber(ARGV[7]))
 return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
 """
 
-# KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error.
-# Hands a RUNNING request back to the queue for a retry; a no-op (0) if it is no longer ours.
+# KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
+# now. Hands a RUNNING request back to the queue for a retry, closing its attempt in `history`
+# (outcome 'retry', the code of last_error); a no-op (0) if it is no longer ours.
 # The id stays in this worker's in-flight set: the retry's message is an ETA message that this
 # worker's consumer holds unacked until it is due, so if the worker dies now the reaper must
 # still find the request (the next _BEGIN, anywhere, removes it from the set).
-_RELEASE = """
+_RELEASE = _HISTORY_LUA + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then
   redis.call('SREM', KEYS[2], ARGV[1])
   return 0
 end
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
+close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
 return 1
 """
 
 
 # KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
-# new dispatch. Hands a dead worker's request (RUNNING under it, or PENDING: received but not
-# begun, or released for a retry whose ETA message it held) back to PENDING under a newer
-# dispatch (the
-# message for that dispatch was published first, so a newer message always exists); a no-op (0)
-# if the request is terminal or no longer the dead worker's.
-_REQUEUE = """
+# new dispatch, now. Hands a dead worker's request (RUNNING under it, or PENDING: received but
+# not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
+# dispatch (the message for that dispatch was published first, so a newer message always
+# exists); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
+# still open in `history` is closed 'requeued' with error worker_lost.
+_REQUEUE = _HISTORY_LUA + """
 redis.call('SREM', KEYS[2], ARGV[1])
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= 'RUNNING' and st ~= 'PENDING' then return 0 end
 if st == 'RUNNING' and redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 local d = tonumber(redis.call('HGET', KEYS[1], 'dispatch') or '0')
 if tonumber(ARGV[3]) > d then d = tonumber(ARGV[3]) end
-redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d,
-           'last_error', 'worker_lost: its worker stopped heartbeating and was reaped')
+local lost = 'worker_lost: its worker stopped heartbeating and was reaped'
+redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d, 'last_error', lost)
+close_attempt(KEYS[1], ARGV[2], ARGV[4], 'requeued', lost)
 return 1
 """
 
@@ -235,12 +289,15 @@ class RequestStore:
         so the reaper finds it if the worker dies before running it."""
         self._call(self.r.sadd, keys.inflight(instance), request_id)
 
-    def requeue(self, request_id: str, dead_instance: int | str, dispatch: int) -> bool:
+    def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
+                now: float | None = None) -> bool:
         """Mark a dead worker's RUNNING request PENDING under `dispatch` (publish that dispatch's
-        message first). False when it had already ended or moved on."""
+        message first), closing its open attempt 'requeued' at `now` (default: the clock).
+        False when it had already ended or moved on."""
+        now = time.time() if now is None else now
         return bool(self._call(self._requeue,
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
-                               args=[request_id, dead_instance, dispatch]))
+                               args=[request_id, dead_instance, dispatch, now]))
 
     def silent_workers(self, before: float, limit: int = 100) -> list[str]:
         """Instance ids whose last heartbeat is older than `before`."""
@@ -297,16 +354,19 @@ class RequestStore:
             self._finish,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
             args=[request_id, status, json.dumps(result) if result is not None else "",
-                  error_kind, error, now, self.result_ttl, keys.inflight("")],
+                  error_kind, error, now, self.result_ttl, keys.inflight(""), instance],
         )
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 
-    def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str) -> bool:
-        """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped)."""
+    def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
+                now: float | None = None) -> bool:
+        """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped),
+        closing its attempt 'retry' at `now` (default: the clock)."""
+        now = time.time() if now is None else now
         return bool(self._call(
             self._release,
             keys=[keys.request(request_id), keys.inflight(instance)],
-            args=[request_id, instance, next_dispatch, last_error],
+            args=[request_id, instance, next_dispatch, last_error, now],
         ))
 
     def get(self, request_id: str) -> dict[str, str] | None:
@@ -315,6 +375,21 @@ class RequestStore:
         if not raw:
             return None
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def history(self, request_id: str) -> list[dict[str, Any]]:
+        """Every attempt of a request, oldest first (at most HISTORY_MAX, the newest kept), as
+        recorded atomically by begin / release / requeue / finish: one dict per attempt begun,
+        {"attempt": int, "dispatch": int, "worker": node name, "instance": instance id as a str,
+        "started_at": float, "ended_at": float or None, "outcome": None while open, else
+        "succeeded" | "failed" | "retry" | "requeued", "error": the error's code or None}.
+        Times carry cjson's 14 significant digits (0.1 ms for current Unix times). [] when the
+        request has no record or was never begun. An attempt that ended unobserved (its copy
+        superseded by another worker's, or its result losing to an earlier one) stays open."""
+        raw = self._call(self.r.hget, keys.request(request_id), "history")
+        if not raw:
+            return []
+        parsed = json.loads(raw)
+        return parsed if isinstance(parsed, list) else []  # cjson writes an empty list as {}
 
     def stats(self) -> dict[str, int]:
         """Fleet counters (duplicate_results, duplicate_deliveries, stale_deliveries)."""
