@@ -4,7 +4,8 @@ A pool is a registered model; each pool has one Celery queue (`queue_for`). The 
 `BUILTIN_MODELS` plus the entries of the JSON file named by `VIGIL_MODELS_FILE`:
 
     {"models": [{"name": "llama-8b", "path": "/models/llama-3-8b", "max_model_len": 8192,
-                 "vocab_size": 128256, "memory_gib": 24, "engine_args": {"max_num_seqs": 256}}]}
+                 "vocab_size": 128256, "memory_gib": 24, "kv_cache_gib": 40,
+                 "kv_cache_floor_gib": 8, "engine_args": {"max_num_seqs": 256}}]}
 
 `max_model_len` and `vocab_size`, when known, let the producer refuse an oversized token prompt
 or an out-of-vocabulary id before publishing; the engine checks again either way.
@@ -37,7 +38,12 @@ class ModelSpec(BaseModel):
     builder: str | None = None
     max_model_len: int | None = Field(None, ge=1)
     vocab_size: int | None = Field(None, ge=1)
+    # Memory the engine needs besides its KV cache (weights, activations, its processes).
     memory_gib: float = Field(1.0, gt=0)
+    # The KV cache asked for, and the least worth starting with when memory is short
+    # (workers/memory.py sizes each engine start between the two).
+    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_floor_gib: float = Field(0.25, gt=0)
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @property
@@ -60,7 +66,10 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             builder="tiny-llama",
             max_model_len=MAX_POSITIONS,
             vocab_size=VOCAB_SIZE,
-            memory_gib=1.0,
+            # measured: ~1.8 GB of RSS in the engine's processes besides a 1 GiB KV cache
+            memory_gib=2.0,
+            kv_cache_gib=1.0,
+            kv_cache_floor_gib=0.25,
             # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
             # tiny model nothing.
             engine_args={"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,

@@ -46,6 +46,11 @@ DEFAULT_RESULT_TTL_S = 86400
 DEFAULT_WORKER_CONCURRENCY = 128
 DEFAULT_RETRY_BACKOFF_S = 2.0
 DEFAULT_RETRY_BACKOFF_MAX_S = 60.0
+# The same engine death this many times in a row, with no generation completed between (request
+# or canary), means the worker or its device is broken: it hands its requests back and exits.
+# Three: a poison request costs one death at a time (a canary passes between), and an external
+# kill is one; three in a row with nothing working between is the engine itself.
+DEFAULT_ENGINE_DEATH_LIMIT = 3
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
 
@@ -83,6 +88,8 @@ class VigilSettings(BaseSettings):
     retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)
     retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0)
     redis_timeout: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0)
+    engine_death_limit: int = Field(DEFAULT_ENGINE_DEATH_LIMIT, ge=1, le=100)
+    preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
     pools: Annotated[list[str], NoDecode] = Field(

@@ -103,7 +103,7 @@ class Scripted:
         self.calls = 0
         self.dead = False
 
-    def __call__(self, spec):
+    def __call__(self, spec, plan=None):
         return self
 
     async def run(self, req, rid):
@@ -161,13 +161,11 @@ def test_bad_kwargs_in_the_worker_fail_the_request_with_a_typed_error(runtime):
 
 
 def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    rt = runtime([EngineDeadError(), EngineDeadError()], max_attempts=2)
+    rt = runtime([MemoryError("KV blocks"), MemoryError("KV blocks")], max_attempts=2)
     create(rt.store, "t1")
     with pytest.raises(RetryLater) as ei:
         serve(rt, "t1", 0, KW)
-    assert ei.value.error.code == "engine_restarting"
+    assert ei.value.error.code == "allocation_failed"
     assert rt.store.get("t1")["status"] == "PENDING"
     with pytest.raises(StaleDelivery):
         serve(rt, "t1", 0, KW)  # the superseded copy of dispatch 0
@@ -177,9 +175,7 @@ def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
 
 
 def test_a_transient_failure_then_success_lands_once(runtime):
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    rt = runtime([EngineDeadError()])
+    rt = runtime([MemoryError("KV blocks")])
     create(rt.store, "t2")
     with pytest.raises(RetryLater):
         serve(rt, "t2", 0, KW)

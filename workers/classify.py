@@ -12,9 +12,9 @@ import asyncio
 import concurrent.futures
 
 from app.errors import (
-    ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING, INVALID_REQUEST,
-    PROMPT_TOO_LONG,
-    TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError, VigilError, WorkerFatalError,
+    ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING, INVALID_MODEL_CONFIG,
+    INVALID_REQUEST, MEMORY_PRESSURE, MODEL_NOT_FOUND, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB,
+    WEDGED, RequestError, TransientError, VigilError, WorkerFatalError,
 )
 
 _CUDA_FATAL = ("cuda error", "illegal memory access", "device-side assert", "cudaerror",
@@ -43,7 +43,8 @@ def classify(exc: BaseException) -> VigilError:
     msg = _short(exc)
     low = msg.lower()
     if validation and isinstance(exc, validation):
-        if "maximum context length" in low or "max_model_len" in low:
+        if ("maximum context length" in low or "maximum model length" in low
+                or "max_model_len" in low):
             return RequestError.of(PROMPT_TOO_LONG, msg)
         if "out of vocabulary" in low:
             return RequestError.of(TOKEN_OUT_OF_VOCAB, msg)
@@ -69,3 +70,42 @@ def is_engine_dead(exc: BaseException) -> bool:
     """True when `exc` means the engine can serve nothing more and must be rebuilt."""
     _, _, dead, _ = _vllm_types()
     return bool(dead) and isinstance(exc, dead)
+
+
+_MISSING_MODEL = ("does not exist", "no such file", "not a local folder", "repo id must",
+                  "repository not found", "cannot find the requested files")
+
+
+def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None) -> VigilError:
+    """Map an engine start failure to the taxonomy, using the worker's own memory measurement
+    as the discriminator (vLLM reports a squeeze and a broken model alike, FIELD-NOTES.md).
+
+    - the start was sized below the registry's request (`plan.sized_down`), or a fresh
+      measurement after the failure shows the memory gone -> TransientError(memory_pressure);
+    - otherwise the failure is deterministic: missing weights -> RequestError(model_not_found),
+      anything else -> RequestError(invalid_model_config). Neither is retried.
+    """
+    if isinstance(exc, VigilError):
+        return exc
+    cause = _short(exc)
+    if plan is not None and plan.sized_down:
+        return TransientError.of(MEMORY_PRESSURE, f"engine start failed after sizing below the "
+                                 f"request ({plan.describe()}): {cause}")
+    if planner is not None and spec is not None:
+        try:
+            again = planner(spec)
+        except TransientError as e:  # the memory went while the engine was starting
+            return TransientError.of(MEMORY_PRESSURE, f"{e.detail}; the start failed: {cause}")
+        except Exception:  # a probe failure says nothing about the model
+            again = None
+        if again is not None and again.sized_down:
+            return TransientError.of(MEMORY_PRESSURE, f"free memory fell during the start "
+                                     f"({again.describe()}): {cause}")
+    low = cause.lower()
+    if isinstance(exc, FileNotFoundError) or any(s in low for s in _MISSING_MODEL) or \
+            type(exc).__name__ in ("HFValidationError", "LocalEntryNotFoundError",
+                                   "RepositoryNotFoundError"):
+        return RequestError.of(MODEL_NOT_FOUND, f"the model's files could not be loaded: {cause}")
+    why = ("the engine failed to start although the memory it asked for was free, so the model "
+           "or its configuration is at fault" if plan is not None else "the engine failed to start")
+    return RequestError.of(INVALID_MODEL_CONFIG, f"{why}: {type(exc).__name__}: {cause}")

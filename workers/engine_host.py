@@ -7,7 +7,11 @@ continuously. The engine is built on that loop (lazily, or by `preload`), never 
 Rules kept here:
 - one model at a time: a request for another model stops new admissions for the current one,
   waits for its in-flight requests to drain, evicts it and loads the new one;
-- a dead engine is rebuilt by the next request once its in-flight requests have failed;
+- an engine that dies under load is restarted and its in-flight requests re-run as suspects,
+  re-isolated until the guilty one is found (workers/recovery.py); a worker that cannot keep an
+  engine alive leaves (`on_fatal`);
+- each start is sized to the memory that is free (workers/memory.py), and a failed start is
+  memory pressure (retried) only when the worker had to size below the request;
 - a failed load is shared: every request that was waiting for it fails with that error, instead
   of each one retrying an 18 s engine start in turn;
 - an engine idle for `idle_cleanup` seconds is shut down (0 keeps it forever).
@@ -21,15 +25,21 @@ import threading
 import time
 from typing import Callable
 
-from app.errors import VigilError
+from app.errors import (ENGINE_RESTARTING, POISON_REQUEST, REPEATED_ENGINE_DEATH, RequestError,
+                        TransientError, VigilError, WorkerFatalError)
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
-from workers.classify import classify
+from workers.classify import classify, classify_load_failure, is_engine_dead
 from workers.engines import EngineOutput
+from workers.memory import MemoryPlan
+from workers.recovery import (CANARY_TIMEOUT_S, MAX_RUNS, POISON_STRIKES, DeathStreak, Ticket,
+                              canary_request, death_signature, split_suspects)
 
 log = logging.getLogger("vigil.engine")
 
-EngineFactory = Callable[[ModelSpec], object]
+EngineFactory = Callable[[ModelSpec, "MemoryPlan | None"], object]
+# Sizes an engine start to free memory; raises TransientError(memory_pressure) below the floor.
+MemoryPlanner = Callable[[ModelSpec], MemoryPlan]
 
 
 class HandedBack(Exception):
@@ -42,8 +52,21 @@ class EngineHost:
 
     def __init__(self, factory: EngineFactory, *, idle_cleanup: float,
                  on_change: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0):
+                 clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0,
+                 planner: MemoryPlanner | None = None, death_limit: int = 3,
+                 on_fatal: Callable[[WorkerFatalError], None] | None = None):
         self._factory = factory
+        self._planner = planner
+        self._on_fatal = on_fatal
+        self._streak = DeathStreak(death_limit)
+        self._counted_death: object = None
+        self._suspects: list[Ticket] = []
+        self._recovery: asyncio.Task | None = None
+        self._fatal: WorkerFatalError | None = None
+        self._fatal_handled = False
+        self.last_plan: MemoryPlan | None = None
+        self.poisoned = 0
+        self.canaries = 0
         self._idle_cleanup = idle_cleanup
         self._on_change = on_change or (lambda: None)
         self._clock = clock
@@ -155,7 +178,9 @@ class EngineHost:
         """Load `spec`'s engine now (worker start for configured pools)."""
         async def _load():
             await self._acquire(spec, self._clock())
-            await self._release()
+            async with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
 
         asyncio.run_coroutine_threadsafe(_load(), self._loop).result(timeout)
 
@@ -170,6 +195,9 @@ class EngineHost:
             "engine_evictions": self.evictions,
             "engine_restarts": self.restarts,
             "served": self.served,
+            "death_streak": self._streak.count,
+            "poisoned": self.poisoned,
+            "recovering": int(self._recovery is not None),
         }
 
     def child_pids(self) -> list[tuple[int, float]]:
@@ -179,26 +207,222 @@ class EngineHost:
 
     # -- on the loop ------------------------------------------------------------------------
     async def _generate(self, req, spec, engine_request_id, arrived) -> EngineOutput:
+        t = Ticket(req, engine_request_id)
         engine = await self._acquire(spec, arrived)
+        while True:
+            outcome, value = await self._run_once(engine, t, spec)
+            if outcome == "ok":
+                return value
+            if outcome == "error":
+                if isinstance(value, WorkerFatalError):
+                    self._go_fatal(value)
+                raise value
+            engine = await self._await_turn(t)  # died: wait for the recovery's verdict
+
+    async def _run_once(self, engine, t: Ticket, spec: ModelSpec):
+        """One run of a ticket in `engine`: ("ok", output) | ("error", VigilError) | ("died", e).
+        The bookkeeping after the run happens in one locked step, so the recovery never sees
+        the engine empty before every casualty of a death is registered as a suspect."""
+        t.runs += 1
+        outcome, value = "cancelled", None
         try:
-            out = await engine.run(req, engine_request_id)
-            self.served += 1
-            return out
+            value = await engine.run(t.req, t.engine_request_id())
+            outcome = "ok"
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # classified once, here, at the engine boundary
-            raise classify(e) from e
+            if getattr(engine, "dead", False) or is_engine_dead(e):
+                outcome, value = "died", e
+            else:
+                outcome, value = "error", classify(e)
+                value.__cause__ = e
         finally:
-            await self._release()
+            async with self._cond:
+                self._inflight -= 1
+                self._last_used = self._clock()
+                t.last = outcome
+                t.granted = None
+                if outcome == "ok":
+                    self.served += 1
+                    self._streak.success()
+                elif outcome == "cancelled":
+                    t.gone = True
+                elif outcome == "died":
+                    self._note_death(engine, value)
+                    if not t.in_recovery:
+                        t.in_recovery = True
+                        self._suspects.append(t)
+                        if self._recovery is None:
+                            self._recovery = self._loop.create_task(self._recover(spec))
+                self._cond.notify_all()
+        return outcome, value
+
+    async def _await_turn(self, t: Ticket):
+        """Park a suspect until the recovery hands it a fresh engine (its inflight slot already
+        counted) or a verdict to raise."""
+        async with self._cond:
+            try:
+                await self._cond.wait_for(
+                    lambda: t.granted is not None or t.verdict is not None
+                    or (self._fatal is not None and self._fatal_handled))
+            except asyncio.CancelledError:
+                t.gone = True
+                if t.granted is not None:  # handed an engine in the same instant: give it back
+                    t.granted = None
+                    self._inflight -= 1
+                    self._cond.notify_all()
+                raise
+            if t.verdict is not None:
+                raise t.verdict
+            if t.granted is None:
+                raise self._fresh_fatal()
+            return t.granted
+
+    def _note_death(self, engine, exc: BaseException) -> None:
+        if self._counted_death is engine:  # one death, however many requests saw it
+            return
+        self._counted_death = engine
+        n = self._streak.death(death_signature(exc))
+        self._state = "dead"
+        log.warning("engine for %s died (%s); %d death(s) in a row", self._model,
+                    death_signature(exc), n)
+
+    def _fresh_fatal(self) -> WorkerFatalError:
+        return WorkerFatalError(str(self._fatal))
+
+    def _go_fatal(self, err: WorkerFatalError) -> None:
+        """This worker cannot serve: refuse everything and let `on_fatal` (the runtime) hand the
+        in-flight requests back and stop the worker. Parked requests wait for that hand-back
+        (it aborts them) and only then fail with the error."""
+        if self._fatal is not None:
+            return
+        self._fatal = err
+        self._state = "fatal"
+        log.critical("worker cannot keep an engine: %s", err)
+        self._on_change()
+
+        async def _released():
+            async with self._cond:
+                self._fatal_handled = True
+                self._cond.notify_all()
+
+        if self._on_fatal is None:
+            self._loop.create_task(_released())
+            return
+        fut = self._loop.run_in_executor(None, self._on_fatal, err)
+        fut.add_done_callback(lambda _f: self._loop.create_task(_released()))
+
+    async def _recover(self, spec: ModelSpec) -> None:
+        """Re-run the suspects of an engine death on fresh engines (workers/recovery.py)."""
+        plan: list[list[Ticket]] = []
+        group: list[Ticket] | None = None
+        try:
+            async with self._cond:
+                while True:
+                    await self._cond.wait_for(lambda: self._inflight == 0)
+                    if group is None:  # the casualties of a death in normal service
+                        plan.append([t for t in self._suspects if not t.gone])
+                        self._suspects.clear()
+                    else:
+                        self._judge(group, plan)
+                    plan = [g for g in ([t for t in g if self._runnable(t)] for g in plan) if g]
+                    if not plan:
+                        return
+                    engine = await self._fresh_engine(spec)
+                    group = plan.pop(0)
+                    for t in group:
+                        t.granted = engine
+                        self._inflight += 1
+                    log.info("re-running %d suspect(s) alone in the engine (%d group(s) wait)",
+                             len(group), len(plan))
+                    self._cond.notify_all()
+        except WorkerFatalError as e:  # parked suspects wait for the hand-back (on_fatal)
+            self._go_fatal(e)
+        except VigilError as e:  # the engine cannot be (re)built: every suspect gets the error
+            for t in [t for g in plan for t in g]:
+                if t.verdict is None:
+                    t.verdict = type(e)(str(e))
+        finally:
+            async with self._cond:
+                self._recovery = None
+                self._cond.notify_all()
+
+    def _judge(self, group: list[Ticket], plan: list[list[Ticket]]) -> None:
+        """After `group` ran alone: members that finished are cleared; if the engine died, the
+        members it took down are split again, and a member dying alone is struck (convicted at
+        POISON_STRIKES)."""
+        died = [t for t in group if t.last == "died" and not t.gone]
+        if not died:
+            return
+        if len(group) == 1:
+            t = died[0]
+            t.solo_deaths += 1
+            if t.solo_deaths >= POISON_STRIKES:
+                self.poisoned += 1
+                log.error("request %s killed the engine when run alone %d times: poison",
+                          t.rid, t.solo_deaths)
+                t.verdict = RequestError.of(POISON_REQUEST, (
+                    f"this request killed the engine each time it ran alone "
+                    f"({t.solo_deaths} times, after a passing canary); other requests were "
+                    f"unaffected"))
+                return
+            plan.insert(0, [t])
+            return
+        plan[:0] = split_suspects(died)
+
+    def _runnable(self, t: Ticket) -> bool:
+        if t.gone or t.verdict is not None:
+            return False
+        if t.runs >= MAX_RUNS:  # bounded in this worker: the queue (attempt + 1) takes over
+            t.verdict = TransientError.of(ENGINE_RESTARTING, (
+                f"re-run {t.runs} times while the engine kept dying; retrying elsewhere"))
+            return False
+        return True
+
+    async def _fresh_engine(self, spec: ModelSpec):
+        """(Re)build the engine until one passes the canary; raises the load error, or
+        WorkerFatalError(repeated_engine_death) once the death streak reaches its limit."""
+        while True:
+            if self._streak.broken:
+                raise WorkerFatalError.of(REPEATED_ENGINE_DEATH, (
+                    f"the engine for {spec.name} died {self._streak.count} times in a row with "
+                    f"no success between ({self._streak.signature})"))
+            if self._engine is None or self._engine.dead or self._model != spec.name:
+                self._load(spec)
+            engine = self._engine
+            if await self._canary(engine, spec):
+                return engine
+            self._engine_failed_canary(engine)
+
+    async def _canary(self, engine, spec: ModelSpec) -> bool:
+        self.canaries += 1
+        try:
+            await asyncio.wait_for(engine.run(canary_request(spec), f"vigil-canary-{self.canaries}"),
+                                   CANARY_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.warning("canary on the fresh engine for %s failed: %s", spec.name,
+                        death_signature(e))
+            self._note_death(engine, e)
+            return False
+        self._streak.success()
+        return True
+
+    def _engine_failed_canary(self, engine) -> None:
+        if not engine.dead:  # alive but unable to generate: no better than dead
+            self._shutdown_engine("failed its canary")
 
     def _usable(self, spec: ModelSpec) -> bool:
         eng = self._engine
         return (eng is not None and not eng.dead and self._model == spec.name
-                and self._switch_to in (None, spec.name))
+                and self._switch_to in (None, spec.name) and self._recovery is None)
 
     async def _acquire(self, spec: ModelSpec, arrived: float):
         async with self._cond:
             while True:
+                if self._fatal is not None:
+                    raise self._fresh_fatal()
                 if self._usable(spec):
                     self._switch_to = None
                     self._inflight += 1
@@ -209,6 +433,9 @@ class EngineHost:
                 failure = self._last_failure
                 if failure and failure[0] == spec.name and failure[1] >= arrived:
                     raise type(failure[2])(str(failure[2]))
+                if self._recovery is not None:  # suspects run alone first
+                    await self._cond.wait()
+                    continue
                 if self._inflight > 0:
                     # Drain the current engine (other model, or dead) before replacing it.
                     claimed = self._switch_to is None
@@ -240,11 +467,17 @@ class EngineHost:
         self._state = "loading"
         self._switch_to = None
         started = time.monotonic()
-        log.info("loading engine for model %s", spec.name)
+        plan = None
         try:
-            self._engine = self._factory(spec)
+            if self._planner is not None:
+                plan = self._planner(spec)  # memory_pressure here: not even worth trying
+                self.last_plan = plan
+                log.info("loading engine for model %s (%s)", spec.name, plan.describe())
+            else:
+                log.info("loading engine for model %s", spec.name)
+            self._engine = self._factory(spec, plan)
         except BaseException as e:
-            err = classify(e)
+            err = classify_load_failure(e, plan, self._planner, spec)
             self._last_failure = (spec.name, self._clock(), err)
             self._state = "failed"
             log.error("engine for %s failed to load: %s", spec.name, err)
@@ -258,13 +491,6 @@ class EngineHost:
         log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
                  time.monotonic() - started, self.loads)
         self._on_change()
-
-    async def _release(self) -> None:
-        async with self._cond:
-            self._inflight -= 1
-            self._last_used = self._clock()
-            if self._inflight == 0:
-                self._cond.notify_all()
 
     def _shutdown_engine(self, reason: str) -> None:
         eng, self._engine = self._engine, None

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import psutil
 
+from app.errors import MODEL_NOT_FOUND, RequestError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
+from workers.memory import MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -36,31 +38,40 @@ def engine_env_defaults() -> None:
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/memory.py
+    # picks for each engine start (an operator who sets it fixes the size instead).
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def ensure_model_files(spec: ModelSpec) -> str:
-    """The local path of the model's weights, building a locally-built model on first use."""
+    """The local path of the model's weights, building a locally-built model on first use.
+
+    Raises RequestError(model_not_found) at once, naming the path, when a registered path is
+    missing (vLLM would say the same less plainly, as an HFValidationError).
+    """
     if spec.builder == "tiny-llama":
         from workers.tiny_model import ensure_tiny_llama
 
         ensure_tiny_llama(spec.path)
+    if spec.path and not os.path.exists(spec.path):
+        raise RequestError.of(MODEL_NOT_FOUND, f"model {spec.name}: no weights at {spec.path}")
     return spec.path or spec.name
 
 
 class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None):
         engine_env_defaults()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = {"disable_log_stats": True, **spec.engine_args}
+        args = {"disable_log_stats": True, **spec.engine_args,
+                **(plan.engine_args if plan is not None else {})}
         self.spec = spec
+        self._llm = None
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
@@ -114,7 +125,7 @@ class VllmEngine:
 class InstantEngine:
     """Answers every request at once with the prompt echoed back: overhead benchmarks only."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None):
         self.spec = spec
         self.max_model_len = spec.max_model_len or 1 << 30
         self.max_num_seqs = 1 << 30
@@ -143,4 +154,12 @@ def descendants() -> list[tuple[int, float]]:
     return out
 
 
-ENGINES = {"vllm": VllmEngine, "instant": InstantEngine}
+def _drill_engine(spec: ModelSpec, plan: MemoryPlan | None = None):
+    from workers.drill import DrillEngine
+
+    return DrillEngine(spec, plan)
+
+
+ENGINES = {"vllm": VllmEngine, "instant": InstantEngine, "drill": _drill_engine}
+# Engines that run a real model (and so are sized to free memory).
+MODEL_ENGINES = ("vllm", "drill")

@@ -37,8 +37,9 @@ def _on_worker_init(sender=None, **_):
 @worker_ready.connect
 def _on_worker_ready(sender=None, **_):
     rt = runtime.get_runtime()
-    pools = [p for p in rt.settings.pools if p]
-    if not pools:
+    # One engine per process: loading every pool in turn would only evict the previous one.
+    pools = [p for p in rt.settings.pools if p][:1]
+    if not pools or not rt.settings.preload:
         return
 
     def _preload():

@@ -15,12 +15,19 @@ import uuid
 from app.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 from app.store import RequestStore, connect
+from app.errors import WorkerFatalError
+from app.models import ModelSpec, queue_for
 from workers.engine_host import EngineHost
-from workers.engines import ENGINES, engine_env_defaults
+from workers.engines import ENGINES, MODEL_ENGINES, engine_env_defaults
 from workers.heartbeat import Heartbeat
+from workers.memory import MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.orphan_guard import OrphanGuard
 
 log = logging.getLogger("vigil.worker")
+
+# Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
+# context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
+EXIT_WORKER_BROKEN = 70
 
 _runtime: "WorkerRuntime | None" = None
 _lock = threading.Lock()
@@ -53,16 +60,29 @@ class WorkerRuntime:
         # The pools this worker serves: those named at start (`vigil worker --pools`), else all.
         self.pools = list(settings.pools) or self.registry.names()
         self.guard = OrphanGuard() if guard else None
+        self.device = worker_device()
         self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
-                               on_change=self._engine_changed)
+                               on_change=self._engine_changed,
+                               planner=self.plan_memory if engine in MODEL_ENGINES else None,
+                               death_limit=settings.engine_death_limit, on_fatal=self.leave)
+        self.leaving: WorkerFatalError | None = None
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields)
 
+    def plan_memory(self, spec: ModelSpec) -> MemoryPlan:
+        """Measure free memory on this worker's device and size `spec`'s engine start to it."""
+        return plan_memory(spec, probe_memory(*self.device))
+
     def _heartbeat_fields(self) -> dict:
+        try:
+            mem = probe_memory(*self.device)
+            free, total, device = mem.free, mem.total, mem.device
+        except Exception as e:  # a probe failure must not stop the heartbeat
+            log.warning("memory probe failed: %s", e)
+            free = total = device = None
         return {**self.host.snapshot(), "pools": ",".join(self.pools),
-                "engine_kind": self.engine_kind,
-                # None on the CPU: there is no device memory to report (DESIGN.md section 5)
-                "device_free_bytes": None, "device_total_bytes": None}
+                "engine_kind": self.engine_kind, "device": device,
+                "device_free_bytes": free, "device_total_bytes": total}
 
     def _engine_changed(self) -> None:
         if self.guard is not None:
@@ -105,6 +125,28 @@ class WorkerRuntime:
         log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
                     "failed %d out of attempts or time", self.name, done[0], aborted, done[1])
         return done
+
+    def leave(self, err: WorkerFatalError) -> None:
+        """A broken worker leaves (DESIGN.md section 4): stop consuming, hand every request it
+        holds back to the queue at once (same id, next dispatch), and stop the worker with a
+        non-zero status for its supervisor to restart it. Called once, off the engine loop."""
+        self.leaving = err
+        log.critical("worker %s is broken and leaves: %s", self.name, err)
+        try:
+            from app import app
+
+            for pool in self.pools:
+                app.control.cancel_consumer(queue_for(pool), destination=[self.name],
+                                            reply=False)
+        except Exception as e:  # refuse_new() below still sends new deliveries back
+            log.warning("could not cancel this worker's consumers: %s", e)
+        try:
+            self.hand_back()
+        except Exception as e:  # the reaper remains the backstop
+            log.error("handing back in-flight requests failed: %s", e)
+        from celery.worker import state
+
+        state.should_stop = EXIT_WORKER_BROKEN
 
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""

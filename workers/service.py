@@ -97,7 +97,10 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
                 ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {e}"))
         if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
             log.info("request %s attempt %d: %s; retrying", request_id, b.attempts, e)
-            raise RetryLater(e, backoff(b.attempts, s.retry_backoff, s.retry_backoff_max)) from None
+            # A broken worker is not the fleet being busy: another worker can take it now.
+            countdown = 0 if isinstance(e, WorkerFatalError) else backoff(
+                b.attempts, s.retry_backoff, s.retry_backoff_max)
+            raise RetryLater(e, countdown) from None
         raise StaleDelivery(request_id) from None  # someone else owns it now
     except VigilError as e:
         return _fail(rt, request_id, e)

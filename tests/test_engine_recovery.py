@@ -1,0 +1,364 @@
+"""Unit tier: engine death in the engine host with fake engines that die like vLLM's (every
+request in flight gets EngineDeadError, the engine is dead for good): suspects are re-run,
+re-isolated, a poison request is convicted alone, innocents finish, a worker that cannot keep
+an engine alive leaves. The same paths run on the real engine in tests/test_engine_death_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from app.errors import RequestError, TransientError, WorkerFatalError
+from app.models import ModelSpec
+from app.schemas import GenerateRequest
+from workers.engine_host import EngineHost, HandedBack
+from workers.engines import EngineOutput
+from workers.recovery import DeathStreak, death_signature, split_suspects
+
+A = ModelSpec(name="model-a")
+POISON = "POISON"
+
+
+class World:
+    """Shared state of the fake engines one host builds: the batch gate, the poison marker,
+    scripted deaths."""
+
+    def __init__(self, poison: str = "", die_on_start: bool = False):
+        self.gate = threading.Event()
+        self.poison = poison
+        self.die_on_start = die_on_start
+        self.engines: list[DyingEngine] = []
+        self.kill_on_run: dict[str, int] = {}  # engine request id -> die when it runs
+        self.runs: list[str] = []
+
+    def __call__(self, spec, plan=None):
+        e = DyingEngine(self)
+        self.engines.append(e)
+        return e
+
+    def current(self) -> "DyingEngine":
+        return self.engines[-1]
+
+
+class DyingEngine:
+    def __init__(self, world: World):
+        self.world = world
+        self.dead = world.die_on_start
+        self.in_flight: set[str] = set()
+        self.peak = 0
+
+    def die(self):
+        self.dead = True
+
+    async def run(self, r: GenerateRequest, rid: str):
+        w = self.world
+        w.runs.append(rid)
+        if self.dead:
+            raise EngineDeadError()
+        self.in_flight.add(rid)
+        self.peak = max(self.peak, len(self.in_flight))
+        try:
+            while not w.gate.is_set() and not self.dead:
+                await asyncio.sleep(0.002)
+            if r.prompt and w.poison and w.poison in r.prompt:
+                self.die()  # crashes the step it is scheduled in: nobody in it finishes
+            await asyncio.sleep(0.01)  # one engine step: the requests that arrive together batch
+            if rid in w.kill_on_run:
+                del w.kill_on_run[rid]
+                self.die()
+            if self.dead:
+                raise EngineDeadError()
+            return EngineOutput(r.prompt or "canary", [1], "length", 1)
+        finally:
+            self.in_flight.discard(rid)
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        self.dead = True
+
+
+def req(prompt: str) -> GenerateRequest:
+    return GenerateRequest(model="model-a", prompt=prompt, max_tokens=4)
+
+
+@pytest.fixture()
+def make_host():
+    hosts = []
+
+    def _make(factory, **kw):
+        h = EngineHost(factory, idle_cleanup=0, **kw).start()
+        hosts.append(h)
+        return h
+
+    yield _make
+    for h in hosts:
+        h.shutdown(timeout=1)
+
+
+def wait_until(cond, timeout=10.0):
+    ev = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        ev.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+def run_all(host, prompts, timeout=30):
+    """Submit every prompt from its own thread; return (outputs or exceptions) in order."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(host.generate, req(p), A, f"r{i}", timeout)
+                for i, p in enumerate(prompts)]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except Exception as e:
+                out.append(e)
+        return out
+
+
+def test_an_external_death_costs_one_restart_and_no_request():
+    """Given 16 requests in one batch, when the engine is killed from outside, then all 16 are
+    re-run together on one fresh engine (after a canary) and all succeed."""
+    w = World()
+    host = EngineHost(w, idle_cleanup=0).start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            futs = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(16)]
+            wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 16)
+            w.engines[0].die()
+            w.gate.set()
+            outs = [f.result() for f in futs]
+        assert [o.text for o in outs] == [f"p{i}" for i in range(16)]
+        assert host.restarts == 1 and host.canaries == 1 and host.loads == 2
+        assert w.engines[1].peak == 16  # re-run together, batched
+        assert host.snapshot()["death_streak"] == 0
+    finally:
+        host.shutdown(timeout=1)
+
+
+def test_a_poison_request_among_32_innocents_is_the_only_failure(make_host):
+    """Given 32 innocent requests and one that kills the engine whenever it runs, in one batch,
+    then only the poison fails, with poison_request; the 32 succeed; the engine was restarted a
+    bounded number of times (batch, together, its group, alone twice)."""
+    w = World(poison=POISON)
+    host = make_host(w)
+    prompts = [f"innocent {i}" for i in range(32)]
+    prompts.insert(17, f"the {POISON} pill")
+    with ThreadPoolExecutor(33) as pool:
+        futs = [pool.submit(host.generate, req(p), A, f"r{i}", 60) for i, p in enumerate(prompts)]
+        wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 33)
+        w.gate.set()
+        outs = []
+        for f in futs:
+            try:
+                outs.append(f.result())
+            except Exception as e:
+                outs.append(e)
+    poison = outs.pop(17)
+    assert isinstance(poison, RequestError) and poison.code == "poison_request"
+    assert [o.text for o in outs] == [f"innocent {i}" for i in range(32)]
+    assert host.poisoned == 1
+    assert host.restarts == 5  # batch, all together, its group of 6, alone, alone again
+    assert host.snapshot()["death_streak"] == 0 and host.snapshot()["recovering"] == 0
+    # Innocents in groups that did not hold the poison ran batched, not one by one.
+    assert max(e.peak for e in w.engines[2:]) == 6
+
+
+def test_an_innocent_killed_once_while_alone_is_not_convicted(make_host):
+    """Given one request whose engine is killed from outside twice (once in normal service, once
+    while it runs alone), then it still succeeds: conviction needs two deaths alone."""
+    w = World()
+    w.gate.set()
+    w.kill_on_run = {"r0": 1, "r0.r2": 1}
+    host = make_host(w)
+    out = host.generate(req("unlucky"), A, "r0", 30)
+    assert out.text == "unlucky" and host.poisoned == 0 and host.restarts == 2
+
+
+def test_an_engine_that_dies_on_every_start_makes_the_worker_leave(make_host):
+    """Given engines that are dead as soon as they start, then after engine_death_limit deaths in
+    a row (the batch, then each canary) the host declares the worker broken once
+    (repeated_engine_death), hands the decision to on_fatal, and only after that returns do the
+    parked requests fail with WorkerFatalError; new requests are refused at once."""
+    w = World()
+    calls = []
+    released = threading.Event()
+
+    def on_fatal(err):
+        calls.append(err)
+        released.wait(10)
+
+    host = make_host(w, on_fatal=on_fatal, death_limit=3)
+    w.gate.set()
+    w.kill_on_run = {f"r{i}": 1 for i in range(4)}  # the first engine dies under the batch
+    orig = w.__call__
+
+    def dying_factory(spec, plan=None):
+        e = orig(spec, plan)
+        if len(w.engines) > 1:
+            e.dead = True  # every restart is dead on arrival
+        return e
+
+    host._factory = dying_factory
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(4)]
+        wait_until(lambda: calls)
+        assert isinstance(calls[0], WorkerFatalError) and calls[0].code == "repeated_engine_death"
+        assert not any(f.done() for f in futs)  # parked until the hand-back is done
+        released.set()
+        for f in futs:
+            with pytest.raises(WorkerFatalError, match="^repeated_engine_death: "):
+                f.result()
+    assert len(calls) == 1 and host.canaries == 2 and host.restarts == 2
+    with pytest.raises(WorkerFatalError):
+        host.generate(req("late"), A, "late", 5)
+
+
+def test_a_lost_cuda_context_makes_the_worker_leave_at_once(make_host):
+    """Given a run that fails with a CUDA error, then the worker is declared broken immediately
+    (cuda_context_lost), without a restart."""
+    calls = []
+
+    class CudaBroken(World):
+        def __call__(self, spec, plan=None):
+            e = super().__call__(spec, plan)
+
+            async def run(r, rid):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            e.run = run
+            return e
+
+    host = make_host(CudaBroken(), on_fatal=calls.append)
+    with pytest.raises(WorkerFatalError, match="^cuda_context_lost: "):
+        host.generate(req("x"), A, "r", 5)
+    wait_until(lambda: calls)
+    assert calls[0].code == "cuda_context_lost" and host.restarts == 0
+
+
+def test_a_suspect_that_times_out_while_waiting_is_dropped_and_the_rest_finish(make_host):
+    """Given suspects waiting for their turn, when one caller gives up (timeout), then it is never
+    run again and the other suspects still finish."""
+    w = World()
+    host = make_host(w)
+    slow_canary = threading.Event()
+    orig = w.__call__
+
+    def factory(spec, plan=None):
+        e = orig(spec, plan)
+        if len(w.engines) > 1:
+            run = e.run
+
+            async def gated(r, rid):
+                while rid.startswith("vigil-canary") and not slow_canary.is_set():
+                    await asyncio.sleep(0.005)
+                return await run(r, rid)
+
+            e.run = gated
+        return e
+
+    host._factory = factory
+    with ThreadPoolExecutor(4) as pool:
+        patient = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(3)]
+        impatient = pool.submit(host.generate, req("impatient"), A, "imp", 1.0)
+        wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 4)
+        w.engines[0].die()
+        w.gate.set()
+        with pytest.raises(TransientError, match="^wedged: "):
+            impatient.result()
+        slow_canary.set()
+        assert [f.result().text for f in patient] == ["p0", "p1", "p2"]
+    assert not any(r.startswith("imp.") for r in w.runs)  # never re-run
+
+
+def test_drain_during_recovery_hands_parked_suspects_back(make_host):
+    """Given suspects parked while the engine restarts, when the worker drains (SIGTERM), then
+    every parked suspect's caller gets HandedBack."""
+    w = World()
+    host = make_host(w)
+    hold = threading.Event()
+    orig = w.__call__
+
+    def factory(spec, plan=None):
+        if w.engines:
+            hold.wait(10)  # a slow restart
+        return orig(spec, plan)
+
+    host._factory = factory
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(3)]
+        wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 3)
+        w.engines[0].die()
+        w.gate.set()
+        wait_until(lambda: host.snapshot()["recovering"] == 1)
+        assert host.drain() == 3
+        hold.set()
+        for f in futs:
+            with pytest.raises(HandedBack):
+                f.result()
+
+
+def test_sibling_failures_in_one_batch_each_keep_their_own_error(make_host):
+    """Given one batch where one request is refused by the engine (prompt too long), one fails to
+    allocate, and one succeeds, then each caller gets its own outcome: no error report is lost
+    or replaced by a sibling's, and the engine stays warm (no reload)."""
+    from vllm.exceptions import VLLMValidationError
+
+    class Mixed(World):
+        def __call__(self, spec, plan=None):
+            e = super().__call__(spec, plan)
+            run = e.run
+
+            async def mixed(r, rid):
+                await run(r, rid)
+                if "long" in r.prompt:
+                    raise VLLMValidationError("The decoder prompt (length 900) is longer than the "
+                                              "maximum model length of 512")
+                if "alloc" in r.prompt:
+                    raise MemoryError("failed to allocate KV blocks")
+                return EngineOutput("fine", [1], "stop", 1)
+
+            e.run = mixed
+            return e
+
+    w = Mixed()
+    host = make_host(w)
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(host.generate, req(p), A, f"r{i}", 10)
+                for i, p in enumerate(["too long", "alloc fails", "ok"])]
+        wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 3)
+        w.gate.set()
+        with pytest.raises(RequestError, match="^prompt_too_long: "):
+            futs[0].result()
+        with pytest.raises(TransientError, match="^allocation_failed: "):
+            futs[1].result()
+        assert futs[2].result().text == "fine"
+    assert host.loads == 1 and host.restarts == 0
+
+
+def test_split_suspects_makes_singles_of_small_groups_and_sqrt_groups_of_large_ones():
+    assert split_suspects(list(range(5))) == [[0], [1], [2], [3], [4]]
+    groups = split_suspects(list(range(33)))
+    assert len(groups) == 6 and sum(groups, []) == list(range(33))
+    assert max(len(g) for g in groups) == 6
+    groups = split_suspects(list(range(256)))
+    assert len(groups) == 16 and all(len(g) == 16 for g in groups)
+
+
+def test_the_death_streak_counts_one_signature_with_no_success_between():
+    s = DeathStreak(limit=3)
+    dead = death_signature(EngineDeadError())
+    assert s.death(dead) == 1 and s.death(dead) == 2
+    s.success()
+    assert s.death(dead) == 1
+    assert s.death(death_signature(RuntimeError("CUDA error 12 at pid 4711"))) == 1  # new cause
+    assert s.death(death_signature(RuntimeError("CUDA error 13 at pid 4712"))) == 2  # same cause
+    assert not s.broken
+    assert s.death(death_signature(RuntimeError("CUDA error 9 at pid 1"))) == 3 and s.broken
