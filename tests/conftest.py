@@ -30,9 +30,37 @@ def pytest_configure(config):
     # A pool that no test worker serves (never loaded): requests for it can only end by deadline.
     models = CACHE_DIR / "test-models.json"
     models.write_text(json.dumps({"models": [
-        {"name": UNSERVED_MODEL, "path": str(CACHE_DIR / "no-such-weights"), "max_model_len": 512}]}))
+        {"name": UNSERVED_MODEL, "path": str(CACHE_DIR / "no-such-weights"), "max_model_len": 512},
+        *fault_test_models(CACHE_DIR)]}))
     os.environ["VIGIL_MODELS_FILE"] = str(models)
     os.environ.pop("VIGIL_ENGINE", None)
+
+
+DRILL_MODEL = "tiny-llama-drill"  # tiny-llama's weights, served only by drill workers
+ROOMY_MODEL = "roomy-llama"  # tiny-llama's weights; its worker is told it needs most memory
+CORRUPT_MODEL = "corrupt-llama"  # a model dir whose config.json is garbage
+MISSING_MODEL = "missing-llama"  # a registered path with nothing there
+
+
+def fault_test_models(cache_dir: Path) -> list[dict]:
+    """Registry entries of the fault tests' extra pools (same weights as tiny-llama, or broken)."""
+    from workers.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
+
+    tiny = {"path": str(cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
+            "builder": "tiny-llama", "max_model_len": MAX_POSITIONS, "vocab_size": VOCAB_SIZE,
+            "engine_args": {"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+                            "dtype": "float32"}}
+    corrupt = cache_dir / "corrupt-model"
+    corrupt.mkdir(parents=True, exist_ok=True)
+    (corrupt / "config.json").write_text("{this is not json")
+    return [
+        {"name": DRILL_MODEL, **tiny, "memory_gib": 2.0},
+        {"name": ROOMY_MODEL, **tiny, "memory_gib": 2.0, "kv_cache_gib": 0.5,
+         "kv_cache_floor_gib": 0.25},
+        {"name": CORRUPT_MODEL, "path": str(corrupt), "max_model_len": MAX_POSITIONS},
+        {"name": MISSING_MODEL, "path": str(cache_dir / "missing-weights"),
+         "max_model_len": MAX_POSITIONS},
+    ]
 
 
 def pytest_unconfigure(config):
@@ -77,7 +105,7 @@ def worker_entry(client, name: str) -> dict[str, str] | None:
 class RunningWorker:
     """A real `vigil worker --cpu` subprocess (Celery threads pool, vLLM CPU engine)."""
 
-    def __init__(self, redis_server, name: str, tmp: Path, **env):
+    def __init__(self, redis_server, name: str, tmp: Path, pools: str = "tiny-llama", **env):
         from app.embedded import start_worker
 
         self.name = name
@@ -85,7 +113,7 @@ class RunningWorker:
         self.client = redis_server.client()
         env.setdefault("VIGIL_HEARTBEAT_INTERVAL", "1")
         self.proc = start_worker(redis_server.url, name, self.log, concurrency=64,
-                                 pools="tiny-llama", **env)
+                                 pools=pools, **env)
 
     def entry(self) -> dict[str, str] | None:
         return worker_entry(self.client, self.name)
@@ -101,6 +129,31 @@ class RunningWorker:
             return e if e and int(e.get("engine_loads", 0)) >= 1 else None
 
         return wait_for(ready, timeout, 0.2, f"{self.name}'s engine")
+
+    def wait_registered(self, timeout: float = 120) -> dict[str, str]:
+        """The worker's registry entry once it heartbeats (no engine needed)."""
+        from app.embedded import wait_for
+
+        def up():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}); log:\n"
+                                   + self.log.read_text()[-4000:])
+            return self.entry()
+
+        return wait_for(up, timeout, 0.2, f"{self.name} to register")
+
+    def engine_core_pids(self) -> list[int]:
+        """PIDs of this worker's vLLM EngineCore process(es)."""
+        import psutil
+
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "EngineCore" in " ".join(p.cmdline()) + p.name():
+                    out.append(p.pid)
+            except psutil.Error:
+                continue
+        return out
 
     def stop(self) -> None:
         from app.embedded import stop_process

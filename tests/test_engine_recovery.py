@@ -362,3 +362,13 @@ def test_the_death_streak_counts_one_signature_with_no_success_between():
     assert s.death(death_signature(RuntimeError("CUDA error 13 at pid 4712"))) == 2  # same cause
     assert not s.broken
     assert s.death(death_signature(RuntimeError("CUDA error 9 at pid 1"))) == 3 and s.broken
+
+
+def test_engines_dead_on_arrival_count_as_deaths_and_make_the_worker_leave(make_host):
+    """Given engines that are dead before any request reaches them, then each start counts as a
+    death and the third makes the worker leave, instead of starting engines forever."""
+    calls = []
+    host = make_host(World(die_on_start=True), on_fatal=calls.append, death_limit=3)
+    with pytest.raises(WorkerFatalError, match="^repeated_engine_death: "):
+        host.generate(req("x"), A, "r", 10)
+    assert len(calls) == 1 and host.loads == 3

@@ -83,6 +83,30 @@ def test_a_text_prompt_longer_than_the_context_fails_at_once_with_prompt_too_lon
     assert rec["status"] == "FAILED" and rec["attempts"] == "1"
 
 
+def test_client_errors_the_engine_refuses_fail_at_once_and_keep_the_engine_warm(
+        warm_worker, store):
+    """Given a warm engine, when requests that only the engine can refuse reach it (a text prompt
+    past max_model_len; token ids past the vocabulary, sent around the producer's own check),
+    then each fails on its first attempt with its precise code, `r.get()` raises a RequestError
+    whose message starts with the code, and the engine is neither restarted nor reloaded."""
+    before = fresh_entry(warm_worker)
+    too_long = generate.delay(model="tiny-llama", prompt="word " * 700, max_tokens=4)
+    oov = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
+                                                  "prompt_token_ids": [5, 999_999]},
+                        queue="vigil.pool.tiny-llama")
+    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4)
+    for r, code in ((too_long, "prompt_too_long"), (oov, "token_out_of_vocab")):
+        with pytest.raises(RequestError, match=f"^{code}: ") as ei:
+            r.get(timeout=120)
+        assert ei.value.code == code
+        history = store.history(r.id)
+        assert [(h["outcome"], h["error"]) for h in history] == [("failed", code)]
+    assert fine.get(timeout=120)["completion_tokens"] == 4
+    after = fresh_entry(warm_worker)
+    assert after["engine_loads"] == before["engine_loads"]
+    assert after["engine_restarts"] == before["engine_restarts"]
+
+
 def test_a_message_sent_around_the_producer_is_validated_in_the_worker(warm_worker):
     bad = app.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": 7},
                         queue="vigil.pool.tiny-llama")

@@ -384,9 +384,7 @@ class EngineHost:
         WorkerFatalError(repeated_engine_death) once the death streak reaches its limit."""
         while True:
             if self._streak.broken:
-                raise WorkerFatalError.of(REPEATED_ENGINE_DEATH, (
-                    f"the engine for {spec.name} died {self._streak.count} times in a row with "
-                    f"no success between ({self._streak.signature})"))
+                raise self._broken_error(spec)
             if self._engine is None or self._engine.dead or self._model != spec.name:
                 self._load(spec)
             engine = self._engine
@@ -422,6 +420,9 @@ class EngineHost:
         async with self._cond:
             while True:
                 if self._fatal is not None:
+                    # Held until the worker has handed its requests back (on_fatal): the
+                    # hand-back aborts this one; it fails only if no hand-back happened.
+                    await self._cond.wait_for(lambda: self._fatal_handled)
                     raise self._fresh_fatal()
                 if self._usable(spec):
                     self._switch_to = None
@@ -452,8 +453,19 @@ class EngineHost:
                             self._cond.notify_all()
                         raise
                     continue
+                if self._streak.broken:
+                    self._go_fatal(self._broken_error(spec))
+                    continue
                 self._load(spec)
+                if self._engine.dead:  # dead on arrival: a death like any other
+                    self._note_death(self._engine, RuntimeError(
+                        "the engine was dead as soon as it had started"))
                 self._cond.notify_all()
+
+    def _broken_error(self, spec: ModelSpec) -> WorkerFatalError:
+        return WorkerFatalError.of(REPEATED_ENGINE_DEATH, (
+            f"the engine for {spec.name} died {self._streak.count} times in a row with no "
+            f"success between ({self._streak.signature})"))
 
     def _load(self, spec: ModelSpec) -> None:
         # Synchronous on the loop thread: nothing else interleaves with a build, so two loads

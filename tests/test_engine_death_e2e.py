@@ -1,0 +1,137 @@
+"""Worker tier: engine death on the real vLLM CPU engine. The EngineCore process is SIGKILLed for
+real (by the test, or by the drill engine when a poison request reaches it); recovery happens
+inside the worker: suspects re-run on a fresh engine, a poison is convicted alone, innocents
+finish, and a worker that cannot keep an engine alive hands its requests back and leaves."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from app import app
+from app.embedded import wait_for
+from app.errors import RequestError
+from app.models import queue_for
+from app.store import RequestStore
+from tasks.inference import generate
+from tests.conftest import DRILL_MODEL, RunningWorker, every_request_taken
+
+pytestmark = pytest.mark.worker
+POISON = "POISON-PILL"
+DRILL_QUEUE = queue_for(DRILL_MODEL)
+
+
+@pytest.fixture(scope="module")
+def drill_worker(redis_server, tmp_path_factory):
+    """A worker serving tiny-llama-drill on the drill engine: the real engine, where a prompt
+    holding POISON-PILL kills EngineCore once it is in the batch."""
+    w = RunningWorker(redis_server, "drill@testhost", tmp_path_factory.mktemp("drill"),
+                      pools=DRILL_MODEL, VIGIL_ENGINE="drill", VIGIL_DRILL=f"poison={POISON}")
+    try:
+        w.wait_engine()
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture()
+def store(redis_server):
+    return RequestStore(redis_server.client(), 3600)
+
+
+def fresh_entry(worker) -> dict:
+    seen = float(worker.entry()["last_seen"])
+    return wait_for(lambda: (e := worker.entry()) and float(e["last_seen"]) > seen and e, 30,
+                    what="a fresh heartbeat")
+
+
+def test_killing_engine_core_with_64_in_flight_fails_none_of_them(drill_worker, store):
+    """Given 64 requests generating in one warm engine, when its EngineCore process is SIGKILLed,
+    then every request still succeeds, exactly once, on its first attempt (re-run inside the
+    worker on one fresh engine), and the engine was restarted once."""
+    before = fresh_entry(drill_worker)
+    inst = before["instance_id"]
+    dup_before = store.stats().get("duplicate_results", 0)
+    rs = [generate.delay(model=DRILL_MODEL, prompt=f"story number {i}", max_tokens=200,
+                         ignore_eos=True) for i in range(64)]
+    wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
+             what="all 64 requests to reach the worker")
+    wait_for(lambda: int(drill_worker.entry()["in_flight"]) == 64, 60,
+             what="64 requests in the engine")
+    cores = drill_worker.engine_core_pids()
+    assert len(cores) == 1
+    killed_at = time.monotonic()
+    os.kill(cores[0], signal.SIGKILL)
+    outs = [r.get(timeout=300) for r in rs]
+    print(f"\n64 requests in flight when EngineCore was killed: all done "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+    assert [o["request_id"] for o in outs] == [r.id for r in rs]
+    assert all(o["completion_tokens"] == 200 and o["attempts"] == 1 for o in outs)
+    assert store.stats().get("duplicate_results", 0) == dup_before
+    after = fresh_entry(drill_worker)
+    assert int(after["engine_restarts"]) == int(before["engine_restarts"]) + 1
+    assert int(after["poisoned"]) == int(before["poisoned"])
+
+
+def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, store):
+    """Given 32 innocent requests and one that kills the engine whenever it runs, sent together,
+    then only the poison fails, with poison_request on its first attempt (`r.get()` raises the
+    RequestError), the 32 succeed exactly once, and the engine was restarted a bounded number of
+    times."""
+    before = fresh_entry(drill_worker)
+    dup_before = store.stats().get("duplicate_results", 0)
+    prompts = [f"innocent request {i}" for i in range(32)]
+    prompts.insert(11, f"a {POISON} in the batch")
+    rs = [generate.delay(model=DRILL_MODEL, prompt=p, max_tokens=48, ignore_eos=True)
+          for p in prompts]
+    poison = rs.pop(11)
+    with pytest.raises(RequestError, match="^poison_request: ") as ei:
+        poison.get(timeout=600)
+    assert ei.value.code == "poison_request"
+    outs = [r.get(timeout=600) for r in rs]
+    assert all(o["completion_tokens"] == 48 for o in outs)
+    assert store.stats().get("duplicate_results", 0) == dup_before
+    assert [(h["outcome"], h["error"]) for h in store.history(poison.id)] == [
+        ("failed", "poison_request")]
+    after = fresh_entry(drill_worker)
+    restarts = int(after["engine_restarts"]) - int(before["engine_restarts"])
+    print(f"\npoison convicted after {restarts} engine restarts")
+    assert int(after["poisoned"]) == int(before["poisoned"]) + 1
+    # the batch, the suspects together, at most two rounds of groups, alone twice
+    assert 2 <= restarts <= 6
+    assert int(after["death_streak"]) == 0
+
+
+def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_elsewhere(
+        drill_worker, redis_server, store, tmp_path):
+    """Given a worker whose every engine dies as soon as it starts, holding 16 requests, then
+    after engine_death_limit deaths in a row it hands them back at once (same ids, attempt + 1),
+    stops consuming and exits with status 70; all 16 complete on the healthy worker, none lost,
+    none twice."""
+    broken = RunningWorker(redis_server, "broken@testhost", tmp_path, pools=DRILL_MODEL,
+                           VIGIL_ENGINE="drill", VIGIL_DRILL="die_on_start", VIGIL_PRELOAD="0")
+    healthy = drill_worker.name
+    try:
+        inst = broken.wait_registered()["instance_id"]
+        # The healthy worker steps aside so that the broken one takes every request.
+        app.control.cancel_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
+        dup_before = store.stats().get("duplicate_results", 0)
+        rs = [generate.delay(model=DRILL_MODEL, prompt=f"request {i}", max_tokens=16)
+              for i in range(16)]
+        wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
+                 what="the broken worker to take every request")
+        app.control.add_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
+        outs = [r.get(timeout=600) for r in rs]
+        assert broken.proc.wait(timeout=120) == 70
+        assert all(o["worker"] == healthy and o["attempts"] == 2 for o in outs)
+        for r in rs:
+            first = store.history(r.id)[0]
+            assert first["instance"] == inst and first["outcome"] == "requeued"
+        assert store.stats().get("duplicate_results", 0) == dup_before
+        log = broken.log.read_text()
+        assert "repeated_engine_death" in log and "is broken and leaves" in log
+    finally:
+        app.control.add_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
+        broken.stop()

@@ -1,0 +1,114 @@
+"""Worker tier: engine starts under a real memory squeeze, and starts that fail for the model's own
+fault. The worker measures free memory itself (the node meminfo vLLM reads) before each start;
+another process holds real memory to squeeze it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from app.embedded import wait_for
+from app.errors import RequestError
+from app.store import RequestStore
+from tasks.inference import generate
+from tests.conftest import (CORRUPT_MODEL, MISSING_MODEL, ROOMY_MODEL, RunningWorker,
+                            fault_test_models)
+from workers.memory import GiB, probe_memory, worker_device
+
+pytestmark = pytest.mark.worker
+# The worker is told that roomy-llama needs all but HEADROOM of the memory free at the start of
+# the test besides its KV cache (a drill: a big model on a small machine, played by tiny-llama's
+# weights). The holder then takes HOLD, so the start must be refused; after it exits, there is
+# room again.
+HEADROOM_GIB = 3.0
+HOLD_GIB = 3.5
+
+HOLDER = """
+import mmap, sys
+n = int(sys.argv[1])
+m = mmap.mmap(-1, n)
+for i in range(0, n, 4096):
+    m[i] = 1  # touch every page: untouched pages cost nothing
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def mem_worker(redis_server, tmp_path_factory):
+    """A worker on the three fault pools, no preload, short retry backoff, and a models file
+    saying roomy-llama needs (free memory now - HEADROOM_GIB) besides its KV cache."""
+    from tests.conftest import CACHE_DIR
+
+    tmp = tmp_path_factory.mktemp("mem")
+    free_gib = probe_memory(*worker_device()).free / GiB
+    models = []
+    for m in fault_test_models(CACHE_DIR):
+        if m["name"] == ROOMY_MODEL:
+            m = {**m, "memory_gib": round(free_gib - HEADROOM_GIB, 2)}
+        models.append(m)
+    path = tmp / "models.json"
+    path.write_text(json.dumps({"models": models}))
+    w = RunningWorker(redis_server, "mem@testhost", tmp,
+                      pools=f"{ROOMY_MODEL},{CORRUPT_MODEL},{MISSING_MODEL}",
+                      VIGIL_MODELS_FILE=str(path), VIGIL_PRELOAD="0",
+                      VIGIL_RETRY_BACKOFF="1", VIGIL_RETRY_BACKOFF_MAX="2", VIGIL_MAX_ATTEMPTS="5")
+    try:
+        w.wait_registered()
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture()
+def store(redis_server):
+    return RequestStore(redis_server.client(), 3600)
+
+
+def test_a_corrupt_model_dir_fails_once_without_retries(mem_worker, store):
+    """Given a model whose config.json is garbage and plenty of free memory, then its request
+    fails on the first attempt with invalid_model_config: a start that failed with the requested
+    memory free is the model's fault, never retried."""
+    r = generate.delay(model=CORRUPT_MODEL, prompt="hello", max_tokens=4)
+    with pytest.raises(RequestError, match="^invalid_model_config: ") as ei:
+        r.get(timeout=180)
+    assert ei.value.code == "invalid_model_config"
+    assert [(h["outcome"], h["error"]) for h in store.history(r.id)] == [
+        ("failed", "invalid_model_config")]
+
+
+def test_missing_model_files_fail_once_with_model_not_found(mem_worker, store):
+    r = generate.delay(model=MISSING_MODEL, prompt="hello", max_tokens=4)
+    with pytest.raises(RequestError, match="^model_not_found: ") as ei:
+        r.get(timeout=180)
+    assert "missing-weights" in str(ei.value)
+    assert [(h["outcome"], h["error"]) for h in store.history(r.id)] == [
+        ("failed", "model_not_found")]
+
+
+def test_memory_pressure_at_engine_start_is_retried_and_lands_once_memory_frees(
+        mem_worker, store):
+    """Given another process holding memory so that the worker measures less free memory than
+    the model's floor, when a request arrives, then the start is refused as memory_pressure and
+    the request is retried (same id, next attempt); once the holder exits, a retry starts the
+    engine and the request succeeds."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(int(HOLD_GIB * GiB))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        r = generate.delay(model=ROOMY_MODEL, prompt="room to breathe", max_tokens=8)
+        wait_for(lambda: any(h["error"] == "memory_pressure" and h["outcome"] == "retry"
+                             for h in store.history(r.id)), 120,
+                 what="a start refused for memory pressure")
+    finally:
+        holder.kill()
+        holder.wait()
+    out = r.get(timeout=300)
+    history = store.history(r.id)
+    assert out["completion_tokens"] == 8 and out["attempts"] == len(history) >= 2
+    assert [h["outcome"] for h in history] == ["retry"] * (len(history) - 1) + ["succeeded"]
+    assert all(h["error"] == "memory_pressure" for h in history[:-1])
+    log = mem_worker.log.read_text()
+    assert "not enough free memory to start roomy-llama" in log
