@@ -164,7 +164,10 @@ class RunningWorker:
 @pytest.fixture(scope="session")
 def warm_worker(redis_server, tmp_path_factory):
     """One warm worker shared by the worker-tier tests that only send it requests."""
-    w = RunningWorker(redis_server, "warm@testhost", tmp_path_factory.mktemp("warm"))
+    # Kept warm for the whole run (no idle cleanup): other modules' workers run for minutes
+    # between its tests, and its load count is part of what test_worker_e2e checks.
+    w = RunningWorker(redis_server, "warm@testhost", tmp_path_factory.mktemp("warm"),
+                      VIGIL_IDLE_CLEANUP="0")
     try:
         w.wait_engine()
         yield w

@@ -8,9 +8,8 @@ Rules kept here:
 - one model at a time: a request for another model stops new admissions for the current one,
   waits for its in-flight requests to drain, evicts it and loads the new one;
 - an engine that dies under load is restarted and its in-flight requests re-run as suspects,
-  re-isolated until the guilty one is found (workers/engine_recovery.py, rules in
-  workers/recovery.py); a worker that cannot keep an
-  engine alive leaves (`on_fatal`);
+  re-isolated until the guilty one is found (workers/engine_recovery.py; the rules in
+  workers/recovery.py); a worker that cannot keep an engine alive leaves (`on_fatal`);
 - each start is sized to the memory that is free (workers/memory.py), and a failed start is
   memory pressure (retried) only when the worker had to size below the request;
 - a failed load is shared: every request that was waiting for it fails with that error, instead
