@@ -22,6 +22,9 @@ def _beat_schedule(s: VigilSettings) -> dict:
     if s.worker_reap_timeout > 0:  # reap_timeout/4: a dead worker is found within 1.25 timeouts
         sched["vigil.reap_workers"] = (s.worker_reap_timeout / 4, "vigil.reap_workers",
                                        {"reap_timeout": s.worker_reap_timeout})
+    # Quarantined workers must really stop consuming: the worker cancels its own consumers,
+    # and this tick does it from outside when the worker could not.
+    sched["vigil.health_tick"] = (s.health_tick_interval, "vigil.health_tick", {})
     return {name: {"task": task, "schedule": every, "kwargs": kwargs,
                    "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
             for name, (every, task, kwargs) in sched.items()}

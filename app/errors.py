@@ -15,6 +15,7 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error         |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
+|                  |                                            | canary_failed                           |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
 |                  |                                            | attempts_exhausted                      |
 """
@@ -39,6 +40,7 @@ ENGINE_ERROR = "engine_error"
 # WorkerFatalError codes
 CUDA_CONTEXT_LOST = "cuda_context_lost"
 REPEATED_ENGINE_DEATH = "repeated_engine_death"
+CANARY_FAILED = "canary_failed"
 # Terminal outcomes
 DEADLINE_EXCEEDED = "deadline_exceeded"
 JOB_DELETED = "job_deleted"

@@ -163,3 +163,50 @@ def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
     dispatch = int(rec.get("dispatch", 0)) + 1
     republish(rid, rec, dispatch)
     return "requeued" if store.requeue(rid, inst, dispatch, now=now) else "skipped"
+
+
+HEALTH_TICK_LOCK = "health_tick"
+# active_queues(worker name) -> the queue names it consumes, or None when it did not answer.
+ActiveQueues = Callable[[str], "list[str] | None"]
+# cancel(worker name, queue): tell that worker to stop consuming the queue.
+CancelConsumer = Callable[[str, str], None]
+
+
+def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: ActiveQueues,
+                        cancel: CancelConsumer, *, lock_ttl_s: float = 60.0) -> int:
+    """Make every worker whose health ledger says QUARANTINED or RESTARTING stop consuming its
+    pool queues (DESIGN.md section 5): the worker cancels its own consumers, and this catches the
+    one that could not (its quarantine thread stuck, its cancel lost). The ledger is read again
+    right before each cancel, so a worker that passed its canary meanwhile is left alone.
+    Returns how many consumers it cancelled; 0 without acting when another tick holds the lock."""
+    from app.health import QUARANTINED, RESTARTING
+    from app.models import QUEUE_PREFIX
+
+    owner = uuid.uuid4().hex
+    if not store.try_lock(HEALTH_TICK_LOCK, owner, lock_ttl_s):
+        return 0
+    cancelled = 0
+    try:
+        for inst in ledger.quarantined():
+            name = store.worker_name(inst)
+            if not name:
+                continue
+            try:
+                queues = active_queues(name)
+            except Exception as e:  # one unreachable worker must not stop the tick
+                log.warning("health tick: cannot ask %s for its queues: %s", name, e)
+                continue
+            pools = [q for q in queues or () if q.startswith(QUEUE_PREFIX)]
+            if not pools or ledger.read(inst).state not in (QUARANTINED, RESTARTING):
+                continue
+            for q in pools:
+                try:
+                    cancel(name, q)
+                    cancelled += 1
+                except Exception as e:
+                    log.warning("health tick: cannot cancel %s on %s: %s", q, name, e)
+            log.warning("health tick: quarantined worker %s was still consuming %s; cancelled",
+                        name, ", ".join(pools))
+    finally:
+        store.unlock(HEALTH_TICK_LOCK, owner)
+    return cancelled

@@ -16,6 +16,10 @@
 |                             |      |                             | read by the deadline sweep               |
 | vigil:lock:{name}           | str  | the holder's lease (PX)     | beat task locks (two beats never both    |
 |                             |      |                             | act); value = holder id                  |
+| vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/health.py)|
+|                             |      | dropped with its entry      | : state, streak, failures (JSON times),  |
+|                             |      |                             | last_failure_reason, quarantines, ...;   |
+|                             |      |                             | written by the worker, read by beat      |
 
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
@@ -47,6 +51,11 @@ TERMINAL = (SUCCEEDED, FAILED)
 def request(request_id: str) -> str:
     """The request record hash."""
     return f"{PREFIX}req:{request_id}"
+
+
+def health(instance_id: int | str) -> str:
+    """The health ledger of one worker instance (app/health.py)."""
+    return f"{PREFIX}health:{instance_id}"
 
 
 def inflight(instance_id: int | str) -> str:

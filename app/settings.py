@@ -10,7 +10,7 @@ import functools
 import os
 from pathlib import Path
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -51,6 +51,22 @@ DEFAULT_RETRY_BACKOFF_MAX_S = 60.0
 # Three: a poison request costs one death at a time (a canary passes between), and an external
 # kill is one; three in a row with nothing working between is the engine itself.
 DEFAULT_ENGINE_DEATH_LIMIT = 3
+# Health ledger (app/health.py): failures proven by traffic (timed-out requests, a stalled engine)
+# within the window, with no completed generation since, that quarantine a worker. Three: one
+# slow request is a blip, three in a row is a wedge.
+DEFAULT_FAILURE_THRESHOLD = 3
+# A failure counts this long. Long enough that a trickle of one timeout per request timeout still
+# adds up (stretched to threshold x request_timeout if shorter), short enough that blips days
+# apart never do.
+DEFAULT_HEALTH_WINDOW_S = 3600.0
+# Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
+# deadlocked). Far above one engine step (milliseconds to seconds); at most half the request
+# timeout is used.
+DEFAULT_STALL_TIMEOUT_S = 120.0
+# Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
+DEFAULT_MAX_CANARY_FAILURES = 5
+# How often beat checks that quarantined workers really stopped consuming.
+DEFAULT_HEALTH_TICK_S = 30.0
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
 
@@ -89,6 +105,12 @@ class VigilSettings(BaseSettings):
     retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0)
     redis_timeout: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0)
     engine_death_limit: int = Field(DEFAULT_ENGINE_DEATH_LIMIT, ge=1, le=100)
+    failure_threshold: int = Field(DEFAULT_FAILURE_THRESHOLD, ge=1, le=1000)
+    health_window: float = Field(DEFAULT_HEALTH_WINDOW_S, gt=0)
+    stall_timeout: float = Field(DEFAULT_STALL_TIMEOUT_S, ge=0, description="0 disables the "
+                                 "engine-progress watchdog.")
+    max_canary_failures: int = Field(DEFAULT_MAX_CANARY_FAILURES, ge=1, le=100)
+    health_tick_interval: float = Field(DEFAULT_HEALTH_TICK_S, gt=0)
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
@@ -100,6 +122,13 @@ class VigilSettings(BaseSettings):
     log_level: str = "INFO"
     # Prompts and outputs are user data: never logged unless an operator asks for it.
     log_payloads: bool = False
+    # Flower's basic auth (`vigil flower`, app/cli.py). Flower shows every worker and task and can
+    # shut workers down, so `vigil flower` refuses to start without both unless auth is disabled
+    # explicitly. The password is a SecretStr: its repr and any settings error hide the value.
+    flower_user: str = Field("", description="Flower's basic-auth user.")
+    flower_password: SecretStr = Field(SecretStr(""), description="Flower's basic-auth password.")
+    flower_auth_disabled: bool = Field(False, description="Let `vigil flower` run without auth "
+                                       "(local use only: it then listens on 127.0.0.1).")
 
     @field_validator("redis_url")
     @classmethod
@@ -119,6 +148,21 @@ class VigilSettings(BaseSettings):
         v = v.upper()
         if v not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return v
+
+    @field_validator("flower_user")
+    @classmethod
+    def _flower_user(cls, v: str) -> str:
+        # Flower reads its credentials as a comma-separated list of user:password pairs.
+        if ":" in v or "," in v:
+            raise ValueError("must not contain ':' or ','")
+        return v
+
+    @field_validator("flower_password")
+    @classmethod
+    def _flower_password(cls, v: SecretStr) -> SecretStr:
+        if "," in v.get_secret_value():  # Flower would split it into two credentials
+            raise ValueError("must not contain ','")
         return v
 
     @field_validator("pools", mode="before")
@@ -145,6 +189,21 @@ class VigilSettings(BaseSettings):
         return self
 
     @property
+    def failure_window(self) -> float:
+        """Seconds a failure counts in the health ledger: `health_window`, stretched to at least
+        failure_threshold x request_timeout so a trickle of one timeout per request timeout
+        still adds up to a quarantine."""
+        return max(self.health_window, self.failure_threshold * self.request_timeout)
+
+    @property
+    def stall_after(self) -> float:
+        """The watchdog's stall timeout in effect: `stall_timeout`, kept below half the request
+        timeout so a stall is caught before every request times out; 0 when disabled."""
+        if self.stall_timeout <= 0:
+            return 0.0
+        return min(self.stall_timeout, self.request_timeout / 2)
+
+    @property
     def visibility_timeout(self) -> int:
         """Seconds Redis keeps an unacked message before redelivering it.
 
@@ -154,6 +213,10 @@ class VigilSettings(BaseSettings):
         return int(self.request_timeout + self.retry_backoff_max + 60)
 
 
+# Settings whose value an error message must never show.
+SECRET_FIELDS = frozenset({"flower_password"})
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -161,7 +224,8 @@ def _explain(err: ValidationError) -> str:
         if not field:  # a cross-field rule: name the field its message starts with
             field = str(e.get("msg", "")).removeprefix("Value error, ").split(" ")[0]
         var = ENV_PREFIX + field.upper()
-        lines.append(f"{var}: {e['msg']} (got {e.get('input')!r})")
+        got = "(hidden)" if field in SECRET_FIELDS else repr(e.get("input"))
+        lines.append(f"{var}: {e['msg']} (got {got})")
     return "invalid settings: " + "; ".join(lines)
 
 

@@ -314,9 +314,9 @@ class RequestStore:
         return name.decode() if name else ""
 
     def drop_worker(self, instance: int | str) -> None:
-        """Remove a worker instance's registry entry and in-flight set."""
+        """Remove a worker instance's registry entry, in-flight set and health ledger."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(keys.worker(instance), keys.inflight(instance))
+        pipe.delete(keys.worker(instance), keys.inflight(instance), keys.health(instance))
         pipe.zrem(keys.WORKERS, str(instance))
         self._call(pipe.execute)
 

@@ -5,7 +5,9 @@ import time
 
 from app import app
 from app.celery_app import HOUSEKEEPING_QUEUE
-from app.housekeeping import reap_workers, republish_request, sweep_deadlines
+from app.health import HealthLedger
+from app.housekeeping import (enforce_quarantines, reap_workers, republish_request,
+                              sweep_deadlines)
 from app.settings import get_settings
 from app.store import shared_store
 
@@ -33,3 +35,21 @@ def reap(reap_timeout: float | None = None) -> int:
     return len(reap_workers(shared_store(), time.time(), republish_request,
                             _tell_backend,
                             reap_timeout=timeout, max_attempts=s.max_attempts))
+
+
+def _active_queues(name: str) -> list[str] | None:
+    replies = app.control.inspect(destination=[name], timeout=1.0).active_queues() or {}
+    return [q["name"] for q in replies[name]] if name in replies else None
+
+
+def _cancel(name: str, queue: str) -> None:
+    app.control.cancel_consumer(queue, destination=[name], reply=False)
+
+
+@app.task(name="vigil.health_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+def health_tick() -> int:
+    """Stop quarantined workers that still consume (app/housekeeping.py enforce_quarantines)."""
+    s = get_settings()
+    store = shared_store()
+    ledger = HealthLedger(store.r, window=s.failure_window, threshold=s.failure_threshold)
+    return enforce_quarantines(ledger, store, time.time(), _active_queues, _cancel)

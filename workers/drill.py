@@ -19,11 +19,9 @@ import os
 import time
 from dataclasses import dataclass
 
-import psutil
-
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
-from workers.engines import EngineOutput, VllmEngine
+from workers.engines import EngineOutput, VllmEngine, engine_core_pids
 from workers.memory import MemoryPlan
 
 log = logging.getLogger("vigil.drill")
@@ -55,19 +53,6 @@ def parse_drill(text: str) -> Drill:
     return Drill(poison, die)
 
 
-def engine_core_pids() -> list[int]:
-    """PIDs of this process's vLLM EngineCore children (found by their process title)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            title = " ".join(p.cmdline()) + " " + p.name()
-        except psutil.Error:
-            continue
-        if "EngineCore" in title:
-            out.append(p.pid)
-    return out
-
-
 class DrillEngine(VllmEngine):
     """VllmEngine with the faults of VIGIL_DRILL."""
 
@@ -83,12 +68,8 @@ class DrillEngine(VllmEngine):
 
     def kill_core(self) -> None:
         """SIGKILL this engine's EngineCore, as a crash in an engine step would end it."""
-        for pid in engine_core_pids():
-            log.warning("DRILL: killing EngineCore pid %d", pid)
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        log.warning("DRILL: killing EngineCore pid(s) %s", engine_core_pids())
+        self.kill()
 
     async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:

@@ -25,13 +25,14 @@ import threading
 import time
 from typing import Callable
 
-from app.errors import VigilError, WorkerFatalError
+from app.errors import WEDGED, TransientError, VigilError, WorkerFatalError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
 from workers.classify import classify, classify_load_failure, is_engine_dead
 from workers.engines import EngineOutput
 from workers.memory import MemoryPlan
 from workers.engine_recovery import EngineRecovery
+from workers.engine_watch import EngineWatch
 from workers.recovery import DeathStreak, Ticket
 
 log = logging.getLogger("vigil.engine")
@@ -45,7 +46,7 @@ class HandedBack(Exception):
     """The worker is stopping and handed this request back to the queue: drop this delivery."""
 
 
-class EngineHost(EngineRecovery):
+class EngineHost(EngineRecovery, EngineWatch):
     """Owns the loop thread and the warm engine. Thread-safe entry points: generate, preload,
     snapshot, shutdown."""
 
@@ -53,8 +54,18 @@ class EngineHost(EngineRecovery):
                  on_change: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0,
                  planner: MemoryPlanner | None = None, death_limit: int = 3,
-                 on_fatal: Callable[[WorkerFatalError], None] | None = None):
+                 on_fatal: Callable[[WorkerFatalError], None] | None = None,
+                 stall_timeout: float = 0.0,
+                 on_failure: Callable[[str], None] | None = None,
+                 on_success: Callable[[], None] | None = None):
         self._factory = factory
+        self._stall_timeout = stall_timeout
+        self._on_failure = on_failure or (lambda reason: None)
+        self._on_success = on_success or (lambda: None)
+        self._paused = False
+        self._busy_since = clock()
+        self._stall_aborted: dict[concurrent.futures.Future, str] = {}
+        self.stalls = 0
         self._planner = planner
         self._on_fatal = on_fatal
         self._streak = DeathStreak(death_limit)
@@ -107,6 +118,8 @@ class EngineHost(EngineRecovery):
         self._cond = asyncio.Condition()
         if self._idle_cleanup > 0:
             self._loop.create_task(self._idle_reaper())
+        if self._stall_timeout > 0:
+            self._loop.create_task(self._watchdog())
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut the engine down (its processes exit) and stop the loop thread. Idempotent."""
@@ -130,7 +143,7 @@ class EngineHost(EngineRecovery):
         Raises a classified VigilError; on timeout the request is aborted in the engine and
         TransientError(wedged) is raised.
         """
-        if self._draining:
+        if self._draining or self._paused:
             raise HandedBack(engine_request_id)
         arrived = self._clock()
         fut = asyncio.run_coroutine_threadsafe(
@@ -138,12 +151,18 @@ class EngineHost(EngineRecovery):
         with self._futures_lock:
             self._futures.add(fut)
         try:
-            return fut.result(timeout)
+            out = fut.result(timeout)
         except concurrent.futures.TimeoutError as e:
             fut.cancel()  # CancelledError inside the engine's generate aborts the request there
+            self._on_failure(f"timeout: request {engine_request_id} got no answer from the "
+                             f"engine within {timeout:g} s")
             raise classify(e) from None
         except concurrent.futures.CancelledError:
-            if self._draining:
+            stalled = self._stall_aborted.pop(fut, None)
+            if stalled is not None:
+                self._on_failure(f"stall: {stalled}")
+                raise TransientError.of(WEDGED, stalled) from None
+            if self._draining or self._paused:
                 raise HandedBack(engine_request_id) from None
             raise
         except VigilError as e:
@@ -153,6 +172,8 @@ class EngineHost(EngineRecovery):
         finally:
             with self._futures_lock:
                 self._futures.discard(fut)
+        self._on_success()
+        return out
 
     @property
     def draining(self) -> bool:
@@ -197,6 +218,8 @@ class EngineHost(EngineRecovery):
             "death_streak": self._streak.count,
             "poisoned": self.poisoned,
             "recovering": int(self._recovery is not None),
+            "paused": int(self._paused),
+            "stalls": self.stalls,
         }
 
     def child_pids(self) -> list[tuple[int, float]]:
@@ -271,6 +294,8 @@ class EngineHost(EngineRecovery):
                     raise self._fresh_fatal()
                 if self._usable(spec):
                     self._switch_to = None
+                    if self._inflight == 0:
+                        self._busy_since = self._clock()
                     self._inflight += 1
                     if self._inflight > self.peak_in_flight:
                         self.peak_in_flight = self._inflight

@@ -160,7 +160,7 @@ class EngineRecovery:
                 return engine
             self._engine_failed_canary(engine)
 
-    async def _canary(self, engine, spec: ModelSpec) -> bool:
+    async def _canary(self, engine, spec: ModelSpec, count_death: bool = True) -> bool:
         self.canaries += 1
         try:
             await asyncio.wait_for(engine.run(canary_request(spec), f"vigil-canary-{self.canaries}"),
@@ -170,7 +170,8 @@ class EngineRecovery:
         except BaseException as e:
             log.warning("canary on the fresh engine for %s failed: %s", spec.name,
                         death_signature(e))
-            self._note_death(engine, e)
+            if count_death:
+                self._note_death(engine, e)
             return False
         self._streak.success()
         return True

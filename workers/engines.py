@@ -75,6 +75,30 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        self.progress = 0
+        self._count_steps()
+
+    def _count_steps(self) -> None:
+        """Count every batch of outputs EngineCore sends (one per engine step or a few): the
+        stall watchdog's proof of progress. Wraps the method AsyncLLM's output handler calls
+        each step; the handler looks it up on every iteration."""
+        core = self._llm.engine_core
+        fetch = core.get_output_async
+
+        async def counted():
+            out = await fetch()
+            self.progress += 1
+            return out
+
+        core.get_output_async = counted
+
+    def kill(self) -> None:
+        """SIGKILL this engine's EngineCore: a stopped or wedged process ignores a polite stop."""
+        for pid in engine_core_pids():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
     @property
     def dead(self) -> bool:
@@ -141,6 +165,19 @@ class InstantEngine:
 
     def shutdown(self, timeout: float) -> None:
         self.dead = True
+
+
+def engine_core_pids() -> list[int]:
+    """PIDs of this process's vLLM EngineCore children (found by their process title)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(p.cmdline()) + " " + p.name()
+        except psutil.Error:
+            continue
+        if "EngineCore" in title:
+            out.append(p.pid)
+    return out
 
 
 def descendants() -> list[tuple[int, float]]:

@@ -83,7 +83,8 @@ class Heartbeat:
         if unregister:
             try:
                 pipe = self.r.pipeline(transaction=True)
-                pipe.delete(keys.worker(self.instance_id), keys.inflight(self.instance_id))
+                pipe.delete(keys.worker(self.instance_id), keys.inflight(self.instance_id),
+                            keys.health(self.instance_id))
                 pipe.zrem(keys.WORKERS, str(self.instance_id))
                 pipe.execute()
             except redis.RedisError as e:

@@ -19,7 +19,9 @@ from app.errors import WorkerFatalError
 from app.models import ModelSpec, queue_for
 from workers.engine_host import EngineHost
 from workers.engines import ENGINES, MODEL_ENGINES, engine_env_defaults
+from app.health import HealthLedger
 from workers.heartbeat import Heartbeat
+from workers.quarantine import WorkerHealth
 from workers.memory import MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.orphan_guard import OrphanGuard
 
@@ -64,8 +66,13 @@ class WorkerRuntime:
         self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
                                on_change=self._engine_changed,
                                planner=self.plan_memory if engine in MODEL_ENGINES else None,
-                               death_limit=settings.engine_death_limit, on_fatal=self.leave)
+                               death_limit=settings.engine_death_limit, on_fatal=self.leave,
+                               stall_timeout=settings.stall_after,
+                               on_failure=lambda reason: self.health.failure(reason),
+                               on_success=lambda: self.health.success())
         self.leaving: WorkerFatalError | None = None
+        self.health = WorkerHealth(self, HealthLedger(self.client, window=settings.failure_window,
+                                                      threshold=settings.failure_threshold))
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields)
 
@@ -80,7 +87,7 @@ class WorkerRuntime:
         except Exception as e:  # a probe failure must not stop the heartbeat
             log.warning("memory probe failed: %s", e)
             free = total = device = None
-        return {**self.host.snapshot(), "pools": ",".join(self.pools),
+        return {**self.host.snapshot(), **self.health.fields(), "pools": ",".join(self.pools),
                 "engine_kind": self.engine_kind, "device": device,
                 "device_free_bytes": free, "device_total_bytes": total}
 
@@ -104,23 +111,34 @@ class WorkerRuntime:
             self.host.preload(self.registry.get(name), timeout=self.settings.request_timeout)
             log.info("preloaded %s in %.1f s", name, time.monotonic() - started)
 
+    def canary_spec(self) -> ModelSpec:
+        """The model a quarantined worker proves itself on: its engine's, else its first pool's."""
+        return self.registry.get(self.host.snapshot()["model"] or self.pools[0])
+
+    def hand_back_held(self) -> tuple[int, int]:
+        """Publish every request this worker holds again (same id, next dispatch; failed when
+        out of attempts or time) and abort them in the engine, whose callers drop their stale
+        copies. The engine host must already refuse new requests. Returns (requeued, failed)."""
+        from app import app
+        from app.housekeeping import hand_back, republish_request
+
+        done = hand_back(self.store, time.time(), self.instance_id, republish_request,
+                         lambda rid, err: app.backend.mark_as_failure(rid, err),
+                         self.settings.max_attempts)
+        self._aborted = self.host.abort_in_flight()
+        return done
+
     def hand_back(self) -> tuple[int, int]:
         """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds
         again (same id, next dispatch) so another worker takes it now instead of after the reap
         timeout, abort them in the engine, and unregister. Returns (requeued, failed)."""
-        from app.housekeeping import hand_back, republish_request
-
         # Order matters: refuse new deliveries first (they go back on the queue untouched), then
         # republish what is held, then abort it in the engine. A delivery that slipped in
         # between is still RUNNING here when aborted, and retries itself (service.serve).
         self.host.refuse_new()
         self.heartbeat.stop(unregister=False)
-        from app import app
-
-        done = hand_back(self.store, time.time(), self.instance_id, republish_request,
-                         lambda rid, err: app.backend.mark_as_failure(rid, err),
-                         self.settings.max_attempts)
-        aborted = self.host.drain()
+        done = self.hand_back_held()
+        aborted = self._aborted
         self.store.drop_worker(self.instance_id)
         log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
                     "failed %d out of attempts or time", self.name, done[0], aborted, done[1])
@@ -150,6 +168,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""
+        self.health.close()
         self.heartbeat.stop(unregister=True)
         self.host.shutdown()
         if self.guard is not None:

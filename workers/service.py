@@ -10,8 +10,8 @@ import random
 import time
 
 from app.errors import (
-    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, WORKER_LOST, RequestError, TerminalError, TransientError,
-    VigilError, WorkerFatalError, error_from_record,
+    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, WEDGED, WORKER_LOST, RequestError, TerminalError,
+    TransientError, VigilError, WorkerFatalError, error_from_record,
 )
 from app.schemas import parse_request
 from app.store import Outcome
@@ -63,7 +63,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         spec = rt.registry.get(req.model)
     except RequestError as e:
         return _fail(rt, request_id, e)
-    if rt.host.draining:
+    if not rt.host.accepting:  # stopping or quarantined: another worker takes it
         raise GiveBack(request_id)
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
@@ -97,8 +97,9 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
                 ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {e}"))
         if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
             log.info("request %s attempt %d: %s; retrying", request_id, b.attempts, e)
-            # A broken worker is not the fleet being busy: another worker can take it now.
-            countdown = 0 if isinstance(e, WorkerFatalError) else backoff(
+            # A broken worker or a wedged engine is not the fleet being busy: another worker
+            # can take the request now (the reflex of DESIGN.md section 5).
+            countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
                 b.attempts, s.retry_backoff, s.retry_backoff_max)
             raise RetryLater(e, countdown) from None
         raise StaleDelivery(request_id) from None  # someone else owns it now
