@@ -1,9 +1,10 @@
-"""The `vigil` command: worker, model, demo.
+"""The `vigil` command: worker, model, demo, batch.
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
     vigil demo                           # the end-to-end demo (make demo)
+    vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
 """
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(n=args.n, max_tokens=args.max_tokens)
 
 
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from app.batch_run import run_command
+
+    return run_command(args.file, job=args.job, output=args.output, errors=args.errors,
+                       window=args.window, quiet=args.quiet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `vigil`."""
     p = argparse.ArgumentParser(prog="vigil", description="Fault-tolerant LLM inference on Celery.")
@@ -91,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n", type=int, default=100, help="prompts to send")
     d.add_argument("--max-tokens", type=int, default=32)
     d.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("batch", help="run an OpenAI Batch input file (JSONL) through Vigil; "
+                       "rerun the same command to resume")
+    b.add_argument("file", help="input JSONL: one {custom_id, method, url, body} per line")
+    b.add_argument("--job", help="job name; with custom_id it fixes each request's id (default: "
+                   "the file name, FILE.jsonl -> FILE)")
+    b.add_argument("--output", help="successes, appended (default FILE.output.jsonl)")
+    b.add_argument("--errors", help="failures, rewritten each run (default FILE.errors.jsonl)")
+    b.add_argument("--window", type=int, default=512,
+                   help="most requests in flight at once (default %(default)s)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_batch)
     return p
 
 

@@ -1,0 +1,392 @@
+"""Unit tier: `vigil batch`'s file format (app/batch.py), its runner with a fake fleet
+(app/batch_run.py) and chat rendering with real tokenizers saved in a temporary directory
+(app/chat.py). No Redis, no Celery."""
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from app import batch
+from app.batch_run import BatchUsageError, default_paths, load_done, run_batch
+from app.chat import ChatTemplates
+from app.errors import RequestError
+from app.models import ModelRegistry, ModelSpec
+from app.schemas import parse_request
+
+
+def line(cid="q1", url="/v1/completions", **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url,
+            "body": {"model": "tiny-llama", **body}}
+
+
+def fake_render(model, messages):
+    return [len(messages), len(model)]
+
+
+def to_req(obj, render=fake_render):
+    return batch.to_request(obj, 7, "job-1", render)
+
+
+def refused(obj, *words, render=fake_render):
+    with pytest.raises(RequestError) as ei:
+        to_req(obj, render)
+    assert ei.value.code == "invalid_request"
+    assert ei.value.detail.startswith("line 7: ")
+    for w in words:
+        assert w in ei.value.detail
+    return ei.value
+
+
+# -- ids and names -----------------------------------------------------------------------------
+def test_request_ids_are_deterministic_per_job_and_custom_id():
+    a = batch.request_id_for("eval-7", "q1")
+    assert a == batch.request_id_for("eval-7", "q1") and uuid.UUID(a).version == 5
+    assert a != batch.request_id_for("eval-8", "q1") != batch.request_id_for("eval-7", "q2")
+    # "job\ncustom_id": no (job, custom_id) pair can be spelled as another
+    assert batch.request_id_for("a", "b:c") != batch.request_id_for("a:b", "c")
+
+
+def test_the_id_namespace_never_changes():
+    """A changed namespace would orphan every interrupted batch: pin one id."""
+    assert batch.request_id_for("eval-7", "q1") == str(
+        uuid.uuid5(uuid.UUID("4f0b7c8e-3c1d-5a8e-9d62-1b7e0a6c2f51"), "eval-7\nq1"))
+
+
+@pytest.mark.parametrize("path, job", [
+    ("/data/eval-7.jsonl", "eval-7"), ("run.v2.jsonl", "run.v2"),
+    ("my prompts.jsonl", "my-prompts"),
+    (".hidden.jsonl", "batch-.hidden"), ("é.jsonl", "batch--"), ("x" * 200 + ".jsonl", "x" * 128),
+])
+def test_the_default_job_comes_from_the_file_name_and_is_a_valid_job(path, job):
+    assert batch.default_job(path) == job
+    assert batch.valid_job(job)
+
+
+def test_default_output_paths_sit_next_to_the_input():
+    assert default_paths("/d/eval.jsonl") == (Path("/d/eval.output.jsonl"),
+                                              Path("/d/eval.errors.jsonl"))
+    assert default_paths("in.txt") == (Path("in.txt.output.jsonl"), Path("in.txt.errors.jsonl"))
+
+
+# -- reading lines ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object"),
+    ('{"method": "POST"}', "custom_id"), ('{"custom_id": ""}', "custom_id"),
+    ('{"custom_id": 5}', "custom_id"), (json.dumps({"custom_id": "x" * 513}), "custom_id"),
+])
+def test_a_line_without_a_usable_custom_id_is_an_invalid_request(text, words):
+    with pytest.raises(RequestError) as ei:
+        batch.read_custom_id(text, 3)
+    assert ei.value.code == "invalid_request"
+    assert "line 3" in str(ei.value) and words in str(ei.value)
+
+
+def test_a_completion_line_becomes_generate_kwargs_that_pass_the_schema():
+    cid, obj = batch.read_custom_id(json.dumps(line(
+        prompt="Hello", max_tokens=8, temperature=0, top_p=0.5, seed=3, stop=["."],
+        ignore_eos=True, n=1, stream=False, user="me")), 1)
+    kind, kw = to_req(obj)
+    assert cid == "q1" and kind == "completion"
+    assert kw == {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+                  "top_p": 0.5, "seed": 3, "stop": ["."], "ignore_eos": True, "job": "job-1"}
+    parse_request(kw)
+
+
+def test_nulls_mean_the_default_and_token_prompts_are_token_ids():
+    assert to_req(line(prompt=[5, 6], seed=None, stop=None, temperature=None))[1] == {
+        "model": "tiny-llama", "prompt_token_ids": [5, 6], "job": "job-1"}
+    assert to_req(line(prompt=["one prompt"]))[1]["prompt"] == "one prompt"
+
+
+def test_a_chat_line_is_rendered_by_the_models_template():
+    seen = []
+
+    def render(model, messages):
+        seen.append((model, messages))
+        return [4, 9, 5]
+
+    kind, kw = to_req(line(url="/v1/chat/completions", max_completion_tokens=5, messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]), render)
+    assert kind == "chat"
+    assert kw == {"model": "tiny-llama", "prompt_token_ids": [4, 9, 5], "max_tokens": 5,
+                  "job": "job-1"}
+    assert seen == [("tiny-llama", [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "a\nb"}])]
+
+
+@pytest.mark.parametrize("obj, words", [
+    ({**line(prompt="x"), "extra": 1}, ["unknown field(s) extra"]),
+    ({**line(prompt="x"), "method": "GET"}, ["method"]),
+    ({**line(prompt="x"), "url": "/v1/embeddings"}, ["/v1/embeddings", "not supported"]),
+    ({**line(), "body": "text"}, ["body must be a JSON object"]),
+    ({**line(), "body": {"prompt": "x"}}, ["body.model"]),
+    (line(prompt="x", logprobs=2, best_of=3), ["best_of, logprobs", "not supported"]),
+    (line(prompt="x", n=2), ["body.n must be 1"]),
+    (line(prompt="x", stream=True), ["body.stream must be False"]),
+    (line(prompt="x", max_completion_tokens=4), ["max_completion_tokens", "not supported"]),
+    (line(prompt="x", messages=[]), ["messages", "not supported"]),
+    (line(prompt=["a", "b"]), ["one prompt per line"]),
+    (line(prompt=[1, True]), ["body.prompt"]),
+    (line(prompt=None), ["body.prompt"]),
+    (line(url="/v1/chat/completions", prompt="x"), ["prompt", "not supported"]),
+    (line(url="/v1/chat/completions"), ["body.messages must be a non-empty list"]),
+    (line(url="/v1/chat/completions", messages=[{"content": "x"}]), ["messages[0]", "role"]),
+    (line(url="/v1/chat/completions", messages=[{"role": "user", "content": None}]),
+     ["messages[0].content"]),
+    (line(url="/v1/chat/completions", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), ["only text parts"]),
+    (line(url="/v1/chat/completions", messages=[{"role": "user", "content": "x"}],
+          max_tokens=3, max_completion_tokens=4), ["differ"]),
+])
+def test_a_bad_envelope_or_body_is_an_invalid_request_naming_the_line(obj, words):
+    refused(obj, *words)
+
+
+def test_field_values_are_left_to_the_request_schema():
+    """Types and bounds are GenerateRequest's to check, at submit time, with its messages."""
+    kw = to_req(line(prompt="x", max_tokens="5"))[1]
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse_request(kw)
+
+
+# -- output lines -----------------------------------------------------------------------------
+RESULT = {"request_id": "r1", "model": "tiny-llama", "text": "hi there", "token_ids": [1, 2],
+          "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2, "attempts": 1,
+          "worker": "w@h"}
+
+
+def test_a_completion_success_has_the_openai_batch_shape():
+    out = batch.success_line("r1", "q1", "completion", RESULT, 1700000000)
+    assert out == {"id": "batch_req_r1", "custom_id": "q1", "error": None, "response": {
+        "status_code": 200, "request_id": "r1", "body": {
+            "id": "cmpl-r1", "object": "text_completion", "created": 1700000000,
+            "model": "tiny-llama",
+            "choices": [{"index": 0, "text": "hi there", "logprobs": None,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}}}
+
+
+def test_a_chat_success_carries_the_message():
+    body = batch.success_line("r1", "q1", "chat", RESULT, 1)["response"]["body"]
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-r1"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi there"},
+                                "logprobs": None, "finish_reason": "length"}]
+
+
+def test_an_error_line_has_a_null_response_and_the_vigil_code():
+    assert batch.error_line("batch_req_r1", "q1", "model_not_found", "no model") == {
+        "id": "batch_req_r1", "custom_id": "q1", "response": None,
+        "error": {"code": "model_not_found", "message": "no model"}}
+    assert batch.dumps({"t": "é"}) == '{"t":"é"}\n'
+
+
+# -- the output file on resume ----------------------------------------------------------------
+def test_load_done_reads_custom_ids_and_cuts_a_torn_last_line(tmp_path):
+    p = tmp_path / "out.jsonl"
+    p.write_bytes(b'{"custom_id":"a"}\n{"custom_id":"b"}\n{"custom_id":"c", "resp')
+    with open(p, "a+b") as f:
+        assert load_done(f) == {"a", "b"}
+        f.write(b'{"custom_id":"d"}\n')
+    assert p.read_bytes() == b'{"custom_id":"a"}\n{"custom_id":"b"}\n{"custom_id":"d"}\n'
+
+
+def test_load_done_refuses_a_file_that_is_not_an_output_file(tmp_path):
+    p = tmp_path / "out.jsonl"
+    p.write_bytes(b'{"custom_id":"a"}\nhello\n')
+    with open(p, "a+b") as f, pytest.raises(BatchUsageError, match="line 2"):
+        load_done(f)
+
+
+# -- the runner with a fake fleet --------------------------------------------------------------
+class FakeFleet:
+    """submit/poll for run_batch: every request ends at the next poll; a prompt 'fail' fails
+    with engine-side prompt_too_long; a prompt 'bad' is refused at submit."""
+
+    def __init__(self):
+        self.submitted: dict[str, dict] = {}
+        self.pending: list[str] = []
+        self.most_in_flight = 0
+
+    def submit(self, rid, kwargs):
+        if kwargs.get("prompt") == "bad":
+            raise RequestError("invalid_request: max_tokens: too big")
+        if rid in self.submitted:  # like apply_async: the same id re-attaches
+            assert self.submitted[rid] == kwargs
+        self.submitted[rid] = kwargs
+        self.pending.append(rid)
+        self.most_in_flight = max(self.most_in_flight, len(self.pending))
+
+    def poll(self, ids):
+        done = {}
+        for rid in [r for r in self.pending if r in ids]:
+            self.pending.remove(rid)
+            kw = self.submitted[rid]
+            if kw.get("prompt") == "fail":
+                done[rid] = (None, ("prompt_too_long", "too long"))
+            else:
+                done[rid] = ({**RESULT, "request_id": rid, "text": kw.get("prompt", "chat")}, None)
+        return done
+
+
+def write_input(path: Path, objs) -> Path:
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def run(tmp_path, fleet, window=2, job="j", **kw):
+    src = tmp_path / "in.jsonl"
+    return run_batch(src, tmp_path / "out.jsonl", tmp_path / "err.jsonl", job, window,
+                     submit=fleet.submit, poll=fleet.poll, render_chat=fake_render,
+                     sleep=lambda s: None, **kw)
+
+
+def test_the_runner_writes_successes_and_every_kind_of_failure_and_bounds_the_window(tmp_path):
+    write_input(tmp_path / "in.jsonl", [
+        line("a", prompt="one"), "not json", line("b", prompt="fail"), "", line("a", prompt="x"),
+        line("c", prompt="bad"), {**line("d", prompt="x"), "url": "/v1/embeddings"},
+        line("e", url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}]),
+        *[line(f"n{i}", prompt=f"p{i}") for i in range(6)]])
+    with (tmp_path / "in.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe\n")  # line 15: not UTF-8
+    fleet = FakeFleet()
+    tally = run(tmp_path, fleet)
+    outs, errs = read_jsonl(tmp_path / "out.jsonl"), read_jsonl(tmp_path / "err.jsonl")
+    assert sorted(o["custom_id"] for o in outs) == ["a", "e"] + [f"n{i}" for i in range(6)]
+    assert all(o["id"] == "batch_req_" + batch.request_id_for("j", o["custom_id"]) for o in outs)
+    chat = next(o for o in outs if o["custom_id"] == "e")["response"]["body"]
+    assert chat["object"] == "chat.completion"
+    by_line = {(e["custom_id"], e["error"]["code"], e["error"]["message"].split(":")[0])
+               for e in errs}
+    assert by_line == {(None, "invalid_request", "line 2"), ("b", "prompt_too_long", "too long"),
+                       ("a", "invalid_request", "line 5"), ("c", "invalid_request", "max_tokens"),
+                       ("d", "invalid_request", "line 7"), (None, "invalid_request", "line 15")}
+    assert {e["id"] for e in errs if e["custom_id"] in (None, "a")} == {
+        "batch_req_line_2", "batch_req_line_5", "batch_req_line_15"}
+    assert fleet.most_in_flight <= 2
+    assert (tally.total, tally.skipped, tally.ok, tally.failed) == (14, 0, 8, 6)  # 1 blank line
+
+
+def test_a_rerun_skips_what_is_written_rewrites_the_errors_and_reattaches_the_rest(tmp_path):
+    """Given a run that wrote some outputs and stopped, when the same command runs again, then
+    written custom_ids are skipped, the others are submitted under the same ids, and each
+    custom_id ends up once in one of the two files."""
+    write_input(tmp_path / "in.jsonl", [line(f"n{i}", prompt=f"p{i}") for i in range(6)] +
+                [line("b", prompt="fail"), line("n0", prompt="dup")])
+    first = FakeFleet()
+    (tmp_path / "out.jsonl").write_text("".join(
+        batch.dumps(batch.success_line(batch.request_id_for("j", c), c, "completion", RESULT, 1))
+        for c in ("n0", "n1")) + '{"custom_id": "n2", "respo')  # torn by a kill
+    (tmp_path / "err.jsonl").write_text("stale\n")
+    progress = []
+    tally = run(tmp_path, first, on_progress=lambda t: progress.append(t.finished))
+    outs = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted(o["custom_id"] for o in outs) == [f"n{i}" for i in range(6)]
+    assert sorted(first.submitted) == sorted(batch.request_id_for("j", c)
+                                             for c in ("n2", "n3", "n4", "n5", "b"))
+    errs = read_jsonl(tmp_path / "err.jsonl")
+    assert [(e["custom_id"], e["error"]["code"]) for e in sorted(errs, key=lambda e: e["id"])] == \
+        sorted([("b", "prompt_too_long"), ("n0", "invalid_request")])
+    assert (tally.total, tally.skipped, tally.ok, tally.failed) == (8, 2, 4, 2)
+    assert progress[0] == 2 and progress[-1] == 8
+    again = FakeFleet()
+    tally = run(tmp_path, again)
+    assert sorted(again.submitted) == [batch.request_id_for("j", "b")]
+    assert (tally.skipped, tally.ok, tally.failed) == (6, 0, 2)
+    assert len(read_jsonl(tmp_path / "err.jsonl")) == 2
+
+
+def test_usage_errors_are_refused_before_anything_is_written(tmp_path):
+    fleet = FakeFleet()
+    with pytest.raises(BatchUsageError, match="no such file"):
+        run(tmp_path, fleet)
+    write_input(tmp_path / "in.jsonl", [line(prompt="x")])
+    with pytest.raises(BatchUsageError, match="window"):
+        run(tmp_path, fleet, window=0)
+    with pytest.raises(BatchUsageError, match="three different files"):
+        run_batch(tmp_path / "in.jsonl", tmp_path / "in.jsonl", tmp_path / "e", "j", 1,
+                  submit=fleet.submit, poll=fleet.poll, render_chat=fake_render)
+    assert not fleet.submitted and not (tmp_path / "err.jsonl").exists()
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
+    write_input(tmp_path / "in.jsonl", [line(prompt="x")])
+    fleet = FakeFleet()
+    inner = []
+
+    def submit(rid, kwargs):
+        with pytest.raises(BatchUsageError, match="another vigil batch"):
+            run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err2.jsonl",
+                      "j", 1, submit=fleet.submit, poll=fleet.poll, render_chat=fake_render)
+        inner.append(rid)
+        fleet.submit(rid, kwargs)
+
+    run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl", "j", 1,
+              submit=submit, poll=fleet.poll, render_chat=fake_render)
+    assert len(inner) == 1 and len(read_jsonl(tmp_path / "out.jsonl")) == 1
+
+
+# -- chat templates ---------------------------------------------------------------------------
+def save_tokenizer(path: Path, template: str | None) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|user|>", "<|assistant|>", "<|system|>",
+                                         "hello", "world", "\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("\n", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
+    if template:
+        fast.chat_template = template
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def registry(tmp_path) -> ModelRegistry:
+    from workers.tiny_model import CHAT_TEMPLATE
+
+    return ModelRegistry([
+        ModelSpec(name="templated", path=save_tokenizer(tmp_path / "t", CHAT_TEMPLATE)),
+        ModelSpec(name="plain", path=save_tokenizer(tmp_path / "p", None)),
+        ModelSpec(name="strict", path=save_tokenizer(
+            tmp_path / "s", "{% if messages[0]['role'] != 'user' %}"
+                            "{{ raise_exception('first message must be the user') }}{% endif %}"
+                            "{{ messages[0]['content'] }}")),
+        ModelSpec(name="nowhere", path=str(tmp_path / "missing")),
+        ModelSpec(name="pathless"),
+    ])
+
+
+def test_chat_messages_are_rendered_with_the_template_and_a_generation_prompt(tmp_path):
+    render = ChatTemplates(registry(tmp_path))
+    ids = render("templated", [{"role": "user", "content": "hello"}])
+    # <|user|>hello\n<|assistant|>, special tokens matched, nothing added around them
+    assert ids == [1, 4, 6, 2]
+
+
+@pytest.mark.parametrize("model, words", [
+    ("plain", "no chat template"), ("nowhere", "no tokenizer could be loaded"),
+    ("pathless", "no local path"), ("strict", "refused the messages"),
+])
+def test_a_model_without_a_usable_template_fails_chat_lines_with_invalid_request(
+        tmp_path, model, words):
+    render = ChatTemplates(registry(tmp_path))
+    for _ in range(2):  # found once, the same answer for every line
+        with pytest.raises(RequestError) as ei:
+            render(model, [{"role": "system", "content": "hello"}])
+        assert ei.value.code == "invalid_request" and words in ei.value.detail
+
+
+def test_an_unknown_model_is_model_not_found(tmp_path):
+    with pytest.raises(RequestError) as ei:
+        ChatTemplates(registry(tmp_path))("gpt-9", [{"role": "user", "content": "x"}])
+    assert ei.value.code == "model_not_found"
