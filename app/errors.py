@@ -9,11 +9,13 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | ---------------- | ------------------------------------------ | --------------------------------------- |
 | RequestError     | never: the request itself is wrong         | invalid_request, model_not_found,       |
 |                  |                                            | invalid_model_config,                   |
+|                  |                                            | lora_adapter_invalid,                   |
 |                  |                                            | prompt_too_long, token_out_of_vocab,    |
 |                  |                                            | poison_request                          |
 | TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
 |                  |                                            | engine_restarting, worker_lost, wedged, |
-|                  |                                            | redis_unavailable, engine_error         |
+|                  |                                            | redis_unavailable, engine_error,        |
+|                  |                                            | lora_adapter_pending (no attempt used)  |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed                           |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
@@ -28,6 +30,7 @@ PROMPT_TOO_LONG = "prompt_too_long"
 TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
 POISON_REQUEST = "poison_request"
 INVALID_MODEL_CONFIG = "invalid_model_config"
+LORA_ADAPTER_INVALID = "lora_adapter_invalid"
 # TransientError codes
 MEMORY_PRESSURE = "memory_pressure"
 ALLOCATION_FAILED = "allocation_failed"
@@ -35,6 +38,8 @@ ENGINE_RESTARTING = "engine_restarting"
 WORKER_LOST = "worker_lost"
 WEDGED = "wedged"
 REDIS_UNAVAILABLE = "redis_unavailable"
+# The request's LoRA adapter is still being written: retried without using up an attempt.
+LORA_ADAPTER_PENDING = "lora_adapter_pending"
 # An engine failure nobody recognised: retried (bounded) rather than failed for good.
 ENGINE_ERROR = "engine_error"
 # WorkerFatalError codes

@@ -45,6 +45,12 @@ class ModelSpec(BaseModel):
     kv_cache_gib: float = Field(1.0, gt=0)
     kv_cache_floor_gib: float = Field(0.25, gt=0)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # LoRA: adapters kept warm in the engine at once (0: this model serves no adapters), the
+    # largest rank accepted, and whether the engine computes base requests correctly in a batch
+    # with adapter requests (vLLM CPU 0.32 does not: FIELD-NOTES.md), else they never share one.
+    max_loras: int = Field(0, ge=0, le=64)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    lora_mixing_safe: bool = False
 
     @property
     def queue(self) -> str:
@@ -75,6 +81,8 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             engine_args={"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,
                          # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
                          "dtype": "float32"},
+            max_loras=2,
+            max_lora_rank=8,
         )
     ]
 
@@ -82,8 +90,9 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
 class ModelRegistry:
     """Read-only map of model name -> ModelSpec."""
 
-    def __init__(self, specs: list[ModelSpec]):
+    def __init__(self, specs: list[ModelSpec], adapters: dict | None = None):
         self._specs = {s.name: s for s in specs}
+        self.adapters = adapters or {}
 
     def names(self) -> list[str]:
         """All registered model names, sorted."""
@@ -105,17 +114,21 @@ class ModelRegistry:
 
 def load_registry(settings: VigilSettings) -> ModelRegistry:
     """Builtins plus `settings.models_file`; a bad file raises SettingsError naming the variable."""
+    from app.adapters import load_adapters
+
     specs = {s.name: s for s in _builtins(settings)}
+    adapters = {}
     if settings.models_file is not None:
         try:
             raw = json.loads(Path(settings.models_file).read_text())
             for entry in raw.get("models", []):
                 spec = ModelSpec(**entry)
                 specs[spec.name] = spec
-        except (OSError, ValueError, ValidationError, AttributeError) as e:
+            adapters = load_adapters(settings.models_file)
+        except (OSError, ValueError, ValidationError, AttributeError, TypeError) as e:
             raise SettingsError(
                 f"invalid settings: VIGIL_MODELS_FILE={settings.models_file}: {e}") from None
-    return ModelRegistry(list(specs.values()))
+    return ModelRegistry(list(specs.values()), adapters)
 
 
 @functools.lru_cache(maxsize=1)

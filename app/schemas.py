@@ -34,6 +34,9 @@ class GenerateRequest(BaseModel):
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     ignore_eos: StrictBool = False
+    # A LoRA adapter of the base model: a registered name or a path under an adapter root
+    # (app/adapters.py).
+    lora: str | None = Field(None, min_length=1, max_length=4096)
     job: str = Field("default", pattern=JOB_PATTERN)
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -96,6 +99,7 @@ class GenerateResult(BaseModel):
     completion_tokens: int
     attempts: int
     worker: str
+    lora: str | None = None
 
 
 def _describe(err: ValidationError) -> str:

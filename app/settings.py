@@ -114,6 +114,9 @@ class VigilSettings(BaseSettings):
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
+    adapter_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Directories LoRA adapters may be named from by path "
+        "(comma-separated).")
     pools: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Models a worker loads at start (comma-separated)."
     )
@@ -165,7 +168,7 @@ class VigilSettings(BaseSettings):
             raise ValueError("must not contain ','")
         return v
 
-    @field_validator("pools", mode="before")
+    @field_validator("pools", "adapter_roots", mode="before")
     @classmethod
     def _split_pools(cls, v):
         if isinstance(v, str):

@@ -152,6 +152,7 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then
 end
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
+if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
 close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
 return 1
 """
@@ -359,14 +360,16 @@ class RequestStore:
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 
     def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
-                now: float | None = None) -> bool:
+                now: float | None = None, refund: bool = False) -> bool:
         """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped),
-        closing its attempt 'retry' at `now` (default: the clock)."""
+        closing its attempt 'retry' at `now` (default: the clock). With `refund`, the attempt is
+        not counted against max_attempts (the request was not at fault and did not run: e.g. its
+        LoRA adapter is still being written); its deadline still bounds it."""
         now = time.time() if now is None else now
         return bool(self._call(
             self._release,
             keys=[keys.request(request_id), keys.inflight(instance)],
-            args=[request_id, instance, next_dispatch, last_error, now],
+            args=[request_id, instance, next_dispatch, last_error, now, "1" if refund else "0"],
         ))
 
     def get(self, request_id: str) -> dict[str, str] | None:

@@ -43,7 +43,20 @@ def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
             bad = next(t for t in ids if t >= spec.vocab_size)
             raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"token id {bad} is out of vocabulary "
                                   f"({spec.name} has {spec.vocab_size} tokens)")
+    if req.lora is not None:
+        adapter_for(req, spec, settings, registry)
     return req, spec
+
+
+def adapter_for(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings,
+                registry: ModelRegistry):
+    """The AdapterRef a LoRA request names; RequestError(invalid_request) if the model serves no
+    adapters or the name/path is not allowed (app/adapters.py)."""
+    from app.adapters import resolve_adapter
+
+    if spec.max_loras == 0:
+        raise RequestError.of(INVALID_REQUEST, f"model {spec.name} serves no LoRA adapters")
+    return resolve_adapter(req.lora, spec.name, registry.adapters, settings.adapter_roots)
 
 
 def effective_deadline(req: GenerateRequest, default: float) -> float:
@@ -55,6 +68,7 @@ def record_fields(req: GenerateRequest, now: float, default_deadline: float) -> 
     """The fields of a new PENDING request record (app/keys.py lists them)."""
     return {
         "status": PENDING, "model": req.model, "pool": req.pool, "job": req.job,
+        **({"lora": req.lora} if req.lora is not None else {}),
         "request": json.dumps(wire_kwargs(req)), "created_at": now,
         "deadline_at": now + effective_deadline(req, default_deadline),
         "attempts": 0, "dispatch": 0,

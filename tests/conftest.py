@@ -33,6 +33,8 @@ def pytest_configure(config):
         {"name": UNSERVED_MODEL, "path": str(CACHE_DIR / "no-such-weights"), "max_model_len": 512},
         *fault_test_models(CACHE_DIR)]}))
     os.environ["VIGIL_MODELS_FILE"] = str(models)
+    # LoRA adapters named by path must live here (tests/test_lora_e2e.py builds them).
+    os.environ["VIGIL_ADAPTER_ROOTS"] = str(CACHE_DIR / "adapters")
     os.environ.pop("VIGIL_ENGINE", None)
 
 

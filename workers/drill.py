@@ -71,10 +71,10 @@ class DrillEngine(VllmEngine):
         log.warning("DRILL: killing EngineCore pid(s) %s", engine_core_pids())
         self.kill()
 
-    async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
+    async def run(self, req: GenerateRequest, request_id: str, adapter=None) -> EngineOutput:
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:
-            task = asyncio.ensure_future(super().run(req, request_id))
+            task = asyncio.ensure_future(super().run(req, request_id, adapter))
             await asyncio.sleep(0.05)  # in the engine's batch, then the crash
             self.kill_core()
             return await task
-        return await super().run(req, request_id)
+        return await super().run(req, request_id, adapter)

@@ -23,6 +23,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, VigilError, WorkerFatalError
@@ -31,6 +32,8 @@ from app.schemas import GenerateRequest
 from workers.classify import classify, classify_load_failure, is_engine_dead
 from workers.engines import EngineOutput
 from workers.memory import MemoryPlan
+from app.adapters import AdapterRef
+from workers.engine_lora import BASE_LANE, EngineLora, lane_of
 from workers.engine_recovery import EngineRecovery
 from workers.engine_watch import EngineWatch
 from workers.recovery import DeathStreak, Ticket
@@ -46,7 +49,7 @@ class HandedBack(Exception):
     """The worker is stopping and handed this request back to the queue: drop this delivery."""
 
 
-class EngineHost(EngineRecovery, EngineWatch):
+class EngineHost(EngineRecovery, EngineWatch, EngineLora):
     """Owns the loop thread and the warm engine. Thread-safe entry points: generate, preload,
     snapshot, shutdown."""
 
@@ -66,6 +69,15 @@ class EngineHost(EngineRecovery, EngineWatch):
         self._busy_since = clock()
         self._stall_aborted: dict[concurrent.futures.Future, str] = {}
         self.stalls = 0
+        self._lane = BASE_LANE
+        self._lane_wanted: str | None = None
+        self._warm_adapters: OrderedDict[str, AdapterRef] = OrderedDict()
+        self._adapter_users: dict[str, int] = {}
+        self._adapters_engine: object = None
+        self._adapter_loading: dict[str, asyncio.Future] = {}
+        self.lora_loads = 0
+        self.lora_evictions = 0
+        self.lora_refused = 0
         self._planner = planner
         self._on_fatal = on_fatal
         self._streak = DeathStreak(death_limit)
@@ -137,7 +149,7 @@ class EngineHost(EngineRecovery, EngineWatch):
 
     # -- entry points for task threads ----------------------------------------------------------
     def generate(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-                 timeout: float) -> EngineOutput:
+                 timeout: float, adapter: AdapterRef | None = None) -> EngineOutput:
         """Run one request to completion in the warm engine (loading it if needed).
 
         Raises a classified VigilError; on timeout the request is aborted in the engine and
@@ -147,7 +159,7 @@ class EngineHost(EngineRecovery, EngineWatch):
             raise HandedBack(engine_request_id)
         arrived = self._clock()
         fut = asyncio.run_coroutine_threadsafe(
-            self._generate(req, spec, engine_request_id, arrived), self._loop)
+            self._generate(req, spec, engine_request_id, arrived, adapter), self._loop)
         with self._futures_lock:
             self._futures.add(fut)
         try:
@@ -219,6 +231,9 @@ class EngineHost(EngineRecovery, EngineWatch):
             "poisoned": self.poisoned,
             "recovering": int(self._recovery is not None),
             "paused": int(self._paused),
+            "lora_loads": self.lora_loads, "lora_evictions": self.lora_evictions,
+            "lora_refused": self.lora_refused,
+            "warm_adapters": ",".join(self._warm_adapters),
             "stalls": self.stalls,
         }
 
@@ -228,18 +243,24 @@ class EngineHost(EngineRecovery, EngineWatch):
         return eng.child_pids() if eng is not None else []
 
     # -- on the loop ------------------------------------------------------------------------
-    async def _generate(self, req, spec, engine_request_id, arrived) -> EngineOutput:
-        t = Ticket(req, engine_request_id)
-        engine = await self._acquire(spec, arrived)
-        while True:
-            outcome, value = await self._run_once(engine, t, spec)
-            if outcome == "ok":
-                return value
-            if outcome == "error":
-                if isinstance(value, WorkerFatalError):
-                    self._go_fatal(value)
-                raise value
-            engine = await self._await_turn(t)  # died: wait for the recovery's verdict
+    async def _generate(self, req, spec, engine_request_id, arrived, adapter) -> EngineOutput:
+        t = Ticket(req, engine_request_id, adapter=adapter)
+        engine = await self._acquire(spec, arrived, lane_of(spec, adapter))
+        try:
+            while True:
+                if adapter is not None:
+                    await self._gate_or_release(engine, t, spec)
+                outcome, value = await self._run_once(engine, t, spec)
+                if outcome == "ok":
+                    return value
+                if outcome == "error":
+                    if isinstance(value, WorkerFatalError):
+                        self._go_fatal(value)
+                    raise value
+                engine = await self._await_turn(t)  # died: wait for the recovery's verdict
+        finally:
+            if adapter is not None:
+                self._adapter_done(t)
 
     async def _run_once(self, engine, t: Ticket, spec: ModelSpec):
         """One run of a ticket in `engine`: ("ok", output) | ("error", VigilError) | ("died", e).
@@ -248,7 +269,10 @@ class EngineHost(EngineRecovery, EngineWatch):
         t.runs += 1
         outcome, value = "cancelled", None
         try:
-            value = await engine.run(t.req, t.engine_request_id())
+            if t.adapter is None:
+                value = await engine.run(t.req, t.engine_request_id())
+            else:
+                value = await engine.run(t.req, t.engine_request_id(), t.adapter)
             outcome = "ok"
         except asyncio.CancelledError:
             raise
@@ -284,7 +308,7 @@ class EngineHost(EngineRecovery, EngineWatch):
         return (eng is not None and not eng.dead and self._model == spec.name
                 and self._switch_to in (None, spec.name) and self._recovery is None)
 
-    async def _acquire(self, spec: ModelSpec, arrived: float):
+    async def _acquire(self, spec: ModelSpec, arrived: float, lane: str = BASE_LANE):
         async with self._cond:
             while True:
                 if self._fatal is not None:
@@ -292,10 +316,16 @@ class EngineHost(EngineRecovery, EngineWatch):
                     # hand-back aborts this one; it fails only if no hand-back happened.
                     await self._cond.wait_for(lambda: self._fatal_handled)
                     raise self._fresh_fatal()
+                if self._usable(spec) and not self._lane_ok(lane):
+                    await self._wait_for_lane(lane)
+                    continue
                 if self._usable(spec):
                     self._switch_to = None
                     if self._inflight == 0:
                         self._busy_since = self._clock()
+                        self._lane = lane
+                    if self._lane_wanted == lane:
+                        self._lane_wanted = None
                     self._inflight += 1
                     if self._inflight > self.peak_in_flight:
                         self.peak_in_flight = self._inflight

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from app.adapters import AdapterRef
 from app.errors import MODEL_NOT_FOUND, RequestError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
@@ -68,8 +69,19 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = {"disable_log_stats": True, **spec.engine_args,
-                **(plan.engine_args if plan is not None else {})}
+        if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
+                "kv_cache_memory_bytes" not in spec.engine_args and \
+                "gpu_memory_utilization" not in spec.engine_args and \
+                not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # Unsized (no planner: benchmarks, scripts): the registry's request as it is. vLLM's
+            # own CPU default (90% of the node) fails on any shared host.
+            plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
+        else:
+            plan_args = plan.engine_args if plan is not None else {}
+        args = {"disable_log_stats": True, **spec.engine_args, **plan_args}
+        if spec.max_loras:
+            args = {"enable_lora": True, "max_loras": spec.max_loras,
+                    "max_lora_rank": spec.max_lora_rank, **args}
         self.spec = spec
         self._llm = None
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
@@ -116,16 +128,36 @@ class VllmEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
-        """Generate to completion; engine exceptions propagate unclassified."""
+    async def run(self, req: GenerateRequest, request_id: str,
+                  adapter: AdapterRef | None = None) -> EngineOutput:
+        """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
+        exceptions propagate unclassified."""
         prompt = ({"prompt": req.prompt} if req.prompt is not None
                   else {"prompt_token_ids": list(req.prompt_token_ids)})
         final = None
-        async for out in self._llm.generate(prompt, self._sampling(req), request_id=request_id):
+        async for out in self._llm.generate(prompt, self._sampling(req), request_id=request_id,
+                                            lora_request=self._lora(adapter)):
             final = out
         comp = final.outputs[0]
         return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
                             len(final.prompt_token_ids or ()))
+
+    @staticmethod
+    def _lora(adapter: AdapterRef | None):
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.lora_int_id(), adapter.path)
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        """Load `adapter` into the live engine; raises (the engine survives) if it is unusable."""
+        if not await self._llm.add_lora(self._lora(adapter)):
+            raise RuntimeError("the engine refused the adapter")
+
+    async def remove_adapter(self, adapter: AdapterRef) -> None:
+        """Unload `adapter` (its slot goes to another one)."""
+        await self._llm.remove_lora(adapter.lora_int_id())
 
     def child_pids(self) -> list[tuple[int, float]]:
         """(pid, create_time) of every process this engine started (EngineCore, workers)."""
@@ -155,10 +187,17 @@ class InstantEngine:
         self.max_num_seqs = 1 << 30
         self.dead = False
 
-    async def run(self, req: GenerateRequest, request_id: str) -> EngineOutput:
+    async def run(self, req: GenerateRequest, request_id: str,
+                  adapter: AdapterRef | None = None) -> EngineOutput:
         ids = list(req.prompt_token_ids or range(len((req.prompt or "").split())))
         n = min(req.max_tokens, 4)
         return EngineOutput(" instant" * n, [1] * n, "length", len(ids))
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        pass
+
+    async def remove_adapter(self, adapter: AdapterRef) -> None:
+        pass
 
     def child_pids(self) -> list[tuple[int, float]]:
         return []

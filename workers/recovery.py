@@ -46,6 +46,8 @@ class Ticket:
     granted: object = None  # the engine the recovery handed this ticket for its next run
     verdict: BaseException | None = None  # what to raise instead of running again
     gone: bool = False  # the caller gave up (timeout, drain): never run it again
+    adapter: object = None  # the request's LoRA adapter (app.adapters.AdapterRef), if any
+    adapter_engine: object = None  # the engine whose adapter use count holds this ticket
     extra: dict = field(default_factory=dict)
 
     def engine_request_id(self) -> str:

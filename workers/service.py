@@ -10,12 +10,13 @@ import random
 import time
 
 from app.errors import (
-    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, WEDGED, WORKER_LOST, RequestError, TerminalError,
+    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING, WEDGED, WORKER_LOST,
+    RequestError, TerminalError,
     TransientError, VigilError, WorkerFatalError, error_from_record,
 )
 from app.schemas import parse_request
 from app.store import Outcome
-from app.submit import record_fields
+from app.submit import adapter_for, record_fields
 from workers.engine_host import HandedBack
 from workers.runtime import WorkerRuntime
 
@@ -61,6 +62,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     try:
         req = parse_request(kwargs)
         spec = rt.registry.get(req.model)
+        adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
     except RequestError as e:
         return _fail(rt, request_id, e)
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
@@ -83,7 +85,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
 
     try:
-        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout)
+        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout,
+                               adapter)
     except HandedBack:
         # The stopping worker republished what it held (its record moved to a newer dispatch):
         # this copy is stale. A request begun after that scan is still ours: retry it at once.
@@ -91,18 +94,18 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
                             "worker_lost: the worker stopped"):
             raise RetryLater(TransientError.of(WORKER_LOST, "the worker stopped"), 0) from None
         raise StaleDelivery(request_id) from None
-    except (TransientError, WorkerFatalError) as e:  # the fleet's or the worker's fault: retry
-        if b.attempts >= s.max_attempts:
-            return _fail(rt, request_id, TerminalError.of(
-                ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {e}"))
-        if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
-            log.info("request %s attempt %d: %s; retrying", request_id, b.attempts, e)
-            # A broken worker or a wedged engine is not the fleet being busy: another worker
-            # can take the request now (the reflex of DESIGN.md section 5).
-            countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
-                b.attempts, s.retry_backoff, s.retry_backoff_max)
-            raise RetryLater(e, countdown) from None
-        raise StaleDelivery(request_id) from None  # someone else owns it now
+    except TransientError as e:
+        if e.code != LORA_ADAPTER_PENDING:
+            return _retry(rt, request_id, dispatch, b.attempts, e)
+        # The adapter is still being written: not the request's fault and nothing ran, so the
+        # attempt is given back; the request's deadline bounds the wait.
+        if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), refund=True):
+            # Backoff grows with the dispatch: the attempt count stays put while it waits.
+            raise RetryLater(e, backoff(dispatch + 1, s.retry_backoff,
+                                        s.retry_backoff_max)) from None
+        raise StaleDelivery(request_id) from None
+    except WorkerFatalError as e:
+        return _retry(rt, request_id, dispatch, b.attempts, e)
     except VigilError as e:
         return _fail(rt, request_id, e)
     result = {
@@ -110,12 +113,30 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         "token_ids": out.token_ids, "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
         "attempts": b.attempts, "worker": rt.name,
+        **({"lora": req.lora} if req.lora is not None else {}),
     }
     won, stored = rt.store.finish(request_id, rt.instance_id, time.time(), result=result)
     if not won:
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
+           e: VigilError) -> dict:
+    """The fleet's or the worker's fault: retry (RetryLater), or fail when out of attempts."""
+    s = rt.settings
+    if attempts >= s.max_attempts:
+        return _fail(rt, request_id, TerminalError.of(
+            ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: {e}"))
+    if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
+        log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
+        # A broken worker or a wedged engine is not the fleet being busy: another worker
+        # can take the request now (the reflex of DESIGN.md section 5).
+        countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
+            attempts, s.retry_backoff, s.retry_backoff_max)
+        raise RetryLater(e, countdown) from None
+    raise StaleDelivery(request_id) from None  # someone else owns it now
 
 
 def _fail(rt: WorkerRuntime, request_id: str, err: VigilError) -> dict:

@@ -1,0 +1,212 @@
+"""Unit tier: LoRA in the engine host with fake engines: the gate (a refused adapter fails only
+its requests), warm adapters (LRU within max_loras), lanes (base and adapter requests never share
+a batch unless the model says mixing is safe), and admission of adapter names and paths."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app.adapters import AdapterRef, AdapterSpec, resolve_adapter
+from app.errors import RequestError, TransientError
+from app.models import ModelSpec
+from app.schemas import GenerateRequest
+from workers.engine_host import EngineHost
+from workers.engines import EngineOutput
+
+SPEC = ModelSpec(name="model-a", max_loras=2, max_lora_rank=8)
+
+
+def make_adapter(root, name, rank=8, config=True, weights=True):
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    if config:
+        (d / "adapter_config.json").write_text(json.dumps({"r": rank, "target_modules": ["q_proj"]}))
+    if weights:
+        (d / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    return AdapterRef(name, str(d), "model-a")
+
+
+class Engine:
+    """Records what shares the engine; add_adapter refuses names starting with 'bad'."""
+
+    def __init__(self, world):
+        self.world = world
+        self.dead = False
+        self.loaded: list[str] = []
+
+    async def add_adapter(self, a):
+        await asyncio.sleep(0.01)
+        if a.name.startswith("bad"):
+            raise Exception("Call to add_lora method failed: Worker failed with error 'LoRA rank "
+                            "16 is greater than max_lora_rank 8.', please check the stack trace")
+        self.loaded.append(a.name)
+        self.world.adds.append(a.name)
+
+    async def remove_adapter(self, a):
+        self.loaded.remove(a.name)
+        self.world.removes.append(a.name)
+
+    async def run(self, r, rid, adapter=None):
+        w = self.world
+        kind = adapter.name if adapter is not None else "base"
+        w.running.append(kind)
+        w.mixes.append(frozenset(w.running))
+        try:
+            while not w.gate.is_set():
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.005)
+            return EngineOutput(kind, [1], "length", 1)
+        finally:
+            w.running.remove(kind)
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        self.dead = True
+
+
+class World:
+    def __init__(self):
+        self.gate = threading.Event()
+        self.running: list[str] = []
+        self.mixes: list[frozenset] = []
+        self.adds: list[str] = []
+        self.removes: list[str] = []
+        self.engines: list[Engine] = []
+
+    def __call__(self, spec, plan=None):
+        e = Engine(self)
+        self.engines.append(e)
+        return e
+
+
+def req():
+    return GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
+
+
+@pytest.fixture()
+def host():
+    hosts = []
+
+    def _make(world, **kw):
+        h = EngineHost(world, idle_cleanup=0, **kw).start()
+        hosts.append(h)
+        return h
+
+    yield _make
+    for h in hosts:
+        h.shutdown(timeout=1)
+
+
+def submit_all(h, jobs, spec=SPEC, timeout=20):
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(h.generate, req(), spec, f"r{i}", timeout, a)
+                for i, a in enumerate(jobs)]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result())
+            except Exception as e:
+                out.append(e)
+        return out
+
+
+def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(host, tmp_path):
+    """Given base requests, good-adapter requests and requests naming an adapter the engine
+    refuses, in one burst, then only the last fail, with lora_adapter_invalid and the engine's
+    cause; the engine is never restarted."""
+    w = World()
+    w.gate.set()
+    h = host(w)
+    good = make_adapter(tmp_path, "good")
+    bad = make_adapter(tmp_path, "bad")
+    outs = submit_all(h, [None] * 6 + [good] * 6 + [bad] * 3)
+    assert [o.text for o in outs[:12]] == ["base"] * 6 + ["good"] * 6
+    for e in outs[12:]:
+        assert isinstance(e, RequestError) and e.code == "lora_adapter_invalid"
+        assert "LoRA rank 16 is greater than max_lora_rank 8" in str(e)
+    assert h.restarts == 0 and len(w.engines) == 1 and h.lora_refused >= 1
+    assert w.adds.count("good") == 1  # one checked load, shared by its six requests
+
+
+def test_base_and_adapter_requests_never_share_the_engine_unless_mixing_is_safe(host, tmp_path):
+    a = make_adapter(tmp_path, "a")
+    w = World()
+    h = host(w)
+    threading.Timer(0.2, w.gate.set).start()
+    outs = submit_all(h, [None, a] * 8)
+    assert all(not isinstance(o, Exception) for o in outs)
+    assert all(not ("base" in m and "a" in m) for m in w.mixes)  # never together
+    assert any(len(m) == 1 and "base" in m for m in w.mixes)
+
+    w2 = World()
+    safe = SPEC.model_copy(update={"lora_mixing_safe": True})
+    h2 = host(w2)
+    threading.Timer(0.2, w2.gate.set).start()
+    submit_all(h2, [None, a] * 8, spec=safe)
+    assert any("base" in m and "a" in m for m in w2.mixes)  # batched together when safe
+
+
+def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(host, tmp_path):
+    w = World()
+    w.gate.set()
+    h = host(w)
+    a, b, c = (make_adapter(tmp_path, n) for n in "abc")
+    for adapter in (a, b, a, c, b):
+        assert h.generate(req(), SPEC, "r", 10, adapter).text == adapter.name
+    # a, b loaded; a reused; c evicts b (least recently used); b comes back, evicting a
+    assert w.adds == ["a", "b", "c", "b"] and w.removes == ["b", "a"]
+    assert h.lora_loads == 4 and h.lora_evictions == 2
+    assert sorted(w.engines[0].loaded) == ["b", "c"]
+
+
+def test_adapter_files_are_checked_before_the_engine_is_asked(host, tmp_path):
+    """A missing directory and a rank above the model's max fail at once
+    (lora_adapter_invalid); a directory still being written (no config yet) is
+    lora_adapter_pending, retried; none of them reaches the engine."""
+    w = World()
+    w.gate.set()
+    h = host(w)
+    missing = AdapterRef("gone", str(tmp_path / "gone"), None)
+    big = make_adapter(tmp_path, "big", rank=16)
+    writing = make_adapter(tmp_path, "writing", config=False)
+    with pytest.raises(RequestError, match="^lora_adapter_invalid: .*no adapter directory"):
+        h.generate(req(), SPEC, "r1", 10, missing)
+    with pytest.raises(RequestError, match="rank 16 is above model-a's max_lora_rank 8"):
+        h.generate(req(), SPEC, "r2", 10, big)
+    with pytest.raises(TransientError, match="^lora_adapter_pending: "):
+        h.generate(req(), SPEC, "r3", 10, writing)
+    assert w.adds == [] and h.snapshot()["in_flight"] == 0
+    make_adapter(tmp_path, "writing")  # the writer finished
+    assert h.generate(req(), SPEC, "r4", 10, writing).text == "writing"
+
+
+def test_adapter_names_and_paths_are_resolved_or_refused(tmp_path):
+    root = tmp_path / "adapters"
+    (root / "x").mkdir(parents=True)
+    registered = {"sql": AdapterSpec(name="sql", path="/a/sql", base="model-a")}
+    assert resolve_adapter("sql", "model-a", registered, []).path == "/a/sql"
+    with pytest.raises(RequestError, match="is for base model 'model-a', not 'model-b'"):
+        resolve_adapter("sql", "model-b", registered, [])
+    with pytest.raises(RequestError, match="no adapter named 'nope'"):
+        resolve_adapter("nope", "model-a", registered, [str(root)])
+    ref = resolve_adapter(str(root / "x"), "model-a", {}, [str(root)])
+    assert ref.path == str((root / "x").resolve()) and ref.name.startswith("path:")
+    for sneaky in (str(root / ".." / "elsewhere"), "/etc/passwd", str(root)):
+        with pytest.raises(RequestError, match="^invalid_request: adapter path"):
+            resolve_adapter(sneaky, "model-a", {}, [str(root)])
+
+
+def test_a_model_without_adapters_refuses_lora_requests_at_submit():
+    from app.models import ModelRegistry
+    from app.settings import load_settings
+    from app.submit import admit
+
+    reg = ModelRegistry([ModelSpec(name="plain")])
+    with pytest.raises(RequestError, match="model plain serves no LoRA adapters"):
+        admit({"model": "plain", "prompt": "x", "lora": "sql"}, load_settings(), reg)
