@@ -13,12 +13,13 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) redis-server
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "Vigil needs Python >= 3.11 (set PYTHON=python3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PIP_ARGS) -e '.[cpu,dev]'
+	@# constraints.txt: the pinned versions the tests run against (the images use it too).
+	$(PY) -m pip install -q $(PIP_ARGS) -c constraints.txt -e '.[cpu,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside
 	@# CPU torch; triton has no CPU backend and costs 1 GB (FIELD-NOTES.md).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true

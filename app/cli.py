@@ -1,8 +1,9 @@
-"""The `vigil` command: worker, model, demo, batch.
+"""The `vigil` command: worker, model, flower, demo, batch.
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
+    vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
     vigil demo                           # the end-to-end demo (make demo)
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
 """
@@ -52,6 +53,59 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover
 
 
+DEFAULT_FLOWER_PORT = 5555  # Flower's own default
+FLOWER_LOCAL_ADDRESS = "127.0.0.1"  # where Flower listens when it runs without auth
+
+
+class FlowerAuthMissing(Exception):
+    """`vigil flower` has no credentials and auth was not disabled: it must not start."""
+
+
+def flower_command(args: argparse.Namespace, settings) -> tuple[list[str], dict[str, str]]:
+    """The `celery flower` command line and the environment it adds, for `vigil flower` (pure).
+
+    The credentials go to Flower in its FLOWER_BASIC_AUTH variable, never on the command line,
+    which any user of the host can read (`ps`). Without both VIGIL_FLOWER_USER and
+    VIGIL_FLOWER_PASSWORD it raises FlowerAuthMissing, unless VIGIL_FLOWER_AUTH_DISABLED is set
+    and neither is: then Flower runs without auth and listens on 127.0.0.1 unless `--address`
+    says otherwise.
+    """
+    user, password = settings.flower_user, settings.flower_password.get_secret_value()
+    argv = [sys.executable, "-m", "celery", "-A", "app", "flower", f"--port={args.port}"]
+    env: dict[str, str] = {}
+    address = args.address
+    if user and password:
+        env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
+    elif settings.flower_auth_disabled and not (user or password):
+        address = address or FLOWER_LOCAL_ADDRESS
+    else:
+        missing = " and ".join(v for v, val in (("VIGIL_FLOWER_USER", user),
+                                                ("VIGIL_FLOWER_PASSWORD", password)) if not val)
+        raise FlowerAuthMissing(
+            f"refusing to start Flower without basic auth: set {missing} (or, for local use "
+            "only, VIGIL_FLOWER_AUTH_DISABLED=1 with neither set; Flower then listens on "
+            f"{FLOWER_LOCAL_ADDRESS})")
+    if address:
+        argv.append(f"--address={address}")
+    return argv, env
+
+
+def _cmd_flower(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
+
+    try:
+        argv, extra_env = flower_command(args, get_settings())
+    except FlowerAuthMissing as e:
+        print(f"vigil flower: {e}", file=sys.stderr)
+        return 2
+    if "FLOWER_BASIC_AUTH" not in extra_env:
+        print("vigil flower: basic auth is disabled (VIGIL_FLOWER_AUTH_DISABLED); for local use "
+              "only", file=sys.stderr)
+    # Flower replaces this process: signals reach it directly (honcho, compose, systemd).
+    os.execve(argv[0], argv, {**os.environ, **extra_env})
+    return 0  # pragma: no cover
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from workers.tiny_model import build_tiny_llama
 
@@ -94,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt = msub.add_parser("build-tiny", help="build tiny-llama into DIR")
     bt.add_argument("dir")
     bt.set_defaults(func=_cmd_model)
+
+    f = sub.add_parser("flower", help="run Flower (celery -A app flower) behind basic auth")
+    f.add_argument("--port", type=int, default=DEFAULT_FLOWER_PORT,
+                   help="port to listen on (default %(default)s)")
+    f.add_argument("--address", help="address to listen on (default: all interfaces; "
+                   f"{FLOWER_LOCAL_ADDRESS} when auth is disabled)")
+    f.set_defaults(func=_cmd_flower)
 
     d = sub.add_parser("demo", help="run the end-to-end demo on a private Redis")
     d.add_argument("--n", type=int, default=100, help="prompts to send")

@@ -54,10 +54,12 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
                              vigil_env(rds.url, **env), logs / "beat.log")
         procs.append(beat)
         fport, fpass = free_port(), secrets.token_urlsafe(9)
-        flower = start_process([sys.executable, "-m", "celery", "-A", "app", "flower",
-                                f"--port={fport}", "--address=127.0.0.1",
-                                f"--basic-auth=vigil:{fpass}"],
-                               vigil_env(rds.url, **env), logs / "flower.log")
+        # `vigil flower`, as the Procfile runs it: the password travels in the environment.
+        flower = start_process([sys.executable, "-m", "app.cli", "flower", "--port", str(fport),
+                                "--address", "127.0.0.1"],
+                               vigil_env(rds.url, VIGIL_FLOWER_USER="vigil",
+                                         VIGIL_FLOWER_PASSWORD=fpass, **env),
+                               logs / "flower.log")
         procs.append(flower)
         client = rds.client()
         with console.status("starting the worker and loading the engine (about 20-40 s)..."):

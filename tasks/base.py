@@ -6,6 +6,7 @@ import time
 import uuid
 
 from celery import Task
+from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 
 from app.errors import REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
@@ -15,6 +16,22 @@ from app.store import RequestStore, shared_store
 from app.submit import EXPIRES_GRACE_S, admit, effective_deadline, record_fields, wire_kwargs
 
 
+def kwargs_repr(model: object, job: object) -> str:
+    """What Flower, events and logs show of a request's kwargs: its model and job, never the
+    prompt (user data)."""
+    return f"{{model: {model!r}, job: {job!r}}}"
+
+
+class VigilRequest(Request):
+    """A Vigil message inside the worker. Celery answers `inspect reserved` and `inspect
+    scheduled` (Flower's worker view asks both) with each request's real args and kwargs, prompt
+    included; Vigil's answer carries the message's argsrepr and kwargsrepr (model and job) instead,
+    as `inspect active` does when asked with safe=True."""
+
+    def info(self, safe=False):
+        """The request as inspect commands report it, always in its safe form."""
+        return super().info(safe=True)
+
 
 class VigilTask(Task):
     """Base for Vigil's tasks. `apply_async` validates before publishing (a bad request raises
@@ -22,6 +39,7 @@ class VigilTask(Task):
     publishes to the pool's queue with the request id as the Celery task id."""
 
     abstract = True
+    Request = VigilRequest
     acks_late = True
     reject_on_worker_lost = True
     max_retries = None  # bounded by Vigil's own attempt count (VIGIL_MAX_ATTEMPTS)
@@ -34,6 +52,11 @@ class VigilTask(Task):
 
     def apply_async(self, args=None, kwargs=None, task_id=None, **options):
         if options.get("retries"):  # Celery's own republish of a retry: the record exists
+            # Celery would repr the kwargs, prompt included, into the retried message's headers
+            # (and from there into Flower and the worker's events): keep model and job only.
+            options.setdefault("argsrepr", "()")
+            options.setdefault("kwargsrepr", kwargs_repr((kwargs or {}).get("model"),
+                                                         (kwargs or {}).get("job")))
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         if args:
             raise RequestError("invalid_request: pass the request as keyword arguments, "
@@ -59,7 +82,7 @@ class VigilTask(Task):
             return super().apply_async(
                 (), wire_kwargs(req), task_id=request_id, expires=expires,
                 # Flower and logs show the model and job, never the prompt (user data).
-                argsrepr="()", kwargsrepr=f"{{model: {req.model!r}, job: {req.job!r}}}",
+                argsrepr="()", kwargsrepr=kwargs_repr(req.model, req.job),
                 **options)
         except BaseException as e:
             try:
