@@ -1,7 +1,8 @@
-"""The `vigil` command: worker, model, flower, demo, batch.
+"""The `vigil` command: worker, status, model, flower, demo, batch.
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
+    vigil status [--json] [--watch S]    # workers (health state, streak) and pools
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
     vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
     vigil demo                           # the end-to-end demo (make demo)
@@ -106,6 +107,12 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from app.status import run_status
+
+    return run_status(as_json=args.json, watch=args.watch)
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from workers.tiny_model import build_tiny_llama
 
@@ -142,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")
     w.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
     w.set_defaults(func=_cmd_worker)
+
+    st = sub.add_parser("status", help="workers (health, in flight, memory) and pools")
+    st.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh until Ctrl-C")
+    st.set_defaults(func=_cmd_status)
 
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
