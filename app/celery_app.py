@@ -16,12 +16,13 @@ def declared_queues(registry: ModelRegistry) -> list[str]:
 
 
 def _beat_schedule(s: VigilSettings) -> dict:
-    # Beat's own settings decide the timing; the reap timeout travels with the task so the worker
-    # that runs it reaps by the same rule beat was configured with.
+    # Beat's own settings decide the timing; the reap timeout and registration grace travel with
+    # the task so the worker that runs it reaps by the same rule beat was configured with.
     sched = {"vigil.deadline_sweep": (s.deadline_sweep_interval, "vigil.deadline_sweep", {})}
     if s.worker_reap_timeout > 0:  # reap_timeout/4: a dead worker is found within 1.25 timeouts
         sched["vigil.reap_workers"] = (s.worker_reap_timeout / 4, "vigil.reap_workers",
-                                       {"reap_timeout": s.worker_reap_timeout})
+                                       {"reap_timeout": s.worker_reap_timeout,
+                                        "registration_grace": s.worker_registration_grace})
     # Quarantined workers must really stop consuming: the worker cancels its own consumers,
     # and this tick does it from outside when the worker could not.
     sched["vigil.health_tick"] = (s.health_tick_interval, "vigil.health_tick", {})

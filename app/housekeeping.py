@@ -14,6 +14,7 @@ from typing import Callable
 
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError, TransientError,
                         VigilError)
+from app.settings import DEFAULT_WORKER_REGISTRATION_GRACE_S
 from app.store import RequestStore
 
 log = logging.getLogger("vigil.housekeeping")
@@ -26,6 +27,9 @@ OnFailed = Callable[[str, VigilError], None]
 # republish(request_id, record, dispatch): publish the request's message again under `dispatch`.
 Republish = Callable[[str, dict, int], None]
 REAPER_LOCK = "reaper"
+# Workers reaped per run at most (each may hold a whole batch to republish); the rest wait for
+# the next run, a quarter timeout later.
+MAX_REAPS_PER_RUN = 100
 
 
 def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
@@ -71,9 +75,14 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
 
 
 def reap_workers(store: RequestStore, now: float, republish: Republish, on_failed: OnFailed, *,
-                 reap_timeout: float, max_attempts: int, lock_ttl_s: float = 60.0
+                 reap_timeout: float, max_attempts: int, lock_ttl_s: float = 60.0,
+                 registration_grace: float = DEFAULT_WORKER_REGISTRATION_GRACE_S,
+                 chunk: int = SWEEP_CHUNK, max_reaps: int = MAX_REAPS_PER_RUN
                  ) -> dict[str, tuple[int, int]]:
-    """Reap every worker whose last heartbeat is older than `reap_timeout`.
+    """Reap every worker whose last heartbeat is older than `reap_timeout`, or, for a worker
+    that never became ready (has_pinged 0: crashed or stuck in warm-up), older than
+    `registration_grace` (never shorter than the timeout). The registry is read `chunk` entries
+    at a time; at most `max_reaps` workers are reaped per run (the rest on the next run).
 
     Each request it held (RUNNING, or PENDING with its message in that worker's consumer:
     received but not begun, or a retry's delayed message) is published again (same id, dispatch + 1) and handed back to
@@ -91,7 +100,8 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
         return {}
     report: dict[str, tuple[int, int]] = {}
     try:
-        for inst in store.silent_workers(now - reap_timeout):
+        for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
+                                         max_reaps):
             name = store.worker_name(inst) or f"instance {inst}"
             requeued = failed = 0
             for rid in store.inflight_ids(inst):
@@ -104,12 +114,35 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                 failed += outcome == "failed"
             store.drop_worker(inst)
             report[name] = (requeued, failed)
-            log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s; "
-                        "requeued %d request(s), failed %d", name, inst, reap_timeout, requeued,
-                        failed)
+            log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
+                        "requeued %d request(s), failed %d", name, inst, window,
+                        "" if window == reap_timeout else " (never ready: registration grace)",
+                        requeued, failed)
     finally:
         store.unlock(REAPER_LOCK, owner)
     return report
+
+
+def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: float,
+                 chunk: int, max_reaps: int):
+    """Yield (instance, window) for each worker past its window, least recently seen first:
+    `reap_timeout` once it pinged, `grace` before. The caller drops each yielded entry before
+    the next chunk is read, so only the skipped ones (still in their grace) shift the offset."""
+    grace = max(grace, reap_timeout)
+    skipped = yielded = 0
+    while yielded < max_reaps:
+        rows = store.silent_workers(now - reap_timeout, chunk, start=skipped)
+        if not rows:
+            return
+        for inst, last_seen, pinged in rows:
+            window = reap_timeout if pinged else grace
+            if last_seen >= now - window:
+                skipped += 1  # registered, not ready yet, and within its grace
+                continue
+            yield inst, window
+            yielded += 1
+            if yielded >= max_reaps:
+                return
 
 
 def republish_request(request_id: str, record: dict, dispatch: int) -> None:

@@ -1,5 +1,8 @@
 """Every Redis key Vigil owns, in one place. Celery's own keys (queues `vigil.pool.*`, `unacked*`,
-`celery-task-meta-*`) live beside these in the same database; Vigil's all start with `vigil:`.
+`celery-task-meta-*`, which expire after result_ttl) live beside these in the same database;
+Vigil's all start with `vigil:`. No key outlives what it describes: each expires or is deleted
+when that ends, and an empty set or zset vanishes in the command that removed its last member
+(tests/test_no_leaks_e2e.py).
 
 | key                         | type | TTL                         | owner / meaning                          |
 | --------------------------- | ---- | --------------------------- | ---------------------------------------- |
@@ -7,7 +10,8 @@
 |                             |      | once terminal               | it; first terminal writer wins           |
 | vigil:inflight:{instance}   | set  | none; dropped at unregister | request ids a worker instance is running |
 | vigil:worker:{instance}     | hash | none; dropped at unregister | worker registry entry + engine stats,    |
-|                             |      |                             | refreshed by the heartbeat               |
+|                             |      | or by the reaper            | refreshed by the heartbeat; has_pinged 0 |
+|                             |      |                             | until the worker is ready, then 1        |
 | vigil:workers               | zset | none                        | instance id -> last_seen (unix seconds)  |
 | vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
 |                             |      |                             | duplicate_deliveries, stale_deliveries   |

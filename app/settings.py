@@ -38,10 +38,16 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 # Celery alone would offer for a dead threads-pool worker.
 DEFAULT_WORKER_REAP_TIMEOUT_S = 120.0
 MIN_WORKER_REAP_TIMEOUT_S = 30.0
+# A worker that registered but never became ready (Celery's worker_ready, then its preload done
+# or failed) is judged by this window instead: an hour covers the slowest warm-up (weights
+# pulled from a network disk, a heartbeat thread starved by the load), during which a false
+# reap would hand its requests to others while it still holds them.
+DEFAULT_WORKER_REGISTRATION_GRACE_S = 3600.0
 # How often beat fails requests past their deadline: a request ends at most this late.
 DEFAULT_DEADLINE_SWEEP_S = 30.0
 # Terminal records (and Celery results) are kept a day for late pollers and duplicate deliveries.
 DEFAULT_RESULT_TTL_S = 86400
+MIN_RESULT_TTL_S = 60
 # Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
 DEFAULT_WORKER_CONCURRENCY = 128
 DEFAULT_RETRY_BACKOFF_S = 2.0
@@ -96,10 +102,16 @@ class VigilSettings(BaseSettings):
     deadline_sweep_interval: float = Field(DEFAULT_DEADLINE_SWEEP_S, gt=0)
     worker_reap_timeout: float = Field(DEFAULT_WORKER_REAP_TIMEOUT_S, ge=0,
                                        description="0 disables the reaper.")
+    worker_registration_grace: float = Field(DEFAULT_WORKER_REGISTRATION_GRACE_S, ge=0,
+                                             description="Reap window of a worker that never "
+                                             "became ready; >= worker_reap_timeout.")
     # Test-only: lets a test shorten the reap timeout below the production floor. Never set it
     # in a deployment: a timeout near the heartbeat interval reaps live workers.
     allow_short_reap_timeout: bool = False
-    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=60)
+    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=1)
+    # Test-only: lets a test wait for finished records to really expire. Never set it in a
+    # deployment: a result gone before a slow poller reads it is a lost result.
+    allow_short_result_ttl: bool = False
     worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
     retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)
     retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0)
@@ -191,6 +203,22 @@ class VigilSettings(BaseSettings):
                                  "(30 s and 3 heartbeat intervals)")
         return self
 
+    @model_validator(mode="after")
+    def _grace_after_timeout(self):
+        # A never-ready worker gets at least as long as a ready one: a grace below the timeout
+        # would reap a warming-up worker sooner than a serving one.
+        t = self.worker_reap_timeout
+        if t > 0 and self.worker_registration_grace < t:
+            raise ValueError(f"worker_registration_grace must be >= worker_reap_timeout ({t:g} s)")
+        return self
+
+    @model_validator(mode="after")
+    def _result_ttl_floor(self):
+        if self.result_ttl < MIN_RESULT_TTL_S and not self.allow_short_result_ttl:
+            raise ValueError(f"result_ttl must be >= {MIN_RESULT_TTL_S} s (late pollers and "
+                             "duplicate deliveries read finished records)")
+        return self
+
     @property
     def failure_window(self) -> float:
         """Seconds a failure counts in the health ledger: `health_window`, stretched to at least
@@ -220,14 +248,21 @@ class VigilSettings(BaseSettings):
 SECRET_FIELDS = frozenset({"flower_password"})
 
 
+_DEFAULT = object()  # a cross-field rule's field that was not given
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         field = str(e["loc"][0]) if e.get("loc") else ""
+        given = e.get("input")
         if not field:  # a cross-field rule: name the field its message starts with
             field = str(e.get("msg", "")).removeprefix("Value error, ").split(" ")[0]
+            # Its input is every setting given (secrets included): show that field's only.
+            given = given.get(field, _DEFAULT) if isinstance(given, dict) else _DEFAULT
         var = ENV_PREFIX + field.upper()
-        got = "(hidden)" if field in SECRET_FIELDS else repr(e.get("input"))
+        got = ("(hidden)" if field in SECRET_FIELDS else "its default" if given is _DEFAULT
+               else repr(given))
         lines.append(f"{var}: {e['msg']} (got {got})")
     return "invalid settings: " + "; ".join(lines)
 

@@ -300,10 +300,20 @@ class RequestStore:
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
                                args=[request_id, dead_instance, dispatch, now]))
 
-    def silent_workers(self, before: float, limit: int = 100) -> list[str]:
-        """Instance ids whose last heartbeat is older than `before`."""
-        ids = self._call(self.r.zrangebyscore, keys.WORKERS, "-inf", before, start=0, num=limit)
-        return [i.decode() for i in ids]
+    def silent_workers(self, before: float, limit: int = 100, start: int = 0
+                       ) -> list[tuple[str, float, bool]]:
+        """Up to `limit` workers whose last heartbeat is older than `before`, least recently
+        seen first, skipping the first `start`: (instance id, last_seen, has_pinged). An entry
+        whose hash is gone or predates has_pinged counts as pinged (judged by the reap timeout).
+        Two round trips whatever `limit`."""
+        rows = self._call(self.r.zrangebyscore, keys.WORKERS, "-inf", before, start=start,
+                          num=limit, withscores=True)
+        pipe = self.r.pipeline(transaction=False)
+        for inst, _ in rows:
+            pipe.hget(keys.worker(inst.decode()), "has_pinged")
+        flags = self._call(pipe.execute) if rows else []
+        return [(inst.decode(), float(seen), flag != b"0")
+                for (inst, seen), flag in zip(rows, flags)]
 
     def inflight_ids(self, instance: int | str) -> list[str]:
         """A worker instance's in-flight request ids (bounded by its concurrency)."""

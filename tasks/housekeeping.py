@@ -27,14 +27,19 @@ def deadline_sweep() -> int:
 
 @app.task(name="vigil.reap_workers", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
-def reap(reap_timeout: float | None = None) -> int:
-    """Requeue the in-flight requests of workers silent for `reap_timeout` (beat's setting;
-    this worker's VIGIL_WORKER_REAP_TIMEOUT if not given); returns how many were reaped."""
+def reap(reap_timeout: float | None = None, registration_grace: float | None = None) -> int:
+    """Requeue the in-flight requests of workers silent for `reap_timeout`, or for
+    `registration_grace` if they never became ready (beat's settings; this worker's
+    VIGIL_WORKER_REAP_TIMEOUT / VIGIL_WORKER_REGISTRATION_GRACE if not given); returns how many
+    were reaped."""
     s = get_settings()
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
+    grace = (s.worker_registration_grace if registration_grace is None
+             else float(registration_grace))
     return len(reap_workers(shared_store(), time.time(), republish_request,
                             _tell_backend,
-                            reap_timeout=timeout, max_attempts=s.max_attempts))
+                            reap_timeout=timeout, max_attempts=s.max_attempts,
+                            registration_grace=grace))
 
 
 def _active_queues(name: str) -> list[str] | None:

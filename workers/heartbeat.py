@@ -3,6 +3,10 @@
 A background thread writes the entry every `heartbeat_interval`, and sooner when poked (engine
 loaded, a new in-flight peak) so operators and tests see engine changes within ~0.2 s. The entry
 is removed on a clean stop; a dead worker's entry stays for the reaper (DESIGN.md section 5).
+
+`has_pinged` is 0 from registration until the worker says it is ready (`mark_ready`: Celery's
+worker_ready fired and its preload, if any, ended), then 1. The reaper gives an entry that never
+pinged the registration grace instead of the reap timeout.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started_at = clock()
+        self.has_pinged = False
 
     def start(self) -> "Heartbeat":
         """Write the entry once (synchronously: the worker is registered before it consumes)."""
@@ -48,13 +53,19 @@ class Heartbeat:
         """Ask for an early write (coalesced)."""
         self._wake.set()
 
+    def mark_ready(self) -> None:
+        """The worker is ready: every write from the next one on says has_pinged=1 (within
+        ~0.2 s while the heartbeat thread runs)."""
+        self.has_pinged = True  # before the poke: the write it wakes reads the flag after
+        self.poke()
+
     def beat(self) -> None:
         """Write the entry now."""
         now = self._clock()
         entry = {
             "name": self.name, "instance_id": self.instance_id, "host": socket.gethostname(),
             "pid": os.getpid(), "started_at": self.started_at, "last_seen": now,
-            "has_pinged": 1, **self._fields(),
+            "has_pinged": int(self.has_pinged), **self._fields(),
         }
         entry = {k: ("" if v is None else v) for k, v in entry.items()}
         pipe = self.r.pipeline(transaction=True)

@@ -1,7 +1,8 @@
 """Celery start-up and shutdown hooks of a Vigil worker process.
 
 worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard)
-worker_ready -> preload the engines of VIGIL_POOLS in the background
+worker_ready -> preload the engines of VIGIL_POOLS in the background; the worker is ready
+                (has_pinged=1 in its registry entry) once that preload ended, or at once
 worker_shutdown -> the engine is shut down cleanly (no leaked processes or shared memory)
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _on_worker_ready(sender=None, **_):
     # One engine per process: loading every pool in turn would only evict the previous one.
     pools = [p for p in rt.settings.pools if p][:1]
     if not pools or not rt.settings.preload:
+        rt.ready()
         return
 
     def _preload():
@@ -47,6 +49,8 @@ def _on_worker_ready(sender=None, **_):
             rt.preload(pools)
         except Exception as e:  # requests will retry the load and report the error themselves
             log.error("preloading %s failed: %s", pools, e)
+        finally:  # warm-up is over either way: the reap timeout applies from here
+            rt.ready()
 
     threading.Thread(target=_preload, name="vigil-preload", daemon=True).start()
 

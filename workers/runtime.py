@@ -111,6 +111,13 @@ class WorkerRuntime:
             self.host.preload(self.registry.get(name), timeout=self.settings.request_timeout)
             log.info("preloaded %s in %.1f s", name, time.monotonic() - started)
 
+    def ready(self) -> None:
+        """The worker finished starting (Celery ready, preload over, loaded or failed): its
+        registry entry says has_pinged=1 from now on, so the reaper judges it by the reap
+        timeout instead of the registration grace."""
+        self.heartbeat.mark_ready()
+        log.info("worker %s instance %d ready", self.name, self.instance_id)
+
     def canary_spec(self) -> ModelSpec:
         """The model a quarantined worker proves itself on: its engine's, else its first pool's."""
         return self.registry.get(self.host.snapshot()["model"] or self.pools[0])
