@@ -3,11 +3,35 @@ from __future__ import annotations
 
 from celery import Celery
 from kombu import Queue
+from kombu.utils.objects import cached_property
 
 from app.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 
 HOUSEKEEPING_QUEUE = "vigil.housekeeping"
+
+
+class VigilCelery(Celery):
+    """Celery, except that the results it hands out (`generate.delay(...)`, `app.AsyncResult(id)`)
+    are VigilAsyncResult: `info` of an unfinished request says where it waits and why
+    (app/request_view.py)."""
+
+    # What create_app built this app from (results read Vigil's state through them).
+    vigil_settings: VigilSettings | None = None
+    vigil_registry: ModelRegistry | None = None
+
+    @cached_property
+    def AsyncResult(self):
+        """The result class bound to this app."""
+        return self.subclass_with_self("app.request_view:VigilAsyncResult",
+                                       reverse="AsyncResult")
+
+    @cached_property
+    def vigil_redis(self):
+        """A client for Vigil's state in this app's Redis, built on first use."""
+        from app.store import connect
+
+        return connect(self.vigil_settings or get_settings())
 
 
 def declared_queues(registry: ModelRegistry) -> list[str]:
@@ -36,8 +60,9 @@ def create_app(settings: VigilSettings | None = None,
     """Build Vigil's Celery app. Connects to nothing: safe at import."""
     s = settings or get_settings()
     reg = registry or get_registry()
-    app = Celery("vigil", broker=s.redis_url, backend=s.redis_url,
-                 include=["tasks.inference", "tasks.housekeeping"])
+    app = VigilCelery("vigil", broker=s.redis_url, backend=s.redis_url,
+                      include=["tasks.inference", "tasks.housekeeping"])
+    app.vigil_settings, app.vigil_registry = s, reg
     redis_opts = {
         # Above the longest request + backoff: a healthy long generation is never redelivered.
         "visibility_timeout": s.visibility_timeout,

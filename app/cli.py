@@ -7,6 +7,7 @@
     vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
     vigil demo                           # the end-to-end demo (make demo)
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
+    vigil request ID [--json]            # one request: status, attempts, and why it waits
 """
 from __future__ import annotations
 
@@ -134,6 +135,12 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                        window=args.window, quiet=args.quiet)
 
 
+def _cmd_request(args: argparse.Namespace) -> int:
+    from app.request_view import run_request
+
+    return run_request(args.id, as_json=args.json, show_text=args.show_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `vigil`."""
     p = argparse.ArgumentParser(prog="vigil", description="Fault-tolerant LLM inference on Celery.")
@@ -184,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests in flight at once (default %(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_batch)
+
+    r = sub.add_parser("request", help="one request: status, attempts, result or error, and "
+                       "while it waits, why")
+    r.add_argument("id", help="the request id (= the Celery task id)")
+    r.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    r.add_argument("--show-text", action="store_true",
+                   help="include the generated text and token ids (user data)")
+    r.set_defaults(func=_cmd_request)
     return p
 
 

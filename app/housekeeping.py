@@ -9,9 +9,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import time
 import uuid
 from typing import Callable
 
+from app import keys, metrics
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError, TransientError,
                         VigilError)
 from app.settings import DEFAULT_WORKER_REGISTRATION_GRACE_S
@@ -45,8 +47,10 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
     """
     owner = uuid.uuid4().hex
     if not store.try_lock(DEADLINE_SWEEP_LOCK, owner, lock_ttl_s):
+        metrics.housekeeping_skipped("deadline_sweep")
         return 0
     failed = 0
+    started = time.monotonic()
     try:
         while max_items is None or failed < max_items:
             ids = store.past_deadline(now, chunk)
@@ -63,12 +67,14 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
                     return failed
                 if won:
                     failed += 1
+                    metrics.request_failed(_pool_of(store, rid), DEADLINE_EXCEEDED)
                     try:
                         on_failed(rid, err)
                     except Exception as e:  # one bad item must not stop the sweep
                         log.warning("deadline sweep: could not notify %s: %s", rid, e)
     finally:
         store.unlock(DEADLINE_SWEEP_LOCK, owner)
+        metrics.housekeeping_ran("deadline_sweep", time.monotonic() - started)
     if failed:
         log.warning("deadline sweep failed %d request(s) with deadline_exceeded", failed)
     return failed
@@ -97,8 +103,10 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
         return {}
     owner = uuid.uuid4().hex
     if not store.try_lock(REAPER_LOCK, owner, lock_ttl_s):
+        metrics.housekeeping_skipped("reaper")
         return {}
     report: dict[str, tuple[int, int]] = {}
+    started = time.monotonic()
     try:
         for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
                                          max_reaps):
@@ -113,6 +121,9 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                 requeued += outcome == "requeued"
                 failed += outcome == "failed"
             store.drop_worker(inst)
+            metrics.REAPED_WORKERS.inc()
+            metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
+            metrics.REAPED_REQUESTS.labels("failed").inc(failed)
             report[name] = (requeued, failed)
             log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
                         "requeued %d request(s), failed %d", name, inst, window,
@@ -120,7 +131,17 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                         requeued, failed)
     finally:
         store.unlock(REAPER_LOCK, owner)
+        metrics.housekeeping_ran("reaper", time.monotonic() - started)
     return report
+
+
+def _pool_of(store: RequestStore, request_id: str) -> str:
+    """A record's pool, for metrics labels ('' when it cannot be read)."""
+    try:
+        pool = store.r.hget(keys.request(request_id), "pool")
+    except Exception:  # a metrics label is not worth failing a sweep over
+        return ""
+    return pool.decode() if pool else ""
 
 
 def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: float,
@@ -191,6 +212,7 @@ def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
         won, _ = store.finish(rid, SWEEPER_INSTANCE, now, error_kind=type(err).__name__,
                               error=str(err))
         if won:
+            metrics.request_failed(rec.get("pool", ""), err.code)
             on_failed(rid, err)
         return "failed" if won else "skipped"
     dispatch = int(rec.get("dispatch", 0)) + 1
@@ -217,8 +239,10 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
 
     owner = uuid.uuid4().hex
     if not store.try_lock(HEALTH_TICK_LOCK, owner, lock_ttl_s):
+        metrics.housekeeping_skipped("health_tick")
         return 0
     cancelled = 0
+    started = time.monotonic()
     try:
         for inst in ledger.quarantined():
             name = store.worker_name(inst)
@@ -242,4 +266,6 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
                         name, ", ".join(pools))
     finally:
         store.unlock(HEALTH_TICK_LOCK, owner)
+        metrics.housekeeping_ran("health_tick", time.monotonic() - started)
+        metrics.CONSUMERS_CANCELLED.inc(cancelled)
     return cancelled

@@ -75,6 +75,8 @@ DEFAULT_MAX_CANARY_FAILURES = 5
 DEFAULT_HEALTH_TICK_S = 30.0
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
+# Prometheus scrapes workers from another host; the metrics hold no prompts or outputs.
+DEFAULT_METRICS_ADDRESS = "0.0.0.0"
 
 
 def _default_cache_dir() -> Path:
@@ -144,6 +146,12 @@ class VigilSettings(BaseSettings):
     flower_password: SecretStr = Field(SecretStr(""), description="Flower's basic-auth password.")
     flower_auth_disabled: bool = Field(False, description="Let `vigil flower` run without auth "
                                        "(local use only: it then listens on 127.0.0.1).")
+    # Prometheus metrics (app/metrics.py). Off by default: every worker process serves its own
+    # endpoint, so workers sharing a host need a port each (set it per worker line).
+    metrics_port: int = Field(0, ge=0, le=65535, description="Port of this worker's /metrics; "
+                              "0 serves none.")
+    metrics_address: str = Field(DEFAULT_METRICS_ADDRESS, description="Address /metrics listens "
+                                 "on.")
 
     @field_validator("redis_url")
     @classmethod

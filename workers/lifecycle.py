@@ -16,6 +16,7 @@ from celery.signals import (task_received, task_revoked, worker_init, worker_rea
                             worker_shutdown, worker_shutting_down)
 
 from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, error_from_record
+from app import metrics
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
 from workers import runtime
@@ -32,7 +33,10 @@ def _on_worker_init(sender=None, **_):
         # Celery logs a task's return value on success; ours holds the generated text (user
         # data). Keep the line, drop the payload, unless VIGIL_LOG_PAYLOADS=1.
         celery_trace.LOG_SUCCESS = "Task %(name)s[%(id)s] succeeded in %(runtime)ss"
-    runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker").start())
+    rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker")
+                         .start())
+    if s.metrics_port:  # each worker process serves its own /metrics (docs/operations.md)
+        metrics.serve(rt, s.metrics_port, s.metrics_address)
 
 
 @worker_ready.connect
@@ -81,6 +85,9 @@ def _on_task_revoked(sender=None, request=None, expired=False, **_):
                            "could run it (message expired)")
     won, stored = rt.store.finish(request.id, rt.instance_id, time.time(),
                                   error_kind=type(err).__name__, error=str(err))
+    if won:
+        model = (getattr(request, "kwargs", None) or {}).get("model")
+        metrics.request_failed(model if isinstance(model, str) else "", DEADLINE_EXCEEDED)
     if stored.status == "FAILED":
         sender.backend.mark_as_failure(request.id, error_from_record(stored.error_kind,
                                                                      stored.error))
@@ -108,4 +115,5 @@ def _on_worker_shutting_down(sender=None, **_):
 def _on_worker_shutdown(sender=None, **_):
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
+    metrics.stop()
     runtime.uninstall()

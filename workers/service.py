@@ -9,6 +9,7 @@ import logging
 import random
 import time
 
+from app import metrics
 from app.errors import (
     ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING, WEDGED, WORKER_LOST,
     RequestError, TerminalError,
@@ -64,25 +65,31 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         spec = rt.registry.get(req.model)
         adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
     except RequestError as e:
-        return _fail(rt, request_id, e)
+        model = kwargs.get("model") if isinstance(kwargs, dict) else None
+        return _fail(rt, request_id, e, model if isinstance(model, str) else "")
+    pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
+        metrics.dropped(pool, "given_back")
         raise GiveBack(request_id)
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
     if b.action == "done":
+        metrics.dropped(pool, "duplicate_delivery")
         return _outcome(b.outcome)
     if b.action == "stale":
+        metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id)
     if b.action == "expired":
         return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
-                                                      "passed before a worker could run it"))
+                                                      "passed before a worker could run it"), pool)
     if b.action == "exhausted":
         return _fail(rt, request_id, TerminalError.of(
-            ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {b.last_error}"))
+            ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {b.last_error}"), pool)
     if b.action != "run":
         raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
+    metrics.attempt_begun(pool)
 
     try:
         out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout,
@@ -92,22 +99,26 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         # this copy is stale. A request begun after that scan is still ours: retry it at once.
         if rt.store.release(request_id, rt.instance_id, dispatch + 1,
                             "worker_lost: the worker stopped"):
+            metrics.retried(pool, WORKER_LOST)
             raise RetryLater(TransientError.of(WORKER_LOST, "the worker stopped"), 0) from None
+        metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id) from None
     except TransientError as e:
         if e.code != LORA_ADAPTER_PENDING:
-            return _retry(rt, request_id, dispatch, b.attempts, e)
+            return _retry(rt, request_id, dispatch, b.attempts, e, pool)
         # The adapter is still being written: not the request's fault and nothing ran, so the
         # attempt is given back; the request's deadline bounds the wait.
         if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), refund=True):
+            metrics.retried(pool, e.code)
             # Backoff grows with the dispatch: the attempt count stays put while it waits.
             raise RetryLater(e, backoff(dispatch + 1, s.retry_backoff,
                                         s.retry_backoff_max)) from None
+        metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id) from None
     except WorkerFatalError as e:
-        return _retry(rt, request_id, dispatch, b.attempts, e)
+        return _retry(rt, request_id, dispatch, b.attempts, e, pool)
     except VigilError as e:
-        return _fail(rt, request_id, e)
+        return _fail(rt, request_id, e, pool)
     result = {
         "request_id": request_id, "model": req.model, "text": out.text,
         "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -116,30 +127,39 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         **({"lora": req.lora} if req.lora is not None else {}),
     }
     won, stored = rt.store.finish(request_id, rt.instance_id, time.time(), result=result)
-    if not won:
+    if won:
+        metrics.request_ended(pool, stored)
+    else:
+        metrics.dropped(pool, "duplicate_result")
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
 
 
 def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
-           e: VigilError) -> dict:
+           e: VigilError, pool: str) -> dict:
     """The fleet's or the worker's fault: retry (RetryLater), or fail when out of attempts."""
     s = rt.settings
     if attempts >= s.max_attempts:
         return _fail(rt, request_id, TerminalError.of(
-            ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: {e}"))
+            ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: {e}"), pool)
     if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
+        metrics.retried(pool, e.code)
         log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
         # A broken worker or a wedged engine is not the fleet being busy: another worker
         # can take the request now (the reflex of DESIGN.md section 5).
         countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
             attempts, s.retry_backoff, s.retry_backoff_max)
         raise RetryLater(e, countdown) from None
+    metrics.dropped(pool, "stale")
     raise StaleDelivery(request_id) from None  # someone else owns it now
 
 
-def _fail(rt: WorkerRuntime, request_id: str, err: VigilError) -> dict:
+def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dict:
     won, stored = rt.store.finish(request_id, rt.instance_id, time.time(),
                                   error_kind=type(err).__name__, error=str(err))
+    if won:
+        metrics.request_ended(pool, stored)
+    else:
+        metrics.dropped(pool, "duplicate_result")
     return _outcome(stored)
