@@ -50,6 +50,9 @@ def _beat_schedule(s: VigilSettings) -> dict:
     # Quarantined workers must really stop consuming: the worker cancels its own consumers,
     # and this tick does it from outside when the worker could not.
     sched["vigil.health_tick"] = (s.health_tick_interval, "vigil.health_tick", {})
+    # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/jobs.py).
+    sched["vigil.reconcile"] = (s.reconcile_interval, "vigil.reconcile", {})
+    sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
     return {name: {"task": task, "schedule": every, "kwargs": kwargs,
                    "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
             for name, (every, task, kwargs) in sched.items()}

@@ -3,6 +3,7 @@
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
     vigil status [--json] [--watch S]    # workers (health state, streak) and pools
+    vigil job create|list|delete NAME    # jobs (app/jobs.py)
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
     vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
     vigil demo                           # the end-to-end demo (make demo)
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 import os
 import sys
 
@@ -114,6 +116,52 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return run_status(as_json=args.json, watch=args.watch)
 
 
+def _cmd_job(args: argparse.Namespace) -> int:
+    import json
+
+    from app import jobs
+    from app.errors import VigilError
+    from app.settings import get_settings
+    from app.store import connect
+
+    client = connect(get_settings())
+    try:
+        if args.job_cmd == "create":
+            jobs.create_job(client, args.name, replicas=args.replicas, lease_s=args.lease)
+            print(f"job {args.name} ready")
+        elif args.job_cmd == "list":
+            rows = jobs.list_jobs(client)
+            if args.json:
+                print(json.dumps(rows))
+            else:
+                for r in rows:
+                    print(f"{r['name']:<32} pending {r['pending']:>7}  replicas {r['replicas']}"
+                          f"  last active {time.time() - r['last_active']:.0f} s ago")
+        else:
+            from app.models import get_registry
+            from tasks.housekeeping import _cancel_everywhere, _tell_backend
+
+            n = jobs.end_job(_store(client), args.name, time.time(), f"job {args.name!r} was "
+                             "deleted", _tell_backend, _cancel_everywhere,
+                             get_registry().names(), get_settings().request_deadline)
+            if n < 0:
+                print(f"vigil job: job {args.name} is being ended by someone else",
+                      file=sys.stderr)
+                return 1
+            print(f"job {args.name} deleted; {n} open request(s) failed job_deleted")
+    except VigilError as e:
+        print(f"vigil job: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _store(client):
+    from app.settings import get_settings
+    from app.store import RequestStore
+
+    return RequestStore(client, get_settings().result_ttl)
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from workers.tiny_model import build_tiny_llama
 
@@ -161,6 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh until Ctrl-C")
     st.set_defaults(func=_cmd_status)
+
+    j = sub.add_parser("job", help="jobs: named submitter sessions (app/jobs.py)")
+    jsub = j.add_subparsers(dest="job_cmd", required=True)
+    jc = jsub.add_parser("create", help="create or update a job")
+    jc.add_argument("name")
+    jc.add_argument("--replicas", type=int, default=1, help="workers the job wants on its pool")
+    jc.add_argument("--lease", type=float, help="seconds without submit/poll before it is "
+                    "abandoned (default VIGIL_JOB_LEASE, else the request deadline)")
+    jl = jsub.add_parser("list", help="live jobs")
+    jl.add_argument("--json", action="store_true")
+    jd = jsub.add_parser("delete", help="delete a job: its open requests fail job_deleted")
+    jd.add_argument("name")
+    j.set_defaults(func=_cmd_job)
 
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)

@@ -58,7 +58,8 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
                 break
             for rid in ids:
                 err = TerminalError.of(DEADLINE_EXCEEDED, "the request did not end before its "
-                                       "deadline (no worker finished it in time)")
+                                       "deadline (no worker finished it in time)"
+                                       + _unserved_because(store, rid))
                 try:
                     won, stored = store.finish(rid, SWEEPER_INSTANCE, now,
                                                error_kind=type(err).__name__, error=str(err))
@@ -170,14 +171,15 @@ def republish_request(request_id: str, record: dict, dispatch: int) -> None:
     """Publish a request again (same id, its pool's queue) under `dispatch` (Celery's `retries`
     header, which the worker reads as the dispatch number)."""
     from app import app
-    from app.models import queue_for
+    from app.jobs import DEFAULT_JOB, job_queue
     from app.submit import EXPIRES_GRACE_S
 
     kwargs = json.loads(record["request"])
     expires = dt.datetime.fromtimestamp(float(record["deadline_at"]) + EXPIRES_GRACE_S,
                                         tz=dt.timezone.utc)
     app.send_task("vigil.generate", kwargs=kwargs, task_id=request_id, retries=dispatch,
-                  queue=queue_for(record["pool"]), expires=expires, argsrepr="()",
+                  queue=job_queue(record["pool"], record.get("job", DEFAULT_JOB)),
+                  expires=expires, argsrepr="()",
                   kwargsrepr=f"{{model: {record['model']!r}, job: {record['job']!r}}}")
 
 
@@ -269,3 +271,63 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
         metrics.housekeeping_ran("health_tick", time.monotonic() - started)
         metrics.CONSUMERS_CANCELLED.inc(cancelled)
     return cancelled
+
+
+RECONCILE_LOCK = "reconcile"
+# add(worker name, queue): tell that worker to consume the queue.
+AddConsumer = Callable[[str, str], None]
+
+
+def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: ActiveQueues,
+                         add: AddConsumer, *, lock_ttl_s: float = 60.0) -> int:
+    """Make every live, healthy worker of each pool consume all of the pool's job queues
+    (app/jobs.py): repairs an announcement that was lost or a worker that started between a
+    job's first request and its own start. Lock-guarded; returns how many consumers it added."""
+    from app.health import QUARANTINED, RESTARTING
+    from app.jobs import pool_queues, serving_workers
+    from app import keys
+
+    owner = uuid.uuid4().hex
+    if not store.try_lock(RECONCILE_LOCK, owner, lock_ttl_s):
+        return 0
+    added = 0
+    try:
+        instance_of = {store.worker_name(i.decode()): i.decode()
+                       for i in store.r.zrange(keys.WORKERS, 0, -1)}
+        for pool in pools:
+            wanted = pool_queues(store.r, pool)
+            if len(wanted) == 1:
+                continue  # no job queues: the pool's own queue is on every worker's -Q
+            for name in serving_workers(store.r, pool):
+                inst = instance_of.get(name)
+                state = store.r.hget(keys.health(inst), "state") if inst else None
+                if state and state.decode() in (QUARANTINED, RESTARTING):
+                    continue
+                try:
+                    have = active_queues(name)
+                except Exception as e:
+                    log.warning("reconcile: cannot ask %s for its queues: %s", name, e)
+                    continue
+                if have is None:
+                    continue
+                for q in wanted:
+                    if q not in have:
+                        add(name, q)
+                        added += 1
+    finally:
+        store.unlock(RECONCILE_LOCK, owner)
+    if added:
+        log.warning("reconcile: added %d missing job-queue consumer(s)", added)
+    return added
+
+
+def _unserved_because(store: RequestStore, request_id: str) -> str:
+    """'; <the reconcile's reason>' when the request's pool had no worker that could take it."""
+    from app.reconcile import unserved_reason
+
+    try:
+        pool = store.r.hget(keys.request(request_id), "pool")
+        reason = unserved_reason(store.r, pool.decode()) if pool else ""
+    except Exception:  # the reason is a courtesy; the failure itself must go through
+        return ""
+    return f"; {reason}" if reason else ""

@@ -20,6 +20,13 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | read by the deadline sweep               |
 | vigil:lock:{name}           | str  | the holder's lease (PX)     | beat task locks (two beats never both    |
 |                             |      |                             | act); value = holder id                  |
+| vigil:job:{name}            | hash | none; a deleted job's is a  | a job (app/jobs.py): created_at,         |
+|                             |      | tombstone for the deadline  | last_active, lease_s, replicas, state    |
+| vigil:jobs                  | zset | none                        | job name -> last_active (lease sweep)    |
+| vigil:jobreqs:{name}        | set  | none; empty = gone (Redis)  | a job's non-terminal request ids (create |
+|                             |      |                             | adds, finish drops): job delete/lease    |
+| vigil:pooljobs:{pool}       | set  | none; a job leaves it when  | jobs with their own queue in that pool   |
+|                             |      | deleted or abandoned        | (`vigil.pool.{pool}.job.{job}`)          |
 | vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/health.py)|
 |                             |      | dropped with its entry      | : state, streak, failures (JSON times),  |
 |                             |      |                             | last_failure_reason, quarantines, ...;   |
@@ -55,6 +62,24 @@ TERMINAL = (SUCCEEDED, FAILED)
 def request(request_id: str) -> str:
     """The request record hash."""
     return f"{PREFIX}req:{request_id}"
+
+
+JOBS = PREFIX + "jobs"
+
+
+def job(name: str) -> str:
+    """A job's hash (app/jobs.py)."""
+    return f"{PREFIX}job:{name}"
+
+
+def job_requests(name: str) -> str:
+    """The set of a job's non-terminal request ids."""
+    return f"{PREFIX}jobreqs:{name}"
+
+
+def pool_jobs(pool: str) -> str:
+    """The set of jobs that have their own queue in `pool`."""
+    return f"{PREFIX}pooljobs:{pool}"
 
 
 def health(instance_id: int | str) -> str:

@@ -73,6 +73,8 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 DEFAULT_MAX_CANARY_FAILURES = 5
 # How often beat checks that quarantined workers really stopped consuming.
 DEFAULT_HEALTH_TICK_S = 30.0
+# How often beat's reconcile makes every worker of a pool consume all of the pool's job queues.
+DEFAULT_RECONCILE_S = 30.0
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
 # Prometheus scrapes workers from another host; the metrics hold no prompts or outputs.
@@ -125,6 +127,9 @@ class VigilSettings(BaseSettings):
                                  "engine-progress watchdog.")
     max_canary_failures: int = Field(DEFAULT_MAX_CANARY_FAILURES, ge=1, le=100)
     health_tick_interval: float = Field(DEFAULT_HEALTH_TICK_S, gt=0)
+    job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "
+                                    "this long is abandoned (default: request_deadline).")
+    reconcile_interval: float = Field(DEFAULT_RECONCILE_S, gt=0)
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
@@ -226,6 +231,11 @@ class VigilSettings(BaseSettings):
             raise ValueError(f"result_ttl must be >= {MIN_RESULT_TTL_S} s (late pollers and "
                              "duplicate deliveries read finished records)")
         return self
+
+    @property
+    def job_lease_s(self) -> float:
+        """How long a job lives without a submit or poll: `job_lease`, else the deadline."""
+        return self.job_lease if self.job_lease is not None else self.request_deadline
 
     @property
     def failure_window(self) -> float:

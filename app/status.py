@@ -18,7 +18,9 @@ import redis
 
 from app import keys
 from app.health import HEALTHY, SUSPECT, HealthLedger
-from app.models import ModelRegistry, queue_for
+from app.jobs import pool_queues
+from app.models import ModelRegistry
+from app.reconcile import unserved_reason
 from app.settings import VigilSettings
 
 GiB = 1 << 30
@@ -61,13 +63,13 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
     for name in registry.names():
         serving = [w for w in workers if w["live"] and name in w["pools"]]
         healthy = [w for w in serving if w["state"] in (HEALTHY, SUSPECT)]
-        pending = client.llen(queue_for(name))
+        pending = sum(client.llen(q) for q in pool_queues(client, name))
         running = sum(w["in_flight"] for w in serving if w["model"] == name)
-        why = ""
+        why = unserved_reason(client, name)
         if not serving:
-            why = "no live worker serves it"
+            why = why or "no live worker serves it"
         elif not healthy:
-            why = "every worker serving it is quarantined or restarting"
+            why = why or "every worker serving it is quarantined or restarting"
         pools.append({"pool": name, "pending": pending, "running": running,
                       "workers": [w["name"] for w in healthy], "why_unserved": why})
     return {"redis": redacted_url(settings.redis_url), "at": now, "workers": workers,

@@ -16,6 +16,12 @@ from app import keys
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
 
+# RequestStore.create outcomes
+JOB_DELETED = -1
+EXISTS = 0
+CREATED = 1
+CREATED_NEW_JOB_QUEUE = 2
+
 # Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
 REDIS_POOL_HEADROOM = 16
 # The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
@@ -60,12 +66,21 @@ local function close_attempt(rec, instance, now, outcome, err)
 end
 """
 
-# KEYS[1] record, KEYS[2] deadline index. ARGV: request_id, deadline_at, field, value, ...
-# -> 1 created, 0 already there (never overwritten).
+# KEYS[1] record, KEYS[2] deadline index, KEYS[3] job hash, KEYS[4] job's pending set,
+# KEYS[5] pool's job set, KEYS[6] jobs zset. ARGV: request_id, deadline_at, job, now,
+# own_queue (1: the job has its own queue in the pool), field, value, ...
+# -> 1 created, 2 created and the job's queue is new in this pool, 0 already there (never
+# overwritten), -1 the job was deleted (nothing written).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if redis.call('HGET', KEYS[3], 'state') == 'deleted' then return -1 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSETNX', KEYS[3], 'created_at', ARGV[4])
+redis.call('HSET', KEYS[3], 'name', ARGV[3], 'last_active', ARGV[4])
+redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[1])
+if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 end
 return 1
 """
 
@@ -125,6 +140,8 @@ redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 local owner = redis.call('HGET', rec, 'instance')
 if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
+local job = redis.call('HGET', rec, 'job')
+if job then redis.call('SREM', ARGV[10] .. job, ARGV[1]) end
 local st = redis.call('HGET', rec, 'status')
 if st == 'SUCCEEDED' or st == 'FAILED' then
   redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
@@ -264,13 +281,22 @@ class RequestStore:
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
 
-    def create(self, request_id: str, fields: dict[str, Any]) -> bool:
-        """Write a new PENDING record; False (and nothing changed) if the id already exists."""
-        flat: list[Any] = [request_id, fields.get("deadline_at", "+inf")]
+    def create(self, request_id: str, fields: dict[str, Any], now: float | None = None) -> int:
+        """Write a new PENDING record and count it in its job (app/jobs.py). Returns CREATED,
+        CREATED_NEW_JOB_QUEUE (the job's queue in this pool is new: its workers must be told
+        to consume it), EXISTS (nothing changed), or JOB_DELETED (refused, nothing written)."""
+        from app.jobs import DEFAULT_JOB
+
+        job = str(fields.get("job", DEFAULT_JOB))
+        pool = str(fields.get("pool", fields.get("model", "")))
+        now = time.time() if now is None else now
+        flat: list[Any] = [request_id, fields.get("deadline_at", "+inf"), job, now,
+                           "0" if job == DEFAULT_JOB else "1"]
         for k, v in fields.items():
             flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
-        return bool(self._call(self._create, keys=[keys.request(request_id), keys.DEADLINES],
-                               args=flat))
+        return int(self._call(self._create, keys=[
+            keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
+            keys.pool_jobs(pool), keys.JOBS], args=flat))
 
     def delete(self, request_id: str) -> None:
         """Remove a record (used to roll back a submit whose publish failed)."""
@@ -365,7 +391,8 @@ class RequestStore:
             self._finish,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
             args=[request_id, status, json.dumps(result) if result is not None else "",
-                  error_kind, error, now, self.result_ttl, keys.inflight(""), instance],
+                  error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
+                  keys.job_requests("")],
         )
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 

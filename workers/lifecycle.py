@@ -42,6 +42,7 @@ def _on_worker_init(sender=None, **_):
 @worker_ready.connect
 def _on_worker_ready(sender=None, **_):
     rt = runtime.get_runtime()
+    _consume_job_queues(sender, rt)
     # One engine per process: loading every pool in turn would only evict the previous one.
     pools = [p for p in rt.settings.pools if p][:1]
     if not pools or not rt.settings.preload:
@@ -57,6 +58,22 @@ def _on_worker_ready(sender=None, **_):
             rt.ready()
 
     threading.Thread(target=_preload, name="vigil-preload", daemon=True).start()
+
+
+def _consume_job_queues(consumer, rt) -> None:
+    """Consume the job queues that already exist in this worker's pools (app/jobs.py); new ones
+    are announced by the producer, and beat's reconcile repairs what was missed."""
+    from app.jobs import pool_queues
+
+    if consumer is None or not hasattr(consumer, "add_task_queue"):
+        return
+    rt.consumer = consumer
+    try:
+        for pool in rt.pools:
+            for queue in pool_queues(rt.client, pool)[1:]:
+                consumer.add_task_queue(queue)
+    except Exception as e:  # the reconcile adds them within one pass
+        log.warning("could not consume the job queues of %s: %s", rt.pools, e)
 
 
 @task_received.connect

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from app.errors import CANARY_FAILED, TransientError, WorkerFatalError
 from app.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.models import queue_for
+from app.jobs import pool_queues
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -151,12 +151,12 @@ class WorkerHealth:
 
         for pool in self.rt.pools:
             try:
-                if on:
-                    app.control.add_consumer(queue_for(pool), destination=[self.rt.name],
-                                             reply=False)
-                else:
-                    app.control.cancel_consumer(queue_for(pool), destination=[self.rt.name],
-                                                reply=False)
+                for queue in pool_queues(self.rt.client, pool):
+                    if on:
+                        app.control.add_consumer(queue, destination=[self.rt.name], reply=False)
+                    else:
+                        app.control.cancel_consumer(queue, destination=[self.rt.name],
+                                                    reply=False)
             except Exception as e:  # beat's health tick enforces the cancel from outside
                 log.warning("quarantine: could not %s consuming %s: %s",
                             "resume" if on else "stop", pool, e)

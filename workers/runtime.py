@@ -16,7 +16,8 @@ from app.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 from app.store import RequestStore, connect
 from app.errors import WorkerFatalError
-from app.models import ModelSpec, queue_for
+from app.jobs import pool_queues
+from app.models import ModelSpec
 from workers.engine_host import EngineHost
 from workers.engines import ENGINES, MODEL_ENGINES, engine_env_defaults
 from app.health import HealthLedger
@@ -59,8 +60,10 @@ class WorkerRuntime:
                         engine)
         engine_env_defaults()
         self.engine_kind = engine
-        # The pools this worker serves: those named at start (`vigil worker --pools`), else all.
-        self.pools = list(settings.pools) or self.registry.names()
+        # The pools this worker was started with (`vigil worker --pools`, else all); `pools`
+        # follows what its consumer really consumes (beat's reconcile may lend it to others).
+        self.configured_pools = list(settings.pools) or self.registry.names()
+        self.consumer = None  # Celery's consumer, set at worker_ready
         self.guard = OrphanGuard() if guard else None
         self.device = worker_device()
         self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
@@ -76,6 +79,20 @@ class WorkerRuntime:
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields)
 
+    @property
+    def pools(self) -> list[str]:
+        """The pools this worker consumes now: from its consumer's queues once it runs (the
+        reconcile adds and removes pools), else the ones it was started with."""
+        from app.models import QUEUE_PREFIX
+
+        try:
+            queues = [q.name for q in self.consumer.task_consumer.queues]
+        except AttributeError:  # not consuming yet
+            return list(self.configured_pools)
+        pools = [q[len(QUEUE_PREFIX):] for q in queues
+                 if q.startswith(QUEUE_PREFIX) and ".job." not in q[len(QUEUE_PREFIX):]]
+        return sorted(p for p in pools if p in self.registry) or list(self.configured_pools)
+
     def plan_memory(self, spec: ModelSpec) -> MemoryPlan:
         """Measure free memory on this worker's device and size `spec`'s engine start to it."""
         return plan_memory(spec, probe_memory(*self.device))
@@ -88,6 +105,7 @@ class WorkerRuntime:
             log.warning("memory probe failed: %s", e)
             free = total = device = None
         return {**self.host.snapshot(), **self.health.fields(), "pools": ",".join(self.pools),
+                "configured_pools": ",".join(self.configured_pools),
                 "engine_kind": self.engine_kind, "device": device,
                 "device_free_bytes": free, "device_total_bytes": total}
 
@@ -161,8 +179,8 @@ class WorkerRuntime:
             from app import app
 
             for pool in self.pools:
-                app.control.cancel_consumer(queue_for(pool), destination=[self.name],
-                                            reply=False)
+                for queue in pool_queues(self.client, pool):
+                    app.control.cancel_consumer(queue, destination=[self.name], reply=False)
         except Exception as e:  # refuse_new() below still sends new deliveries back
             log.warning("could not cancel this worker's consumers: %s", e)
         try:

@@ -1,0 +1,93 @@
+"""Redis tier: the pool reconcile (app/reconcile.py) as a function of (store, registry, now):
+an unserved pool with waiting work gets the idlest healthy worker that fits its model, never one
+that cannot; with none, the reason is recorded; replicas grow a pool; lent workers go back."""
+from __future__ import annotations
+
+import pytest
+import redis
+
+from app.health import HealthLedger
+from app.jobs import queue_name
+from app.models import ModelRegistry, ModelSpec
+from app.reconcile import reconcile_pools, unserved_reason
+from app.store import RequestStore
+from workers.heartbeat import Heartbeat
+
+pytestmark = pytest.mark.redis
+GiB = 1 << 30
+T0 = 1_800_000_000.0
+REG = ModelRegistry([ModelSpec(name="x", memory_gib=2, kv_cache_floor_gib=0.5),
+                     ModelSpec(name="y", memory_gib=4, kv_cache_floor_gib=1),
+                     ModelSpec(name="huge", memory_gib=500, kv_cache_floor_gib=1)])
+
+
+@pytest.fixture()
+def store(redis_db1_url):
+    return RequestStore(redis.Redis.from_url(redis_db1_url), 3600)
+
+
+def worker(store, inst, name, pools, free_gib, model="", in_flight=0, configured=None, at=T0,
+           ready=True):
+    hb = Heartbeat(store.r, inst, name, 10, lambda: {
+        "pools": ",".join(pools), "configured_pools": ",".join(configured or pools),
+        "device_free_bytes": int(free_gib * GiB), "model": model, "in_flight": in_flight},
+        clock=lambda: at)
+    hb.has_pinged = ready  # as mark_ready() would, without its background write
+    hb.beat()
+
+
+def control_log():
+    calls = []
+    return calls, lambda name, q, add: calls.append((name, q, add))
+
+
+def test_an_unserved_pool_gets_the_idlest_worker_that_fits_within_one_pass(store):
+    """Given two workers serving x (one busy, one idle; both report room for y), when y has
+    waiting work, then one pass assigns y to the idle one: it consumes y's queues."""
+    worker(store, 1, "busy@h", ["x"], 8, model="x", in_flight=30)
+    worker(store, 2, "idle@h", ["x"], 8, model="x")
+    store.r.lpush(queue_name("y", "default"), "m")
+    store.r.sadd("vigil:pooljobs:y", "eval")
+    calls, control = control_log()
+    done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
+    assert done["assigned"] == [("y", "idle@h")]
+    assert calls == [("idle@h", "vigil.pool.y", True), ("idle@h", "vigil.pool.y.job.eval", True)]
+    assert unserved_reason(store.r, "y") == ""
+
+
+def test_a_worker_that_cannot_fit_the_model_is_never_chosen_and_the_reason_is_recorded(store):
+    worker(store, 1, "small@h", ["x"], 3, model="x")
+    worker(store, 2, "gone@h", ["x"], 900, at=T0 - 1000)  # silent: not live
+    worker(store, 3, "sick@h", ["x"], 900)
+    worker(store, 4, "warming@h", ["x"], 900, ready=False)  # not started: cannot take orders
+    HealthLedger(store.r, window=3600, threshold=1).failure(3, T0, "stall")  # quarantined
+    store.r.lpush(queue_name("huge", "default"), "m")
+    calls, control = control_log()
+    done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
+    assert calls == [] and done["assigned"] == []
+    reason = unserved_reason(store.r, "huge")
+    assert "needs 501.0 GiB free" in reason and done["unserved"]["huge"] == reason
+    # x's worker holds x (2.5 GiB) and has 3 GiB free: y (5 GiB) fits once x is evicted
+    store.r.lpush(queue_name("y", "default"), "m")
+    assert reconcile_pools(store, REG, T0 + 2, control, live_window=120)["assigned"] == [
+        ("y", "small@h")]
+
+
+def test_a_pool_grows_to_the_replicas_its_jobs_ask_for_and_lent_workers_go_back(store):
+    worker(store, 1, "a@h", ["x"], 8, model="x")
+    worker(store, 2, "b@h", ["y"], 8, model="y")
+    worker(store, 3, "c@h", ["y"], 8, model="y")
+    store.r.sadd("vigil:pooljobs:x", "big")
+    store.r.hset("vigil:job:big", mapping={"replicas": 2})
+    store.r.lpush(queue_name("x", "big"), "m")
+    calls, control = control_log()
+    done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
+    assert len(done["assigned"]) == 1 and done["assigned"][0][0] == "x"
+    lent = done["assigned"][0][1]
+    # the work is done and the lent worker's engine went back to y: it is released
+    store.r.delete(queue_name("x", "big"))
+    worker(store, 2 if lent == "b@h" else 3, lent, ["x", "y"], 8, model="y", configured=["y"])
+    calls.clear()
+    done = reconcile_pools(store, REG, T0 + 2, control, live_window=120)
+    assert done["released"] == [("x", lent)]
+    assert (lent, "vigil.pool.x", False) in calls
