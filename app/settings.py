@@ -10,10 +10,13 @@ import functools
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (Field, FilePath, SecretStr, ValidationError, field_validator,
+                      model_validator)
 from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.redis_conn import check_url, is_sentinel, is_tls, redacted_url
 
 ENV_PREFIX = "VIGIL_"
 
@@ -75,6 +78,9 @@ DEFAULT_MAX_CANARY_FAILURES = 5
 DEFAULT_HEALTH_TICK_S = 30.0
 # How often beat's reconcile makes every worker of a pool consume all of the pool's job queues.
 DEFAULT_RECONCILE_S = 30.0
+# Pools the reconcile gives a worker per pass: each costs an engine start somewhere; a burst of
+# new pools is spread over passes instead of stopping every worker at once.
+DEFAULT_RECONCILE_CONCURRENCY = 4
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
 # Prometheus scrapes workers from another host; the metrics hold no prompts or outputs.
@@ -95,7 +101,26 @@ class VigilSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
-    redis_url: str = Field(DEFAULT_REDIS_URL, description="Broker, result backend and state.")
+    # repr=False: the URL may hold a password, and a settings object can end up in a log line.
+    redis_url: str = Field(DEFAULT_REDIS_URL, repr=False, description="Broker, result backend "
+                           "and state: redis://, rediss:// (TLS), sentinel://host:port;... "
+                           "(Sentinel) or unix:// (app/redis_conn.py). Its credentials are "
+                           "never shown.")
+    # TLS and Sentinel (docs/operations.md, "Redis beyond one box"): app/redis_conn.py hands
+    # them to the broker, the result backend and the state client alike.
+    redis_tls_ca_file: FilePath | None = Field(None, description="CA certificates (PEM) that "
+                                               "Redis' certificate is checked against "
+                                               "(rediss:// only; default: the system's).")
+    redis_tls_cert_file: FilePath | None = Field(None, description="Client certificate (PEM) "
+                                                 "for a Redis that requires one (rediss:// "
+                                                 "only).")
+    redis_tls_key_file: FilePath | None = Field(None, description="Key of the client "
+                                                "certificate (rediss:// only).")
+    redis_sentinel_master: str = Field("", description="Name of the master the sentinels "
+                                       "watch; required with a sentinel:// URL.")
+    redis_sentinel_password: SecretStr = Field(SecretStr(""), description="The sentinels' own "
+                                               "password, if they have one (the master's "
+                                               "goes in the URL).")
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
     request_deadline: float = Field(DEFAULT_REQUEST_DEADLINE_S, gt=0)
     request_timeout: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
@@ -130,6 +155,7 @@ class VigilSettings(BaseSettings):
     job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "
                                     "this long is abandoned (default: request_deadline).")
     reconcile_interval: float = Field(DEFAULT_RECONCILE_S, gt=0)
+    reconcile_concurrency: int = Field(DEFAULT_RECONCILE_CONCURRENCY, ge=1, le=1000)
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
@@ -161,11 +187,10 @@ class VigilSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return v
+        return check_url(v)
 
-    @field_validator("models_file", mode="before")
+    @field_validator("models_file", "redis_tls_ca_file", "redis_tls_cert_file",
+                     "redis_tls_key_file", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v
@@ -199,6 +224,25 @@ class VigilSettings(BaseSettings):
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
         return v
+
+    @model_validator(mode="after")
+    def _redis_shape(self):
+        # Each message starts with the field it is about: _explain names its variable.
+        url = self.redis_url
+        if is_sentinel(url) and not self.redis_sentinel_master:
+            raise ValueError("redis_sentinel_master must be set with a sentinel:// "
+                             "VIGIL_REDIS_URL")
+        if self.redis_sentinel_master and not is_sentinel(url):
+            raise ValueError("redis_sentinel_master is set but VIGIL_REDIS_URL is not "
+                             "sentinel://")
+        for f in ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"):
+            # Set but unused would mean plain text where the operator asked for TLS.
+            if getattr(self, f) is not None and not is_tls(url):
+                raise ValueError(f"{f} applies to a rediss:// VIGIL_REDIS_URL only (TLS "
+                                 "through Sentinel is not supported)")
+        if self.redis_tls_key_file is not None and self.redis_tls_cert_file is None:
+            raise ValueError("redis_tls_key_file needs redis_tls_cert_file")
+        return self
 
     @model_validator(mode="after")
     def _backoff_order(self):
@@ -263,7 +307,9 @@ class VigilSettings(BaseSettings):
 
 
 # Settings whose value an error message must never show.
-SECRET_FIELDS = frozenset({"flower_password"})
+SECRET_FIELDS = frozenset({"flower_password", "redis_sentinel_password"})
+# Settings whose value is shown with its credentials removed.
+URL_FIELDS = frozenset({"redis_url"})
 
 
 _DEFAULT = object()  # a cross-field rule's field that was not given
@@ -280,6 +326,7 @@ def _explain(err: ValidationError) -> str:
             given = given.get(field, _DEFAULT) if isinstance(given, dict) else _DEFAULT
         var = ENV_PREFIX + field.upper()
         got = ("(hidden)" if field in SECRET_FIELDS else "its default" if given is _DEFAULT
+               else repr(redacted_url(given)) if field in URL_FIELDS and isinstance(given, str)
                else repr(given))
         lines.append(f"{var}: {e['msg']} (got {got})")
     return "invalid settings: " + "; ".join(lines)

@@ -1,5 +1,5 @@
-"""`vigil status`: the fleet as Redis sees it: workers (health state, streak, in flight, memory)
-and pools (waiting, running, who serves them, why not).
+"""`vigil status`: the fleet as Redis sees it: workers (health state, streak, in flight, memory),
+pools (waiting, oldest wait, running, who serves them, why not) and jobs.
 
     vigil status            # tables
     vigil status --json     # one JSON object, for scripts
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import time
-from urllib.parse import urlsplit
 
 import redis
 
-from app import keys
+from app import keys, redis_conn
 from app.health import HEALTHY, SUSPECT, HealthLedger
-from app.jobs import pool_queues
+from app.jobs import list_jobs, pool_queues
 from app.models import ModelRegistry
 from app.reconcile import unserved_reason
 from app.settings import VigilSettings
@@ -27,10 +26,8 @@ GiB = 1 << 30
 
 
 def redacted_url(url: str) -> str:
-    """`scheme://host:port/db` without user or password."""
-    u = urlsplit(url)
-    host = u.hostname or ""
-    return f"{u.scheme}://{host}{':' + str(u.port) if u.port else ''}{u.path}"
+    """`scheme://host:port/db` without user or password (every entry of a sentinel URL)."""
+    return redis_conn.redacted_url(url)
 
 
 def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistry,
@@ -63,7 +60,9 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
     for name in registry.names():
         serving = [w for w in workers if w["live"] and name in w["pools"]]
         healthy = [w for w in serving if w["state"] in (HEALTHY, SUSPECT)]
-        pending = sum(client.llen(q) for q in pool_queues(client, name))
+        queues = pool_queues(client, name)
+        pending = sum(client.llen(q) for q in queues)
+        oldest = oldest_waiting_age(client, queues, now)
         running = sum(w["in_flight"] for w in serving if w["model"] == name)
         why = unserved_reason(client, name)
         if not serving:
@@ -71,9 +70,29 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
         elif not healthy:
             why = why or "every worker serving it is quarantined or restarting"
         pools.append({"pool": name, "pending": pending, "running": running,
+                      "oldest_waiting_s": oldest,
                       "workers": [w["name"] for w in healthy], "why_unserved": why})
     return {"redis": redacted_url(settings.redis_url), "at": now, "workers": workers,
-            "pools": pools}
+            "pools": pools, "jobs": list_jobs(client)}
+
+
+def oldest_waiting_age(client: redis.Redis, queues: list[str], now: float) -> float | None:
+    """Seconds the oldest message waiting in `queues` has waited since its request was
+    submitted (kombu pushes on the left and pops on the right: the oldest is at index -1);
+    None when nothing waits."""
+    ages = []
+    for q in queues:
+        raw = client.lindex(q, -1)
+        if raw is None:
+            continue
+        try:
+            rid = json.loads(raw)["headers"]["id"]
+            created = client.hget(keys.request(rid), "created_at")
+        except (ValueError, KeyError, TypeError):
+            continue
+        if created:
+            ages.append(now - float(created))
+    return round(max(ages), 1) if ages else None
 
 
 def render(snap: dict):
@@ -97,13 +116,21 @@ def render(snap: dict):
                    ",".join(w["pools"]), f"{w['model'] or '-'} {w['engine_state']}",
                    str(w["in_flight"]), seen, mem, w["last_failure"][:60])
     pt = Table(title="pools", title_justify="left")
-    for col in ("pool", "waiting", "running", "served by", "why unserved"):
+    for col in ("pool", "waiting", "oldest", "running", "served by", "why unserved"):
         pt.add_column(col)
     for p in snap["pools"]:
-        pt.add_row(p["pool"], str(p["pending"]), str(p["running"]), ", ".join(p["workers"]),
+        oldest = "" if p["oldest_waiting_s"] is None else f"{p['oldest_waiting_s']:.0f} s"
+        pt.add_row(p["pool"], str(p["pending"]), oldest, str(p["running"]),
+                   ", ".join(p["workers"]),
                    f"[red]{p['why_unserved']}[/]" if p["why_unserved"] and p["pending"] else
                    p["why_unserved"])
-    return Group(wt, pt)
+    jt = Table(title="jobs", title_justify="left")
+    for col in ("job", "open requests", "replicas", "last active"):
+        jt.add_column(col)
+    for j in snap.get("jobs", []):
+        jt.add_row(j["name"], str(j["pending"]), str(j["replicas"]),
+                   f"{snap['at'] - j['last_active']:.0f} s ago")
+    return Group(wt, pt, jt)
 
 
 def run_status(as_json: bool = False, watch: float | None = None) -> int:

@@ -93,7 +93,8 @@ def reconcile() -> dict:
         return {}
     try:
         done = reconcile_pools(store, reg, time.time(), _control,
-                               live_window=s.worker_reap_timeout or 3 * s.heartbeat_interval)
+                               live_window=s.worker_reap_timeout or 3 * s.heartbeat_interval,
+                               concurrency=s.reconcile_concurrency)
     finally:
         store.unlock("pool_reconcile", owner)
     done["job_consumers_added"] = ensure_job_consumers(store, reg.names(), _active_queues, _add)

@@ -98,3 +98,13 @@ def test_the_reconcile_adds_a_job_queue_a_worker_missed_and_skips_quarantined_on
     assert ensure_job_consumers(store, ["tiny-llama", "unserved-model"], have.get,
                                 lambda n, q: added.append((n, q))) == 1
     assert added == [("ok@h", "vigil.pool.tiny-llama.job.late-job")]
+
+
+def test_two_beats_sweeping_leases_at_once_act_once(store):
+    submit(store, "o1", "old", now=T0)
+    ended = []
+    assert store.try_lock("job_leases", "other-beat", 60)
+    assert expire_jobs(store, T0 + 7200, 3600, lambda n, r: ended.append(n) or 0) == 0
+    store.unlock("job_leases", "other-beat")
+    assert expire_jobs(store, T0 + 7200, 3600, lambda n, r: ended.append(n) or 0) == 1
+    assert ended == ["old"]

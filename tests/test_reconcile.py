@@ -91,3 +91,24 @@ def test_a_pool_grows_to_the_replicas_its_jobs_ask_for_and_lent_workers_go_back(
     done = reconcile_pools(store, REG, T0 + 2, control, live_window=120)
     assert done["released"] == [("x", lent)]
     assert (lent, "vigil.pool.x", False) in calls
+
+
+def test_at_most_reconcile_concurrency_pools_get_a_worker_per_pass(store):
+    reg = ModelRegistry([ModelSpec(name=f"p{i}", memory_gib=1, kv_cache_floor_gib=0.25)
+                         for i in range(6)])
+    for i in range(6):
+        worker(store, 10 + i, f"w{i}@h", [], 8)
+        store.r.lpush(queue_name(f"p{i}", "default"), "m")
+    calls, control = control_log()
+    done = reconcile_pools(store, reg, T0 + 1, control, live_window=120, concurrency=4)
+    assert len(done["assigned"]) == 4 and len({w for _, w in done["assigned"]}) == 4
+
+
+def test_two_beats_reconciling_at_once_act_once(store, monkeypatch):
+    """Given another beat's reconcile holding the lock, then this one does nothing."""
+    import tasks.housekeeping as th
+
+    monkeypatch.setattr(th, "shared_store", lambda: store)
+    assert store.try_lock("pool_reconcile", "other-beat", 60)
+    assert th.reconcile() == {}
+    store.unlock("pool_reconcile", "other-beat")

@@ -32,15 +32,25 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     ledger = HealthLedger(client, window=3600, threshold=3)
     for i in range(3):
         ledger.failure(2, 1000.0 + i, "stall: no progress")
-    client.rpush("vigil.pool.tiny-llama", "m1", "m2")
+    from app.schemas import GenerateRequest
+    from app.store import RequestStore
+    from app.submit import record_fields
+
+    store = RequestStore(client, 3600)
+    store.create("old-one", record_fields(GenerateRequest(model="tiny-llama", prompt="p",
+                                                          job="eval-3"), 1000.0, 3600), 1000.0)
+    client.lpush("vigil.pool.tiny-llama.job.eval-3", json.dumps({"headers": {"id": "old-one"}}))
+    client.lpush("vigil.pool.tiny-llama", "m1")
     client.rpush("vigil.pool.unserved-model", "m3")
-    snap = collect(client, s, reg)
+    snap = collect(client, s, reg, now=1100.0)
     by_name = {w["name"]: w for w in snap["workers"]}
     assert by_name["ok@h"]["state"] == "HEALTHY"
     assert by_name["sick@h"]["state"] == "QUARANTINED" and by_name["sick@h"]["streak"] == 3
     assert by_name["sick@h"]["last_failure"] == "stall: no progress"
     pools = {p["pool"]: p for p in snap["pools"]}
     assert pools["tiny-llama"]["pending"] == 2 and pools["tiny-llama"]["workers"] == ["ok@h"]
+    assert pools["tiny-llama"]["oldest_waiting_s"] == 100.0
+    assert [(j["name"], j["pending"]) for j in snap["jobs"]] == [("eval-3", 1)]
     assert pools["unserved-model"]["why_unserved"] == "no live worker serves it"
 
 
