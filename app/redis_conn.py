@@ -1,0 +1,202 @@
+"""How every Vigil process reaches Redis: one URL for the broker, the result backend and Vigil's
+state, in the shapes Celery supports (docs/operations.md, "Redis beyond one box").
+
+    redis://[[user]:password@]host:6379/0       plain TCP; AUTH with requirepass or an ACL user
+    rediss://[[user]:password@]host:6380/0      TLS: VIGIL_REDIS_TLS_CA_FILE, _CERT_FILE, _KEY_FILE
+    sentinel://[[user]:password@]s1:26379/0;sentinel://s2:26379/0
+                                                Redis Sentinel: VIGIL_REDIS_SENTINEL_MASTER names
+                                                the master; VIGIL_REDIS_SENTINEL_PASSWORD is the
+                                                sentinels' own password, if they have one
+    unix://[[user]:password@]/path/redis.sock?db=0
+
+The three clients get the same endpoint and credentials from here: kombu (the broker) through
+`broker_use_ssl` and its transport options, Celery's result backend through
+`redis_backend_use_ssl` and its transport options, and Vigil's state client (`state_pool`).
+A sentinel URL's credentials and database are read from its first entry, as kombu and Celery
+read them. Reserved characters in a user or password are percent-encoded (`@` as `%40`).
+
+Credentials never leave this module in text: `redacted_url` is the only form of the URL that
+logs, errors and `vigil status` show.
+"""
+from __future__ import annotations
+
+import ssl
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+if TYPE_CHECKING:  # settings imports this module: no import cycle at run time
+    from app.settings import VigilSettings
+
+SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+SENTINEL_SEPARATOR = ";"
+
+
+def redacted_url(url: str) -> str:
+    """The URL without user, password or query: `scheme://host:port/db` (each entry of a
+    sentinel URL alike, joined by `;`; `unix:///path` for a socket)."""
+    out = []
+    for chunk in url.split(SENTINEL_SEPARATOR):
+        try:
+            u = urlsplit(chunk.strip())
+            host = u.hostname or ""
+        except ValueError:  # e.g. an unclosed '[': show nothing of it rather than raise here
+            out.append("(unparseable)")
+            continue
+        try:
+            port = u.port
+        except ValueError:  # a malformed port is shown as nothing
+            port = None
+        out.append(f"{u.scheme}://{host}{':' + str(port) if port else ''}{u.path}")
+    return SENTINEL_SEPARATOR.join(out)
+
+
+def is_sentinel(url: str) -> bool:
+    """True for a `sentinel://` URL (one or more `;`-separated sentinels)."""
+    return url.startswith("sentinel://")
+
+
+def is_tls(url: str) -> bool:
+    """True for a `rediss://` URL."""
+    return url.startswith("rediss://")
+
+
+def check_url(url: str) -> str:
+    """The URL if Vigil can use it; ValueError otherwise, whose message never quotes the URL
+    (it may hold a password)."""
+    if not url.startswith(SCHEMES):
+        raise ValueError("must start with redis://, rediss://, unix:// or sentinel://")
+    if is_sentinel(url):
+        for chunk in url.split(SENTINEL_SEPARATOR):
+            u = urlsplit(chunk.strip())
+            if u.scheme != "sentinel" or not u.hostname:
+                raise ValueError("a sentinel URL is sentinel://host:port entries joined by ';'")
+            _port(u)
+    elif not url.startswith("unix://"):
+        u = urlsplit(url)
+        if not u.hostname:
+            raise ValueError("names no host")
+        _port(u)
+    return url
+
+
+def _port(u) -> int | None:
+    try:
+        return u.port
+    except ValueError:
+        raise ValueError("has a port that is not a number from 0 to 65535") from None
+
+
+def sentinel_addresses(url: str) -> list[tuple[str, int]]:
+    """(host, port) of every sentinel in a `sentinel://` URL (26379 when none is given)."""
+    out = []
+    for chunk in url.split(SENTINEL_SEPARATOR):
+        u = urlsplit(chunk.strip())
+        out.append((u.hostname or "localhost", u.port or 26379))
+    return out
+
+
+def _credentials_and_db(url: str) -> tuple[str | None, str | None, int]:
+    """User, password (percent-decoded) and database of a sentinel URL's first entry."""
+    u = urlsplit(url.split(SENTINEL_SEPARATOR)[0].strip())
+    db = u.path.strip("/")
+    return (unquote(u.username) if u.username else None,
+            unquote(u.password) if u.password else None,
+            int(db) if db.isdigit() else 0)
+
+
+def tls_options(settings: "VigilSettings") -> dict | None:
+    """The TLS options of kombu's `broker_use_ssl` and Celery's `redis_backend_use_ssl` (the
+    same keys redis-py's SSL connections take), or None for a plain connection.
+
+    The server's certificate is always verified (CERT_REQUIRED), against
+    VIGIL_REDIS_TLS_CA_FILE or else the system's trust store; the client presents
+    VIGIL_REDIS_TLS_CERT_FILE (with its key) when the server asks for client certificates.
+    """
+    if not is_tls(settings.redis_url):
+        return None
+    opts: dict = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    for key, path in (("ssl_ca_certs", settings.redis_tls_ca_file),
+                      ("ssl_certfile", settings.redis_tls_cert_file),
+                      ("ssl_keyfile", settings.redis_tls_key_file)):
+        if path is not None:
+            opts[key] = str(path)
+    return opts
+
+
+def sentinel_kwargs(settings: "VigilSettings") -> dict:
+    """Connection options for the sentinels themselves: bounded timeouts, and their password."""
+    kw: dict = {"socket_timeout": settings.redis_timeout,
+                "socket_connect_timeout": settings.redis_timeout}
+    password = settings.redis_sentinel_password.get_secret_value()
+    if password:
+        kw["password"] = password
+    return kw
+
+
+def transport_options(settings: "VigilSettings") -> dict:
+    """What kombu's and Celery's transport options need besides Vigil's own: the master's name
+    and the sentinels' options for a sentinel URL, nothing otherwise."""
+    if not is_sentinel(settings.redis_url):
+        return {}
+    return {"master_name": settings.redis_sentinel_master,
+            "sentinel_kwargs": sentinel_kwargs(settings)}
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """A Sentinel-managed pool that blocks for a free connection (up to `timeout`) like
+    redis.BlockingConnectionPool instead of raising "Too many connections"; connections to a
+    master that was failed over are dropped on release, as in SentinelConnectionPool."""
+
+
+def state_pool(settings: "VigilSettings", *, max_connections: int,
+               **connection_kwargs) -> redis.ConnectionPool:
+    """The connection pool of Vigil's state client for any supported URL: a blocking pool of
+    `max_connections`, TLS from `tls_options`, and for Sentinel one that asks the sentinels
+    for the current master (and again after a failover). `connection_kwargs` (timeouts,
+    health checks) apply to every Redis connection."""
+    url = settings.redis_url
+    if is_sentinel(url):
+        user, password, db = _credentials_and_db(url)
+        sentinel = Sentinel(sentinel_addresses(url), sentinel_kwargs=sentinel_kwargs(settings),
+                            **{k: v for k, v in connection_kwargs.items()
+                               if k.startswith("socket_")})
+        return BlockingSentinelConnectionPool(
+            settings.redis_sentinel_master, sentinel, max_connections=max_connections,
+            timeout=settings.redis_timeout, username=user, password=password, db=db,
+            is_master=True, **connection_kwargs)
+    return redis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=settings.redis_timeout,
+        **(tls_options(settings) or {}), **connection_kwargs)
+
+
+def describe_failure(settings: "VigilSettings", err: BaseException) -> str | None:
+    """A one-line diagnosis for an error that retrying will not cure: Redis refused the
+    credentials, or the TLS handshake failed (certificate, CA, key). None for anything else
+    (Redis down or starting, a failover in progress), which is worth waiting for. The text
+    names the setting to fix and the redacted URL only."""
+    where = redacted_url(settings.redis_url)
+    if isinstance(err, redis.AuthenticationError):
+        return f"Redis at {where} refused the credentials ({type(err).__name__}: {err})"
+    cause = err.__cause__ or err.__context__
+    if isinstance(err, redis.ConnectionError) and isinstance(cause, ssl.SSLError):
+        return (f"TLS handshake with Redis at {where} failed ({type(cause).__name__}: "
+                f"{getattr(cause, 'reason', None) or cause}): check VIGIL_REDIS_TLS_CA_FILE, "
+                "VIGIL_REDIS_TLS_CERT_FILE and VIGIL_REDIS_TLS_KEY_FILE")
+    return None
+
+
+def preflight(settings: "VigilSettings", client: redis.Redis) -> None:
+    """PING Redis once; raise SettingsError when it refuses the credentials or the TLS
+    handshake fails (`describe_failure`), so a misconfigured process stops at once instead of
+    retrying forever. An unreachable Redis passes: Celery waits for it at start."""
+    from app.settings import SettingsError
+
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        why = describe_failure(settings, e)
+        if why:
+            raise SettingsError(f"invalid settings: VIGIL_REDIS_URL: {why}") from None
