@@ -143,6 +143,17 @@ class EngineHost(EngineRecovery, EngineWatch, EngineLora):
                 timeout + 5)
         except (concurrent.futures.TimeoutError, RuntimeError) as e:
             log.warning("engine shutdown did not finish cleanly: %s", e)
+
+        async def _cancel_background():  # watchdog, idle reaper, recovery: end them, then stop
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_background(), self._loop).result(5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            log.warning("engine loop tasks did not end cleanly: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._thread = None
