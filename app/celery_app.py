@@ -5,6 +5,7 @@ from celery import Celery
 from kombu import Queue
 from kombu.utils.objects import cached_property
 
+from app import redis_conn
 from app.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 
@@ -75,7 +76,11 @@ def create_app(settings: VigilSettings | None = None,
         "socket_timeout": max(s.redis_timeout, 10.0),
         "socket_connect_timeout": s.redis_timeout,
         "retry_on_timeout": True,
+        # Sentinel: the master's name and the sentinels' own options; nothing otherwise
+        # (app/redis_conn.py gives the state client the same).
+        **redis_conn.transport_options(s),
     }
+    tls = redis_conn.tls_options(s)
     app.conf.update(
         # JSON only, both ways: no pickle anywhere on the wire.
         task_serializer="json", result_serializer="json",
@@ -88,6 +93,9 @@ def create_app(settings: VigilSettings | None = None,
         # prefetching more would strand messages on a worker that might die.
         worker_prefetch_multiplier=1,
         broker_transport_options=redis_opts,
+        # rediss://: the broker and the backend verify Redis' certificate against one CA and
+        # present one client certificate (None: plain connections).
+        broker_use_ssl=tls, redis_backend_use_ssl=tls,
         result_backend_transport_options=redis_opts,
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=s.redis_timeout,

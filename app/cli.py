@@ -48,6 +48,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     reg = get_registry()
     for p in [p for p in (args.pools or "").split(",") if p]:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
+    # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
+    # Celery would retry the connection for many minutes (app/redis_conn.py).
+    from app.redis_conn import preflight
+    from app.store import connect
+
+    preflight(s, connect(s))
     if args.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     if args.pools:

@@ -88,6 +88,7 @@ DEFAULT_METRICS_ADDRESS = "0.0.0.0"
 
 
 def _default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/vigil`, else `~/.cache/vigil`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "vigil"
 
@@ -125,9 +126,11 @@ class VigilSettings(BaseSettings):
     request_deadline: float = Field(DEFAULT_REQUEST_DEADLINE_S, gt=0)
     request_timeout: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
     max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, ge=1)
-    max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1)
+    max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1, description="Upper bound on a "
+                                "request's max_tokens, besides the model's max_model_len.")
     idle_cleanup: float = Field(DEFAULT_IDLE_CLEANUP_S, ge=0, description="0 keeps engines warm forever.")
-    heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0)
+    heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, description="How "
+                                      "often a worker rewrites its registry entry.")
     deadline_sweep_interval: float = Field(DEFAULT_DEADLINE_SWEEP_S, gt=0)
     worker_reap_timeout: float = Field(DEFAULT_WORKER_REAP_TIMEOUT_S, ge=0,
                                        description="0 disables the reaper.")
@@ -142,8 +145,11 @@ class VigilSettings(BaseSettings):
     # deployment: a result gone before a slow poller reads it is a lost result.
     allow_short_result_ttl: bool = False
     worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
-    retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0)
-    retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0)
+    retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0, description="Base of the retry "
+                                 "backoff: full jitter, uniform in [0, min(max, base * "
+                                 "2^(attempt-1))].")
+    retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0, description="Cap of "
+                                     "the retry backoff; >= retry_backoff.")
     redis_timeout: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0)
     engine_death_limit: int = Field(DEFAULT_ENGINE_DEATH_LIMIT, ge=1, le=100)
     failure_threshold: int = Field(DEFAULT_FAILURE_THRESHOLD, ge=1, le=1000)
@@ -157,7 +163,8 @@ class VigilSettings(BaseSettings):
     reconcile_interval: float = Field(DEFAULT_RECONCILE_S, gt=0)
     reconcile_concurrency: int = Field(DEFAULT_RECONCILE_CONCURRENCY, ge=1, le=1000)
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    cache_dir: Path = Field(default_factory=_default_cache_dir, description="Built models "
+                            "(models/tiny-llama-v1) and the vLLM logging config.")
     models_file: Path | None = Field(None, description="JSON file with extra model registry entries.")
     adapter_roots: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Directories LoRA adapters may be named from by path "
@@ -167,7 +174,8 @@ class VigilSettings(BaseSettings):
     )
     task_events: bool = Field(False, description="Celery task events from start (Flower turns "
                               "them on while it runs).")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="Level of vLLM's log lines and the default of "
+                           "`vigil worker --loglevel` (DEBUG, INFO, WARNING, ERROR, CRITICAL).")
     # Prompts and outputs are user data: never logged unless an operator asks for it.
     log_payloads: bool = False
     # Flower's basic auth (`vigil flower`, app/cli.py). Flower shows every worker and task and can

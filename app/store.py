@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from app import keys
+from app import keys, redis_conn
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
 
@@ -236,10 +236,11 @@ def connect(settings: VigilSettings) -> redis.Redis:
     redis-py's default pool raises "Too many connections" past 100, and a worker's whole batch
     of task threads finishes in the same engine step.
     """
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.redis_url,
+    # Any URL shape (password, TLS, Sentinel) goes through the one builder the broker and
+    # backend options come from (app/redis_conn.py).
+    pool = redis_conn.state_pool(
+        settings,
         max_connections=settings.worker_concurrency + REDIS_POOL_HEADROOM,
-        timeout=settings.redis_timeout,
         socket_timeout=settings.redis_timeout,
         socket_connect_timeout=settings.redis_timeout,
         health_check_interval=30,
@@ -278,6 +279,9 @@ class RequestStore:
     def _call(self, fn, *a, **kw):
         try:
             return fn(*a, **kw)
+        except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
+            raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
+                                    f"VIGIL_REDIS_URL ({e})") from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
 
