@@ -45,6 +45,7 @@ class WorkerHealth:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._pools: list[str] = []
 
     def fields(self) -> dict:
         """For the heartbeat record."""
@@ -99,6 +100,7 @@ class WorkerHealth:
         rt = self.rt
         log.error("worker %s QUARANTINED: %s", rt.name, reason)
         rt.host.pause()
+        self._pools = rt.pools or list(rt.configured_pools)  # what to consume again after
         self._consume(False)
         try:
             requeued, failed = rt.hand_back_held()
@@ -149,7 +151,7 @@ class WorkerHealth:
     def _consume(self, on: bool) -> None:
         from app import app
 
-        for pool in self.rt.pools:
+        for pool in self._pools:
             try:
                 for queue in pool_queues(self.rt.client, pool):
                     if on:

@@ -91,7 +91,8 @@ class WorkerRuntime:
             return list(self.configured_pools)
         pools = [q[len(QUEUE_PREFIX):] for q in queues
                  if q.startswith(QUEUE_PREFIX) and ".job." not in q[len(QUEUE_PREFIX):]]
-        return sorted(p for p in pools if p in self.registry) or list(self.configured_pools)
+        # Possibly none: a drained or quarantined worker consumes no pool.
+        return sorted(p for p in pools if p in self.registry)
 
     def plan_memory(self, spec: ModelSpec) -> MemoryPlan:
         """Measure free memory on this worker's device and size `spec`'s engine start to it."""
@@ -138,7 +139,8 @@ class WorkerRuntime:
 
     def canary_spec(self) -> ModelSpec:
         """The model a quarantined worker proves itself on: its engine's, else its first pool's."""
-        return self.registry.get(self.host.snapshot()["model"] or self.pools[0])
+        return self.registry.get(self.host.snapshot()["model"]
+                                 or (self.pools or self.configured_pools)[0])
 
     def hand_back_held(self) -> tuple[int, int]:
         """Publish every request this worker holds again (same id, next dispatch; failed when
