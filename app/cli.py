@@ -145,11 +145,12 @@ def _cmd_job(args: argparse.Namespace) -> int:
                           f"  last active {time.time() - r['last_active']:.0f} s ago")
         else:
             from app.models import get_registry
-            from tasks.housekeeping import _cancel_everywhere, _tell_backend
+            from tasks.housekeeping import _abort_everywhere, _cancel_everywhere, _tell_backend
 
             n = jobs.end_job(_store(client), args.name, time.time(), f"job {args.name!r} was "
                              "deleted", _tell_backend, _cancel_everywhere,
-                             get_registry().names(), get_settings().request_deadline)
+                             get_registry().names(), get_settings().request_deadline,
+                             abort=_abort_everywhere)
             if n < 0:
                 print(f"vigil job: job {args.name} is being ended by someone else",
                       file=sys.stderr)

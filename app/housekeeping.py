@@ -218,8 +218,17 @@ def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
             on_failed(rid, err)
         return "failed" if won else "skipped"
     dispatch = int(rec.get("dispatch", 0)) + 1
-    republish(rid, rec, dispatch)
-    return "requeued" if store.requeue(rid, inst, dispatch, now=now) else "skipped"
+    # The record moves to the new dispatch first, then that dispatch's message is published:
+    # a requeue refused because another worker took the request meanwhile publishes nothing, so
+    # no newer message is left behind to run the request a second time.
+    if not store.requeue(rid, inst, dispatch, now=now):
+        return "skipped"
+    try:
+        republish(rid, rec, dispatch)
+    except Exception as e:  # Redis went away between the two steps: the deadline sweep ends it
+        log.error("requeued %s but could not publish it (%s); its deadline will end it", rid, e)
+        raise
+    return "requeued"
 
 
 HEALTH_TICK_LOCK = "health_tick"

@@ -178,8 +178,8 @@ return 1
 # KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
 # new dispatch, now. Hands a dead worker's request (RUNNING under it, or PENDING: received but
 # not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
-# dispatch (the message for that dispatch was published first, so a newer message always
-# exists); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
+# dispatch (the caller then publishes that dispatch's message: a refused requeue publishes
+# nothing); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
 # still open in `history` is closed 'requeued' with error worker_lost.
 _REQUEUE = _HISTORY_LUA + """
 redis.call('SREM', KEYS[2], ARGV[1])
@@ -322,8 +322,8 @@ class RequestStore:
 
     def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
                 now: float | None = None) -> bool:
-        """Mark a dead worker's RUNNING request PENDING under `dispatch` (publish that dispatch's
-        message first), closing its open attempt 'requeued' at `now` (default: the clock).
+        """Mark a dead worker's RUNNING request PENDING under `dispatch` (then publish that
+        dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock).
         False when it had already ended or moved on."""
         now = time.time() if now is None else now
         return bool(self._call(self._requeue,

@@ -66,6 +66,11 @@ def _add(name: str, queue: str) -> None:
     app.control.add_consumer(queue, destination=[name], reply=False)
 
 
+def _abort_everywhere(request_ids: list[str]) -> None:
+    """Tell every worker to abort these requests if it runs them (workers/lifecycle.py)."""
+    app.control.broadcast("vigil_abort", arguments={"request_ids": request_ids}, reply=False)
+
+
 def _cancel_everywhere(queue: str, names: list[str]) -> None:
     if names:
         app.control.cancel_consumer(queue, destination=names, reply=False)
@@ -112,6 +117,6 @@ def job_leases() -> int:
 
     def end(name: str, reason: str) -> int:
         return end_job(store, name, now, reason, _tell_backend, _cancel_everywhere,
-                       get_registry().names(), s.request_deadline)
+                       get_registry().names(), s.request_deadline, abort=_abort_everywhere)
 
     return expire_jobs(store, now, s.job_lease_s, end)

@@ -153,3 +153,23 @@ def test_pause_hands_requests_back_and_the_quarantine_restart_runs_a_canary(make
     assert host.restarts == 1
     host.resume()
     assert host.generate(req(), A, "after", 5).text == "done"
+
+
+def test_named_requests_are_aborted_wherever_they_are(make_host):
+    """Given requests in the engine, when some are aborted by request id (their job was
+    deleted), then exactly those callers get Aborted, the engine drops them, and the others
+    finish."""
+    from workers.engine_host import Aborted
+
+    w = World()
+    host = make_host(w)
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(host.generate, req(), A, f"job-req-{i}-1", 30) for i in range(4)]
+        wait_until(lambda: w.engines and w.engines[0].in_flight == 4)
+        assert host.abort_requests({"job-req-0", "job-req-2", "not-here"}) == 2
+        for i in (0, 2):
+            with pytest.raises(Aborted):
+                futs[i].result(timeout=5)
+        wait_until(lambda: w.engines[0].in_flight == 2)
+        w.release.set()
+        assert [futs[i].result(timeout=5).text for i in (1, 3)] == ["done", "done"]

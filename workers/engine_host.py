@@ -49,6 +49,11 @@ class HandedBack(Exception):
     """The worker is stopping and handed this request back to the queue: drop this delivery."""
 
 
+class Aborted(Exception):
+    """The request ended elsewhere while it ran (its job was deleted): it was aborted in the
+    engine; the caller answers with the stored outcome."""
+
+
 class EngineHost(EngineRecovery, EngineWatch, EngineLora):
     """Owns the loop thread and the warm engine. Thread-safe entry points: generate, preload,
     snapshot, shutdown."""
@@ -68,6 +73,8 @@ class EngineHost(EngineRecovery, EngineWatch, EngineLora):
         self._paused = False
         self._busy_since = clock()
         self._stall_aborted: dict[concurrent.futures.Future, str] = {}
+        self._aborted: dict[concurrent.futures.Future, str] = {}
+        self._future_ids: dict[concurrent.futures.Future, str] = {}
         self.stalls = 0
         self._lane = BASE_LANE
         self._lane_wanted: str | None = None
@@ -169,10 +176,13 @@ class EngineHost(EngineRecovery, EngineWatch, EngineLora):
         if self._draining or self._paused:
             raise HandedBack(engine_request_id)
         arrived = self._clock()
-        fut = asyncio.run_coroutine_threadsafe(
-            self._generate(req, spec, engine_request_id, arrived, adapter), self._loop)
+        # Scheduled and registered under one lock: a drain or stall abort that snapshots the
+        # futures while this request is already running in the engine must see it.
         with self._futures_lock:
+            fut = asyncio.run_coroutine_threadsafe(
+                self._generate(req, spec, engine_request_id, arrived, adapter), self._loop)
             self._futures.add(fut)
+            self._future_ids[fut] = engine_request_id
         try:
             out = fut.result(timeout)
         except concurrent.futures.TimeoutError as e:
@@ -181,6 +191,8 @@ class EngineHost(EngineRecovery, EngineWatch, EngineLora):
                              f"engine within {timeout:g} s")
             raise classify(e) from None
         except concurrent.futures.CancelledError:
+            if self._aborted.pop(fut, None) is not None:
+                raise Aborted(engine_request_id) from None
             stalled = self._stall_aborted.pop(fut, None)
             if stalled is not None:
                 self._on_failure(f"stall: {stalled}")
@@ -195,8 +207,22 @@ class EngineHost(EngineRecovery, EngineWatch, EngineLora):
         finally:
             with self._futures_lock:
                 self._futures.discard(fut)
+                self._future_ids.pop(fut, None)
         self._on_success()
         return out
+
+    def abort_requests(self, request_ids: set[str]) -> int:
+        """Abort the named requests (Vigil request ids) wherever they are in this host: in the
+        engine, waiting for it, or parked as suspects. Their callers get `Aborted`. Returns how
+        many it found."""
+        with self._futures_lock:
+            hits = [f for f, rid in self._future_ids.items()
+                    if rid.rsplit("-", 1)[0] in request_ids]
+            for f in hits:
+                self._aborted[f] = "aborted"
+        for f in hits:
+            f.cancel()
+        return len(hits)
 
     @property
     def draining(self) -> bool:

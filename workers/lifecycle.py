@@ -12,6 +12,7 @@ import threading
 import time
 
 from celery.app import trace as celery_trace
+from celery.worker.control import control_command
 from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
                             worker_shutdown, worker_shutting_down)
 
@@ -74,6 +75,15 @@ def _consume_job_queues(consumer, rt) -> None:
                 consumer.add_task_queue(queue)
     except Exception as e:  # the reconcile adds them within one pass
         log.warning("could not consume the job queues of %s: %s", rt.pools, e)
+
+
+@control_command(args=[("request_ids", list)], signature="<request_id> ...")
+def vigil_abort(state, request_ids=None, **_):
+    """Abort these requests if this worker is running them: they ended elsewhere (their job was
+    deleted), and the engine should not spend another step on them."""
+    rt = runtime.installed()
+    n = rt.host.abort_requests(set(request_ids or ())) if rt is not None else 0
+    return {"ok": f"aborted {n}"}
 
 
 @task_received.connect

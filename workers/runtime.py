@@ -210,6 +210,11 @@ def install(rt: WorkerRuntime) -> WorkerRuntime:
     return rt
 
 
+def installed() -> "WorkerRuntime | None":
+    """This process's runtime if one was built, else None (never builds one)."""
+    return _runtime
+
+
 def get_runtime(name: str = "") -> WorkerRuntime:
     """This process's runtime; built and started on first use if no start-up hook built it
     (e.g. an in-process test worker)."""

@@ -18,7 +18,7 @@ from app.errors import (
 from app.schemas import parse_request
 from app.store import Outcome
 from app.submit import adapter_for, record_fields
-from workers.engine_host import HandedBack
+from workers.engine_host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
@@ -94,6 +94,12 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     try:
         out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout,
                                adapter)
+    except Aborted:  # ended elsewhere while it ran (job deleted): answer with what is stored
+        rec = rt.store.get(request_id) or {}
+        if rec.get("status") in ("SUCCEEDED", "FAILED"):
+            return _outcome(Outcome.from_reply(rec["status"], rec.get("result", ""),
+                                               rec.get("error_kind", ""), rec.get("error", "")))
+        raise StaleDelivery(request_id) from None
     except HandedBack:
         # The stopping worker republished what it held (its record moved to a newer dispatch):
         # this copy is stale. A request begun after that scan is still ours: retry it at once.
