@@ -207,12 +207,8 @@ class WorkerCollector:
 
 
 def _pool_queues(client, pool: str) -> list[str]:
-    try:
-        from app.jobs import pool_queues  # the pool's queue and one per job
-    except ImportError:  # before jobs: one queue per pool
-        from app.models import queue_for
+    from app.jobs import pool_queues  # the pool's own queue and one per job
 
-        return [queue_for(pool)]
     return pool_queues(client, pool)
 
 

@@ -34,7 +34,7 @@ from celery.result import AsyncResult
 from app import keys
 from app.errors import TransientError, error_from_record
 from app.health import QUARANTINED, RESTARTING
-from app.models import ModelRegistry, queue_for
+from app.models import ModelRegistry
 from app.settings import VigilSettings
 from app.store import RequestStore
 
@@ -64,11 +64,9 @@ def queue_position(client: redis.Redis, queue: str, request_id: str, *, limit: i
 
 
 def request_queue(pool: str, job: str) -> str:
-    """The Celery queue a request of `job` for `pool` is published to."""
-    try:
-        from app.jobs import queue_name  # one queue per (pool, job)
-    except ImportError:  # before jobs: one queue per pool
-        return queue_for(pool)
+    """The Celery queue a request of `job` for `pool` is published to (app/jobs.py)."""
+    from app.jobs import queue_name
+
     return queue_name(pool, job)
 
 

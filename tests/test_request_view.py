@@ -235,3 +235,17 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
     assert missing.returncode == 1 and json.loads(missing.stdout) == {"request_id": "nope",
                                                                       "found": False}
     assert store.r.exists(keys.request("r1"))  # read-only
+
+
+def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_db1):
+    """Given a request of job eval-7 behind another of the same job, then its place is counted in
+    the job's own queue (app/jobs.py), not the pool's."""
+    from app.jobs import job_queue
+
+    create(store, "r1", job="eval-7")
+    for rid in ("ahead", "r1"):
+        celery_db1.send_task("vigil.generate", kwargs={**KW, "job": "eval-7"}, task_id=rid,
+                             queue=job_queue("tiny-llama", "eval-7"))
+    w = view(store, settings, "r1")
+    assert w["queue"] == "vigil.pool.tiny-llama.job.eval-7" and w["position"] == 2
+    assert w["reasons"][-1] == "position ~2 of 2 in queue vigil.pool.tiny-llama.job.eval-7"
