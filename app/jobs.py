@@ -138,7 +138,9 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
             pools: list[str], tombstone_s: float, lock_ttl_s: float = 120.0,
             abort: Abort | None = None) -> int:
     """Delete a job: tombstone first (no new request is accepted for it), then fail every open
-    request `job_deleted: <reason>` and have workers abort the ones they are running (`abort`),
+    request `job_deleted: <reason>`, each chunk right after workers were told to abort the ones
+    they are running (`abort`: an aborted request whose record is not failed yet is dropped as
+    stale, and failed here a moment later),
     drop its queues (and their messages) in `pools`, and tell their workers to stop consuming
     them. Under the job's lock; returns how many requests it failed, or -1 when another process
     is ending the job right now."""
@@ -159,7 +161,11 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
             ids = [i.decode() for i in client.srandmember(keys.job_requests(name), CHUNK)]
             if not ids:
                 break
-            failed_now = []
+            if abort is not None:
+                try:  # first: a worker running one frees its engine slot, and does not
+                    abort(ids)  # finish it after it was failed here (a wasted run)
+                except Exception as e:
+                    log.warning("ending job %s: abort broadcast failed: %s", name, e)
             for rid in ids:
                 try:
                     won, _ = store.finish(rid, 0, now, error_kind=type(err).__name__,
@@ -170,16 +176,10 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                 client.srem(keys.job_requests(name), rid)  # a record that expired meanwhile
                 if won:
                     failed += 1
-                    failed_now.append(rid)
                     try:
                         on_failed(rid, err)
                     except Exception as e:  # one bad item must not stop the rest
                         log.warning("ending job %s: could not notify %s: %s", name, rid, e)
-            if abort is not None and failed_now:
-                try:
-                    abort(failed_now)  # a worker running one frees its engine slot now
-                except Exception as e:
-                    log.warning("ending job %s: abort broadcast failed: %s", name, e)
         for pool in pools:
             if client.srem(keys.pool_jobs(pool), name):
                 names = serving_workers(client, pool)

@@ -191,3 +191,17 @@ def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny
     held = set().union(*(store.r.smembers(keys.inflight(i)) for i in instances))
     return all(r.id.encode() in held or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")
                for r in results)
+
+
+def assert_each_ran_to_a_result_once(store, request_ids) -> None:
+    """Exactly once, per request, from its own history: one attempt succeeded, and no attempt
+    is left open (a second run that lost its finish leaves its attempt open). Unlike the global
+    `duplicate_results` counter, this cannot be moved by other tests' stragglers."""
+    bad = {}
+    for rid in request_ids:
+        h = store.history(rid)
+        succeeded = sum(e["outcome"] == "succeeded" for e in h)
+        still_open = sum(e["outcome"] is None for e in h)
+        if succeeded != 1 or still_open:
+            bad[rid] = [(e["worker"], e["outcome"], e["error"]) for e in h]
+    assert not bad, f"requests not run to a result exactly once: {bad}"

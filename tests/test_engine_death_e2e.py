@@ -16,7 +16,8 @@ from app.errors import RequestError
 from app.models import queue_for
 from app.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import DRILL_MODEL, RunningWorker, every_request_taken
+from tests.conftest import (DRILL_MODEL, RunningWorker,
+                            assert_each_ran_to_a_result_once, every_request_taken)
 
 pytestmark = pytest.mark.worker
 POISON = "POISON-PILL"
@@ -53,7 +54,6 @@ def test_killing_engine_core_with_64_in_flight_fails_none_of_them(drill_worker, 
     worker on one fresh engine), and the engine was restarted once."""
     before = fresh_entry(drill_worker)
     inst = before["instance_id"]
-    dup_before = store.stats().get("duplicate_results", 0)
     rs = [generate.delay(model=DRILL_MODEL, prompt=f"story number {i}", max_tokens=200,
                          ignore_eos=True) for i in range(64)]
     wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
@@ -69,7 +69,7 @@ def test_killing_engine_core_with_64_in_flight_fails_none_of_them(drill_worker, 
           f"{time.monotonic() - killed_at:.1f} s after the kill")
     assert [o["request_id"] for o in outs] == [r.id for r in rs]
     assert all(o["completion_tokens"] == 200 and o["attempts"] == 1 for o in outs)
-    assert store.stats().get("duplicate_results", 0) == dup_before
+    assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     after = fresh_entry(drill_worker)
     assert int(after["engine_restarts"]) == int(before["engine_restarts"]) + 1
     assert int(after["poisoned"]) == int(before["poisoned"])
@@ -81,7 +81,6 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, s
     RequestError), the 32 succeed exactly once, and the engine was restarted a bounded number of
     times."""
     before = fresh_entry(drill_worker)
-    dup_before = store.stats().get("duplicate_results", 0)
     prompts = [f"innocent request {i}" for i in range(32)]
     prompts.insert(11, f"a {POISON} in the batch")
     rs = [generate.delay(model=DRILL_MODEL, prompt=p, max_tokens=48, ignore_eos=True)
@@ -92,7 +91,7 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, s
     assert ei.value.code == "poison_request"
     outs = [r.get(timeout=600) for r in rs]
     assert all(o["completion_tokens"] == 48 for o in outs)
-    assert store.stats().get("duplicate_results", 0) == dup_before
+    assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     assert [(h["outcome"], h["error"]) for h in store.history(poison.id)] == [
         ("failed", "poison_request")]
     after = fresh_entry(drill_worker)
@@ -117,7 +116,6 @@ def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_
         inst = broken.wait_registered()["instance_id"]
         # The healthy worker steps aside so that the broken one takes every request.
         app.control.cancel_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
-        dup_before = store.stats().get("duplicate_results", 0)
         rs = [generate.delay(model=DRILL_MODEL, prompt=f"request {i}", max_tokens=16)
               for i in range(16)]
         wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
@@ -129,7 +127,7 @@ def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_
         for r in rs:
             first = store.history(r.id)[0]
             assert first["instance"] == inst and first["outcome"] == "requeued"
-        assert store.stats().get("duplicate_results", 0) == dup_before
+        assert_each_ran_to_a_result_once(store, [r.id for r in rs])
         log = broken.log.read_text()
         assert "repeated_engine_death" in log and "is broken and leaves" in log
     finally:

@@ -40,13 +40,11 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture(scope="module")
-def mem_worker(redis_server, tmp_path_factory):
+def start_mem_worker(redis_server, tmp, name: str) -> RunningWorker:
     """A worker on the three fault pools, no preload, short retry backoff, and a models file
-    saying roomy-llama needs (free memory now - HEADROOM_GIB) besides its KV cache."""
+    saying roomy-llama needs (free memory right now - HEADROOM_GIB) besides its KV cache."""
     from tests.conftest import CACHE_DIR
 
-    tmp = tmp_path_factory.mktemp("mem")
     free_gib = probe_memory(*worker_device()).free / GiB
     models = []
     for m in fault_test_models(CACHE_DIR):
@@ -54,14 +52,21 @@ def mem_worker(redis_server, tmp_path_factory):
             m = {**m, "memory_gib": round(free_gib - HEADROOM_GIB, 2)}
             mem_worker_need[0] = m["memory_gib"]
         models.append(m)
-    path = tmp / "models.json"
+    path = tmp / f"{name.split('@')[0]}-models.json"
     path.write_text(json.dumps({"models": models}))
-    w = RunningWorker(redis_server, "mem@testhost", tmp,
+    w = RunningWorker(redis_server, name, tmp,
                       pools=f"{ROOMY_MODEL},{CORRUPT_MODEL},{MISSING_MODEL}",
                       VIGIL_MODELS_FILE=str(path), VIGIL_PRELOAD="0",
                       VIGIL_RETRY_BACKOFF="1", VIGIL_RETRY_BACKOFF_MAX="2", VIGIL_MAX_ATTEMPTS="5")
+    w.wait_registered()
+    return w
+
+
+@pytest.fixture(scope="module")
+def mem_worker(redis_server, tmp_path_factory):
+    """The fault pools' worker for the tests that need no memory squeeze."""
+    w = start_mem_worker(redis_server, tmp_path_factory.mktemp("mem"), "mem@testhost")
     try:
-        w.wait_registered()
         yield w
     finally:
         w.stop()
@@ -94,11 +99,20 @@ def test_missing_model_files_fail_once_with_model_not_found(mem_worker, store):
 
 
 def test_memory_pressure_at_engine_start_is_retried_and_lands_once_memory_frees(
-        mem_worker, store):
+        redis_server, store, tmp_path):
     """Given another process holding memory so that the worker measures less free memory than
     the model's floor, when a request arrives, then the start is refused as memory_pressure and
     the request is retried (same id, next attempt); once the holder exits, a retry starts the
-    engine and the request succeeds."""
+    engine and the request succeeds. (Its own worker, told the model's need just now: memory
+    other processes took or freed since the module started cannot skew it.)"""
+    worker = start_mem_worker(redis_server, tmp_path, "squeeze@testhost")
+    try:
+        _squeeze_and_release(worker, store)
+    finally:
+        worker.stop()
+
+
+def _squeeze_and_release(mem_worker, store):
     room = probe_memory(*worker_device()).free / GiB - mem_worker_need[0]
     hold = max(HOLD_GIB, room + HOLD_MARGIN_GIB)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(int(hold * GiB))],
