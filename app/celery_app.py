@@ -85,6 +85,9 @@ def create_app(settings: VigilSettings | None = None,
         # JSON only, both ways: no pickle anywhere on the wire.
         task_serializer="json", result_serializer="json",
         accept_content=["json"], result_accept_content=["json"],
+        # A malformed message (sent around the producer) is dropped with a typed end instead of
+        # killing the worker's consumer, and every worker after it (workers/consumer.py).
+        worker_consumer="workers.consumer:VigilConsumer",
         # Ack after the task ran, so a worker that dies mid-request leaves the message to be
         # delivered again (Vigil's record makes the second delivery exactly-once).
         task_acks_late=True,

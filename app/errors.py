@@ -11,11 +11,13 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | invalid_model_config,                   |
 |                  |                                            | lora_adapter_invalid,                   |
 |                  |                                            | prompt_too_long, token_out_of_vocab,    |
-|                  |                                            | poison_request                          |
+|                  |                                            | poison_request, unsupported_version     |
 | TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
-|                  |                                            | lora_adapter_pending (no attempt used)  |
+|                  |                                            | lora_adapter_pending (no attempt used); |
+|                  |                                            | overloaded (raised by `.delay` only:    |
+|                  |                                            | the caller retries; nothing was sent)   |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed                           |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
@@ -31,6 +33,8 @@ TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
 POISON_REQUEST = "poison_request"
 INVALID_MODEL_CONFIG = "invalid_model_config"
 LORA_ADAPTER_INVALID = "lora_adapter_invalid"
+# The message names a schema_version this code does not know: refused, never guessed at.
+UNSUPPORTED_VERSION = "unsupported_version"
 # TransientError codes
 MEMORY_PRESSURE = "memory_pressure"
 ALLOCATION_FAILED = "allocation_failed"
@@ -38,6 +42,9 @@ ENGINE_RESTARTING = "engine_restarting"
 WORKER_LOST = "worker_lost"
 WEDGED = "wedged"
 REDIS_UNAVAILABLE = "redis_unavailable"
+# Backpressure: the job or the pool has as many open requests as its cap allows. Raised by
+# `.delay` at once, nothing written or published; the message says when to try again.
+OVERLOADED = "overloaded"
 # The request's LoRA adapter is still being written: retried without using up an attempt.
 LORA_ADAPTER_PENDING = "lora_adapter_pending"
 # An engine failure nobody recognised: retried (bounded) rather than failed for good.

@@ -25,6 +25,9 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 | vigil:jobs                  | zset | none                        | job name -> last_active (lease sweep)    |
 | vigil:jobreqs:{name}        | set  | none; empty = gone (Redis)  | a job's non-terminal request ids (create |
 |                             |      |                             | adds, finish drops): job delete/lease    |
+| vigil:poolreqs:{pool}       | set  | none; empty = gone (Redis)  | a pool's non-terminal request ids (create|
+|                             |      |                             | adds, finish drops): the pool's pending  |
+|                             |      |                             | count for VIGIL_MAX_PENDING_PER_POOL     |
 | vigil:pooljobs:{pool}       | set  | none; a job leaves it when  | jobs with their own queue in that pool   |
 |                             |      | deleted or abandoned        | (`vigil.pool.{pool}.job.{job}`)          |
 | vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/health.py)|
@@ -75,6 +78,11 @@ def job(name: str) -> str:
 def job_requests(name: str) -> str:
     """The set of a job's non-terminal request ids."""
     return f"{PREFIX}jobreqs:{name}"
+
+
+def pool_requests(pool: str) -> str:
+    """The set of a pool's non-terminal request ids (its pending count, for backpressure)."""
+    return f"{PREFIX}poolreqs:{pool}"
 
 
 def pool_jobs(pool: str) -> str:

@@ -7,14 +7,18 @@ message can bypass the producer (`send_task`, raw queue pushes).
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from pydantic import field_validator, model_validator
 
-from app.errors import INVALID_REQUEST, RequestError
+from app.errors import INVALID_REQUEST, UNSUPPORTED_VERSION, RequestError
 
 SCHEMA_VERSION = 1
+# Versions this code can read. A message naming any other is refused (`unsupported_version`),
+# never read as the nearest known one; a message without the field is version 1.
+SUPPORTED_VERSIONS = frozenset({1})
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_STOP_SEQUENCES = 16
 MAX_DEADLINE_S = 7 * 86400.0
@@ -51,6 +55,19 @@ class GenerateRequest(BaseModel):
     def _stop_nonempty(cls, v):
         if v is not None and any(not s for s in v):
             raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("prompt", "stop", "lora")
+    @classmethod
+    def _encodable(cls, v):
+        # A lone surrogate is not Unicode text: the tokenizer, Redis and the filesystem all need
+        # UTF-8, so it would fail later and less clearly (or be retried as an engine error).
+        for text in [v] if isinstance(v, str) else v or ():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate, which "
+                                 "has no UTF-8 form)") from None
         return v
 
     @field_validator("temperature", "top_p", "deadline_s")
@@ -113,10 +130,27 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def check_version(kwargs: dict) -> None:
+    """Refuse a request whose `schema_version` is not one this code knows: RequestError
+    (unsupported_version) naming it. Absent means version 1; a bool or a string is not a version."""
+    version = kwargs.get("schema_version", SCHEMA_VERSION)
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        known = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        try:
+            shown = reprlib.repr(version)  # bounded: the value may be anything a sender wrote
+        except ValueError:  # an int too long to print
+            shown = f"<{type(version).__name__}>"
+        raise RequestError.of(UNSUPPORTED_VERSION, f"schema_version {shown} is "
+                              f"not one this Vigil knows ({known}); upgrade the worker, or send "
+                              "a version it knows")
+
+
 def parse_request(kwargs: object) -> GenerateRequest:
-    """Validate raw kwargs into a GenerateRequest; RequestError(invalid_request) says what to fix."""
+    """Validate raw kwargs into a GenerateRequest; RequestError(invalid_request) says what to fix,
+    RequestError(unsupported_version) when the request's schema_version is unknown here."""
     if not isinstance(kwargs, dict):
         raise RequestError.of(INVALID_REQUEST, f"kwargs must be a mapping, got {type(kwargs).__name__}")
+    check_version(kwargs)
     try:
         return GenerateRequest.model_validate(kwargs)
     except ValidationError as err:

@@ -85,6 +85,12 @@ DEFAULT_RECONCILE_CONCURRENCY = 4
 DEFAULT_REDIS_TIMEOUT_S = 5.0
 # Prometheus scrapes workers from another host; the metrics hold no prompts or outputs.
 DEFAULT_METRICS_ADDRESS = "0.0.0.0"
+# Backpressure: past this many open (not yet ended) requests in one job, or in one pool, `.delay`
+# raises `overloaded` at once instead of letting Redis grow without bound. Far above any real
+# backlog (a record is ~1 KiB: a million is ~1 GiB of Redis), so they bite only a runaway
+# producer; 0 = unlimited.
+DEFAULT_MAX_PENDING_PER_JOB = 100_000
+DEFAULT_MAX_PENDING_PER_POOL = 1_000_000
 
 
 def _default_cache_dir() -> Path:
@@ -128,6 +134,12 @@ class VigilSettings(BaseSettings):
     max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, ge=1)
     max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1, description="Upper bound on a "
                                 "request's max_tokens, besides the model's max_model_len.")
+    max_pending_per_job: int = Field(DEFAULT_MAX_PENDING_PER_JOB, ge=0, description="Open "
+                                     "requests one job may have before submits fail "
+                                     "`overloaded`.")
+    max_pending_per_pool: int = Field(DEFAULT_MAX_PENDING_PER_POOL, ge=0, description="Open "
+                                      "requests one pool may have before submits fail "
+                                      "`overloaded`; 0 = unlimited.")
     idle_cleanup: float = Field(DEFAULT_IDLE_CLEANUP_S, ge=0, description="0 keeps engines warm forever.")
     heartbeat_interval: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, description="How "
                                       "often a worker rewrites its registry entry.")

@@ -18,6 +18,10 @@ from app.settings import VigilSettings
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
+# Refused by backpressure (nothing written): the job's, or the pool's, open requests are at
+# their cap (VIGIL_MAX_PENDING_PER_JOB / _PER_POOL).
+OVERLOADED_JOB = -2
+OVERLOADED_POOL = -3
 EXISTS = 0
 CREATED = 1
 CREATED_NEW_JOB_QUEUE = 2
@@ -67,19 +71,25 @@ end
 """
 
 # KEYS[1] record, KEYS[2] deadline index, KEYS[3] job hash, KEYS[4] job's pending set,
-# KEYS[5] pool's job set, KEYS[6] jobs zset. ARGV: request_id, deadline_at, job, now,
-# own_queue (1: the job has its own queue in the pool), field, value, ...
+# KEYS[5] pool's job set, KEYS[6] jobs zset, KEYS[7] pool's pending set. ARGV: request_id,
+# deadline_at, job, now, own_queue (1: the job has its own queue in the pool), max pending per
+# job, max pending per pool (0 = no cap), field, value, ...
 # -> 1 created, 2 created and the job's queue is new in this pool, 0 already there (never
-# overwritten), -1 the job was deleted (nothing written).
+# overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending set is at its cap
+# (nothing written for any negative answer).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('HGET', KEYS[3], 'state') == 'deleted' then return -1 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+local max_job, max_pool = tonumber(ARGV[6]), tonumber(ARGV[7])
+if max_job > 0 and redis.call('SCARD', KEYS[4]) >= max_job then return -2 end
+if max_pool > 0 and redis.call('SCARD', KEYS[7]) >= max_pool then return -3 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('HSETNX', KEYS[3], 'created_at', ARGV[4])
 redis.call('HSET', KEYS[3], 'name', ARGV[3], 'last_active', ARGV[4])
 redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
 redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[7], ARGV[1])
 if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 end
 return 1
 """
@@ -131,9 +141,10 @@ return {'run', tostring(attempts)}
 # KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
 # KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
 # inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
-# that a worker holds), finishing instance. -> {1, status, result, error_kind, error} when this
-# write won, {0, ...stored} when it lost. Only a winning write closes an attempt in `history`
-# (the finisher's open one, else the last if open) as succeeded / failed.
+# that a worker holds), finishing instance, job and pool pending-set prefixes.
+# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
+# Only a winning write closes an attempt in `history` (the finisher's open one, else the last if
+# open) as succeeded / failed.
 _FINISH = _HISTORY_LUA + """
 local rec = KEYS[1]
 redis.call('SREM', KEYS[2], ARGV[1])
@@ -142,6 +153,8 @@ local owner = redis.call('HGET', rec, 'instance')
 if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
 local job = redis.call('HGET', rec, 'job')
 if job then redis.call('SREM', ARGV[10] .. job, ARGV[1]) end
+local pool = redis.call('HGET', rec, 'pool')
+if pool then redis.call('SREM', ARGV[11] .. pool, ARGV[1]) end
 local st = redis.call('HGET', rec, 'status')
 if st == 'SUCCEEDED' or st == 'FAILED' then
   redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
@@ -285,28 +298,38 @@ class RequestStore:
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
 
-    def create(self, request_id: str, fields: dict[str, Any], now: float | None = None) -> int:
-        """Write a new PENDING record and count it in its job (app/jobs.py). Returns CREATED,
-        CREATED_NEW_JOB_QUEUE (the job's queue in this pool is new: its workers must be told
-        to consume it), EXISTS (nothing changed), or JOB_DELETED (refused, nothing written)."""
+    def create(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
+               max_per_job: int = 0, max_per_pool: int = 0) -> int:
+        """Write a new PENDING record and count it in its job (app/jobs.py) and its pool.
+        Returns CREATED, CREATED_NEW_JOB_QUEUE (the job's queue in this pool is new: its workers
+        must be told to consume it), EXISTS (nothing changed, whatever the caps), JOB_DELETED,
+        or OVERLOADED_JOB / OVERLOADED_POOL: the job already has `max_per_job`, or the pool
+        `max_per_pool`, open requests (0: no cap). Every refusal writes nothing; the count and
+        the write are one script, so concurrent producers cannot overshoot a cap."""
         from app.jobs import DEFAULT_JOB
 
         job = str(fields.get("job", DEFAULT_JOB))
         pool = str(fields.get("pool", fields.get("model", "")))
         now = time.time() if now is None else now
         flat: list[Any] = [request_id, fields.get("deadline_at", "+inf"), job, now,
-                           "0" if job == DEFAULT_JOB else "1"]
+                           "0" if job == DEFAULT_JOB else "1", max_per_job, max_per_pool]
         for k, v in fields.items():
             flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
         return int(self._call(self._create, keys=[
             keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
-            keys.pool_jobs(pool), keys.JOBS], args=flat))
+            keys.pool_jobs(pool), keys.JOBS, keys.pool_requests(pool)], args=flat))
 
     def delete(self, request_id: str) -> None:
-        """Remove a record (used to roll back a submit whose publish failed)."""
+        """Remove a record and its place in its job's and pool's pending sets (used to roll
+        back a submit whose publish failed: the backpressure slot is given back)."""
+        job, pool = self._call(self.r.hmget, keys.request(request_id), "job", "pool")
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(keys.request(request_id))
         pipe.zrem(keys.DEADLINES, request_id)
+        if job:
+            pipe.srem(keys.job_requests(job.decode()), request_id)
+        if pool:
+            pipe.srem(keys.pool_requests(pool.decode()), request_id)
         self._call(pipe.execute)
 
     def past_deadline(self, now: float, limit: int = 100) -> list[str]:
@@ -396,7 +419,7 @@ class RequestStore:
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
             args=[request_id, status, json.dumps(result) if result is not None else "",
                   error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
-                  keys.job_requests("")],
+                  keys.job_requests(""), keys.pool_requests("")],
         )
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 

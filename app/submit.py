@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from app.errors import INVALID_REQUEST, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, RequestError
+from app.errors import (INVALID_REQUEST, OVERLOADED, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB,
+                        RequestError, TransientError)
 from app.keys import PENDING
 from app.models import ModelRegistry, ModelSpec
 from app.schemas import GenerateRequest, parse_request
@@ -26,10 +27,7 @@ def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
     """Validate a submission; returns the request and its pool's spec or raises RequestError."""
     req = parse_request(kwargs)
     spec = registry.get(req.model)
-    size = req.prompt_bytes()
-    if size > settings.max_prompt_bytes:
-        raise RequestError.of(INVALID_REQUEST, f"prompt is {size} bytes; the limit is "
-                              f"{settings.max_prompt_bytes} (VIGIL_MAX_PROMPT_BYTES)")
+    check_prompt_size(req, settings)
     limit = min(settings.max_tokens_cap, spec.max_model_len or settings.max_tokens_cap)
     if req.max_tokens > limit:
         raise RequestError.of(INVALID_REQUEST, f"max_tokens={req.max_tokens} is above {limit}, "
@@ -46,6 +44,31 @@ def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
     if req.lora is not None:
         adapter_for(req, spec, settings, registry)
     return req, spec
+
+
+def check_prompt_size(req: GenerateRequest, settings: VigilSettings) -> None:
+    """RequestError(invalid_request) when the prompt is over `max_prompt_bytes`: checked at
+    submit and again in the worker, so an oversized prompt sent around the producer never
+    reaches the tokenizer."""
+    size = req.prompt_bytes()
+    if size > settings.max_prompt_bytes:
+        raise RequestError.of(INVALID_REQUEST, f"prompt is {size} bytes; the limit is "
+                              f"{settings.max_prompt_bytes} (VIGIL_MAX_PROMPT_BYTES)")
+
+
+def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
+               ) -> TransientError:
+    """The `overloaded` error for a submit refused by backpressure (the job's cap, or with
+    `pool_full` the pool's): says which cap, and when to try again. The advice is the longest
+    backoff Vigil itself uses (`retry_backoff_max`): a backlog at a cap of thousands of requests
+    does not clear faster than that."""
+    if pool_full:
+        what, cap, var = f"pool {req.pool!r}", settings.max_pending_per_pool, "POOL"
+    else:
+        what, cap, var = f"job {req.job!r}", settings.max_pending_per_job, "JOB"
+    return TransientError.of(OVERLOADED, f"{what} has {cap} open requests, its cap "
+                             f"(VIGIL_MAX_PENDING_PER_{var}); nothing was sent: retry in "
+                             f"~{settings.retry_backoff_max:g} s")
 
 
 def adapter_for(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings,

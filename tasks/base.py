@@ -14,9 +14,11 @@ from app.errors import JOB_DELETED, REDIS_UNAVAILABLE, RequestError, TerminalErr
 from app.jobs import announce_queue, job_queue
 from app.models import get_registry
 from app.settings import get_settings
-from app.store import CREATED_NEW_JOB_QUEUE, RequestStore, shared_store
+from app.store import (CREATED_NEW_JOB_QUEUE, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,
+                       shared_store)
 from app.store import JOB_DELETED as JOB_DELETED_CODE
-from app.submit import EXPIRES_GRACE_S, admit, effective_deadline, record_fields, wire_kwargs
+from app.submit import (EXPIRES_GRACE_S, admit, effective_deadline, overloaded, record_fields,
+                        wire_kwargs)
 
 log = logging.getLogger("vigil.submit")
 
@@ -71,7 +73,12 @@ class VigilTask(Task):
         request_id = task_id or str(uuid.uuid4())
         now = time.time()
         fields = record_fields(req, now, settings.request_deadline)
-        created = self.store.create(request_id, fields, now)
+        # Backpressure: the caps are checked in the same script that writes the record.
+        created = self.store.create(request_id, fields, now,
+                                    max_per_job=settings.max_pending_per_job,
+                                    max_per_pool=settings.max_pending_per_pool)
+        if created in (OVERLOADED_JOB, OVERLOADED_POOL):  # nothing written, nothing published
+            raise overloaded(req, settings, pool_full=created == OVERLOADED_POOL)
         if created == JOB_DELETED_CODE:
             raise TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
                                    "refused (use a new job name)")

@@ -134,3 +134,89 @@ def test_an_expired_message_ends_with_deadline_exceeded_not_a_celery_revoke(warm
              what="the expired message to end as a failure")
     with pytest.raises(TerminalError, match="^deadline_exceeded: "):
         app.AsyncResult(r.id).get(timeout=5)
+
+
+def _raw_envelope(body: bytes, request_id: str, queue: str) -> str:
+    """A message as kombu's Redis transport stores it in a queue list (the JSON envelope of a
+    real `send_task` publish, read back with LRANGE), carrying `body` as its body."""
+    import base64
+    import json
+
+    return json.dumps({
+        "body": base64.b64encode(body).decode(), "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"lang": "py", "task": "vigil.generate", "id": request_id, "retries": 0,
+                    "root_id": request_id, "argsrepr": "()", "kwargsrepr": "{}",
+                    "timelimit": [None, None], "eta": None, "expires": None},
+        "properties": {"correlation_id": request_id, "reply_to": "raw", "delivery_mode": 2,
+                       "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
+                       "body_encoding": "base64", "delivery_tag": request_id + "-tag"}})
+
+
+def test_hostile_raw_and_pickled_messages_end_typed_and_the_worker_keeps_serving(
+        warm_worker, store, redis_server):
+    """Given the warm worker, when messages bypass the producer (hostile kwargs by send_task, a
+    malformed body and a non-JSON entry pushed raw onto the pool's queue, a pickled message),
+    then each request with an id ends in a typed error, the pickle is refused unexecuted, and
+    the worker, still alive on the same engine, serves a normal request after them."""
+    import uuid
+
+    from kombu import Connection, Producer
+
+    q = "vigil.pool.tiny-llama"
+    before = fresh_entry(warm_worker)
+    r = redis_server.client()
+    # The envelope shape is kombu's own: publish to a scratch queue and read it back.
+    from kombu import Queue
+    app.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": "x"},
+                  queue=Queue("vigil.scratch"), task_id="scratch-envelope")
+    real = r.lrange("vigil.scratch", 0, -1)
+    r.delete("vigil.scratch")
+    assert set(json_keys(real[0])) == set(json_keys(_raw_envelope(b"[]", "x", q)))
+
+    hostile = [
+        ("unsupported_version", {"model": "tiny-llama", "prompt": "hi", "schema_version": 2}),
+        ("invalid_request", {"model": "tiny-llama", "prompt": "x" * 400_000}),
+        ("invalid_request", {"model": {"nested": ["tiny-llama"] * 1000}, "prompt": "hi"}),
+        ("invalid_request", {"model": "tiny-llama", "prompt": "hi", "stop": [[[[]]]] * 100}),
+        ("model_not_found", {"model": "ghost-" + "é" * 100, "prompt": "hi"}),
+    ]
+    sent = [(code, app.send_task("vigil.generate", kwargs=kw, queue=q)) for code, kw in hostile]
+    surrogate = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
+                                                        "prompt": "lone \ud800 surrogate"},
+                              queue=q)
+    positional = app.send_task("vigil.generate", args=["tiny-llama", "hi"], queue=q)
+    raw_id = f"raw-{uuid.uuid4()}"
+    r.lpush(q, _raw_envelope(b'"not [args, kwargs, embed]"', raw_id, q))
+    r.lpush(q, b"{this is not a kombu envelope")
+    pickled_id = f"pickled-{uuid.uuid4()}"
+    with Connection(redis_server.url) as conn:
+        Producer(conn.default_channel).publish(
+            ((), {"model": "tiny-llama", "prompt": "pickled"}, {}), serializer="pickle",
+            exchange="", routing_key=q,
+            headers={"task": "vigil.generate", "id": pickled_id, "retries": 0})
+    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4)
+
+    for code, res in sent:
+        with pytest.raises(RequestError, match=f"^{code}: "):
+            res.get(timeout=60)
+    for res in (surrogate, positional, app.AsyncResult(raw_id)):
+        with pytest.raises(RequestError, match="^invalid_request: "):
+            res.get(timeout=60)
+    assert fine.get(timeout=120)["completion_tokens"] == 4
+    wait_for(lambda: "Refusing to deserialize untrusted content of type pickle"
+             in warm_worker.log.read_text(), 30, what="the pickle's refusal in the worker log")
+    assert "not a kombu message" in warm_worker.log.read_text()
+    assert store.get(pickled_id) is None and app.AsyncResult(pickled_id).state == "PENDING"
+    assert r.llen(q) == 0 and warm_worker.proc.poll() is None
+    after = fresh_entry(warm_worker)
+    assert (after["engine_loads"], after["engine_restarts"]) == (before["engine_loads"],
+                                                                 before["engine_restarts"])
+
+
+def json_keys(envelope) -> list[str]:
+    """The top-level and `properties` keys of a queue entry (the envelope's shape)."""
+    import json
+
+    e = json.loads(envelope)
+    return sorted(e) + sorted("properties." + k for k in e["properties"])

@@ -17,7 +17,7 @@ from app.errors import (
 )
 from app.schemas import parse_request
 from app.store import Outcome
-from app.submit import adapter_for, record_fields
+from app.submit import adapter_for, check_prompt_size, record_fields
 from workers.engine_host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
@@ -61,12 +61,17 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     now = time.time()
     s = rt.settings
     try:
+        # Again here: a message can bypass the producer (send_task, a raw queue push).
         req = parse_request(kwargs)
         spec = rt.registry.get(req.model)
+        check_prompt_size(req, s)
         adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
     except RequestError as e:
         model = kwargs.get("model") if isinstance(kwargs, dict) else None
-        return _fail(rt, request_id, e, model if isinstance(model, str) else "")
+        # A metrics label only for a registered model: a sender's arbitrary strings must not
+        # grow the worker's label set.
+        known = isinstance(model, str) and model in rt.registry.names()
+        return _fail(rt, request_id, e, model if known else "")
     pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
         metrics.dropped(pool, "given_back")
