@@ -40,9 +40,9 @@ sys.stdin.read()
 """
 
 
-def start_mem_worker(redis_server, tmp, name: str) -> RunningWorker:
-    """A worker on the three fault pools, no preload, short retry backoff, and a models file
-    saying roomy-llama needs (free memory right now - HEADROOM_GIB) besides its KV cache."""
+def start_mem_worker(redis_server, tmp, name: str, pools: str) -> RunningWorker:
+    """A worker on `pools`, no preload, short retry backoff, and a models file saying
+    roomy-llama needs (free memory right now - HEADROOM_GIB) besides its KV cache."""
     from tests.conftest import CACHE_DIR
 
     free_gib = probe_memory(*worker_device()).free / GiB
@@ -55,7 +55,7 @@ def start_mem_worker(redis_server, tmp, name: str) -> RunningWorker:
     path = tmp / f"{name.split('@')[0]}-models.json"
     path.write_text(json.dumps({"models": models}))
     w = RunningWorker(redis_server, name, tmp,
-                      pools=f"{ROOMY_MODEL},{CORRUPT_MODEL},{MISSING_MODEL}",
+                      pools=pools,
                       VIGIL_MODELS_FILE=str(path), VIGIL_PRELOAD="0",
                       VIGIL_RETRY_BACKOFF="1", VIGIL_RETRY_BACKOFF_MAX="2", VIGIL_MAX_ATTEMPTS="5")
     w.wait_registered()
@@ -65,7 +65,8 @@ def start_mem_worker(redis_server, tmp, name: str) -> RunningWorker:
 @pytest.fixture(scope="module")
 def mem_worker(redis_server, tmp_path_factory):
     """The fault pools' worker for the tests that need no memory squeeze."""
-    w = start_mem_worker(redis_server, tmp_path_factory.mktemp("mem"), "mem@testhost")
+    w = start_mem_worker(redis_server, tmp_path_factory.mktemp("mem"), "mem@testhost",
+                         f"{CORRUPT_MODEL},{MISSING_MODEL}")
     try:
         yield w
     finally:
@@ -105,7 +106,7 @@ def test_memory_pressure_at_engine_start_is_retried_and_lands_once_memory_frees(
     the request is retried (same id, next attempt); once the holder exits, a retry starts the
     engine and the request succeeds. (Its own worker, told the model's need just now: memory
     other processes took or freed since the module started cannot skew it.)"""
-    worker = start_mem_worker(redis_server, tmp_path, "squeeze@testhost")
+    worker = start_mem_worker(redis_server, tmp_path, "squeeze@testhost", ROOMY_MODEL)
     try:
         _squeeze_and_release(worker, store)
     finally:
