@@ -11,9 +11,13 @@ from celery.exceptions import Ignore, Reject
 from app import app
 from app.errors import TransientError
 from tasks.base import VigilTask
-from workers import lifecycle  # noqa: F401  (connects the worker start-up/shutdown hooks)
+from workers import lifecycle
 from workers.runtime import get_runtime
 from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, serve
+
+
+# Importing it connects the worker's start-up/shutdown signal handlers and control commands.
+WORKER_HOOKS = lifecycle
 
 
 @app.task(base=VigilTask, bind=True, name="vigil.generate")
