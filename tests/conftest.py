@@ -205,3 +205,27 @@ def assert_each_ran_to_a_result_once(store, request_ids) -> None:
         if succeeded != 1 or still_open:
             bad[rid] = [(e["worker"], e["outcome"], e["error"]) for e in h]
     assert not bad, f"requests not run to a result exactly once: {bad}"
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    """Poll `cond` every 10 ms until it is true; fail after `timeout` seconds (unit tier)."""
+    from app.embedded import wait_for
+
+    wait_for(cond, timeout, 0.01, "the condition")
+
+
+@pytest.fixture()
+def make_host():
+    """Build engine hosts from a fake engine factory (unit tier); shut them all down after."""
+    from workers.engine_host import EngineHost
+
+    hosts = []
+
+    def _make(factory, **kw):
+        h = EngineHost(factory, idle_cleanup=kw.pop("idle_cleanup", 0), **kw).start()
+        hosts.append(h)
+        return h
+
+    yield _make
+    for h in hosts:
+        h.shutdown(timeout=1)

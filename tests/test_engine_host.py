@@ -11,8 +11,8 @@ import pytest
 from app.errors import RequestError, TransientError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
-from workers.engine_host import EngineHost
 from workers.engines import EngineOutput
+from tests.conftest import wait_until as _wait_until
 
 A = ModelSpec(name="model-a")
 B = ModelSpec(name="model-b")
@@ -82,27 +82,8 @@ class Factory:
         return [x for x in self.log if x[0].startswith("build")]
 
 
-@pytest.fixture()
-def make_host():
-    hosts = []
-
-    def _make(factory, **kw):
-        h = EngineHost(factory, idle_cleanup=kw.pop("idle_cleanup", 0), **kw).start()
-        hosts.append(h)
-        return h
-
-    yield _make
-    for h in hosts:
-        h.shutdown(timeout=1)
-
-
-def wait_until(cond, timeout=5.0):
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
+def wait_until(cond):
+    _wait_until(cond, 5.0)
 
 
 def test_many_concurrent_requests_share_one_engine_load_and_are_in_flight_together(make_host):

@@ -14,7 +14,6 @@ from app.adapters import AdapterRef, AdapterSpec, resolve_adapter
 from app.errors import RequestError, TransientError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
-from workers.engine_host import EngineHost
 from workers.engines import EngineOutput
 
 SPEC = ModelSpec(name="model-a", max_loras=2, max_lora_rank=8)
@@ -89,20 +88,6 @@ def req():
     return GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
 
 
-@pytest.fixture()
-def host():
-    hosts = []
-
-    def _make(world, **kw):
-        h = EngineHost(world, idle_cleanup=0, **kw).start()
-        hosts.append(h)
-        return h
-
-    yield _make
-    for h in hosts:
-        h.shutdown(timeout=1)
-
-
 def submit_all(h, jobs, spec=SPEC, timeout=20):
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = [pool.submit(h.generate, req(), spec, f"r{i}", timeout, a)
@@ -116,13 +101,13 @@ def submit_all(h, jobs, spec=SPEC, timeout=20):
         return out
 
 
-def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(host, tmp_path):
+def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(make_host, tmp_path):
     """Given base requests, good-adapter requests and requests naming an adapter the engine
     refuses, in one burst, then only the last fail, with lora_adapter_invalid and the engine's
     cause; the engine is never restarted."""
     w = World()
     w.gate.set()
-    h = host(w)
+    h = make_host(w)
     good = make_adapter(tmp_path, "good")
     bad = make_adapter(tmp_path, "bad")
     outs = submit_all(h, [None] * 6 + [good] * 6 + [bad] * 3)
@@ -134,10 +119,10 @@ def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(host,
     assert w.adds.count("good") == 1  # one checked load, shared by its six requests
 
 
-def test_base_and_adapter_requests_never_share_the_engine_unless_mixing_is_safe(host, tmp_path):
+def test_base_and_adapter_requests_never_share_the_engine_unless_mixing_is_safe(make_host, tmp_path):
     a = make_adapter(tmp_path, "a")
     w = World()
-    h = host(w)
+    h = make_host(w)
     threading.Timer(0.2, w.gate.set).start()
     outs = submit_all(h, [None, a] * 8)
     assert all(not isinstance(o, Exception) for o in outs)
@@ -146,16 +131,16 @@ def test_base_and_adapter_requests_never_share_the_engine_unless_mixing_is_safe(
 
     w2 = World()
     safe = SPEC.model_copy(update={"lora_mixing_safe": True})
-    h2 = host(w2)
+    h2 = make_host(w2)
     threading.Timer(0.2, w2.gate.set).start()
     submit_all(h2, [None, a] * 8, spec=safe)
     assert any("base" in m and "a" in m for m in w2.mixes)  # batched together when safe
 
 
-def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(host, tmp_path):
+def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(make_host, tmp_path):
     w = World()
     w.gate.set()
-    h = host(w)
+    h = make_host(w)
     a, b, c = (make_adapter(tmp_path, n) for n in "abc")
     for adapter in (a, b, a, c, b):
         assert h.generate(req(), SPEC, "r", 10, adapter).text == adapter.name
@@ -165,13 +150,13 @@ def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(h
     assert sorted(w.engines[0].loaded) == ["b", "c"]
 
 
-def test_adapter_files_are_checked_before_the_engine_is_asked(host, tmp_path):
+def test_adapter_files_are_checked_before_the_engine_is_asked(make_host, tmp_path):
     """A missing directory and a rank above the model's max fail at once
     (lora_adapter_invalid); a directory still being written (no config yet) is
     lora_adapter_pending, retried; none of them reaches the engine."""
     w = World()
     w.gate.set()
-    h = host(w)
+    h = make_host(w)
     missing = AdapterRef("gone", str(tmp_path / "gone"), None)
     big = make_adapter(tmp_path, "big", rank=16)
     writing = make_adapter(tmp_path, "writing", config=False)

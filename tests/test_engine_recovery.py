@@ -16,6 +16,7 @@ from app.models import ModelSpec
 from app.schemas import GenerateRequest
 from workers.engine_host import EngineHost, HandedBack
 from workers.engines import EngineOutput
+from tests.conftest import wait_until
 from workers.recovery import DeathStreak, death_signature, split_suspects
 
 A = ModelSpec(name="model-a")
@@ -84,29 +85,6 @@ class DyingEngine:
 
 def req(prompt: str) -> GenerateRequest:
     return GenerateRequest(model="model-a", prompt=prompt, max_tokens=4)
-
-
-@pytest.fixture()
-def make_host():
-    hosts = []
-
-    def _make(factory, **kw):
-        h = EngineHost(factory, idle_cleanup=0, **kw).start()
-        hosts.append(h)
-        return h
-
-    yield _make
-    for h in hosts:
-        h.shutdown(timeout=1)
-
-
-def wait_until(cond, timeout=10.0):
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
 
 
 def run_all(host, prompts, timeout=30):

@@ -11,8 +11,9 @@ import pytest
 from app.errors import TransientError
 from app.models import ModelSpec
 from app.schemas import GenerateRequest
-from workers.engine_host import EngineHost, HandedBack
+from workers.engine_host import HandedBack
 from workers.engines import EngineOutput
+from tests.conftest import wait_until
 
 A = ModelSpec(name="model-a")
 
@@ -62,29 +63,6 @@ class World:
 
 def req():
     return GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
-
-
-def wait_until(cond, timeout=10.0):
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
-
-
-@pytest.fixture()
-def make_host():
-    hosts = []
-
-    def _make(factory, **kw):
-        h = EngineHost(factory, idle_cleanup=0, **kw).start()
-        hosts.append(h)
-        return h
-
-    yield _make
-    for h in hosts:
-        h.shutdown(timeout=1)
 
 
 def test_a_stalled_engine_is_caught_before_the_request_timeout_and_each_request_reported(
