@@ -24,7 +24,7 @@ class VigilCelery(Celery):
     @cached_property
     def AsyncResult(self):
         """The result class bound to this app."""
-        return self.subclass_with_self("app.request_view:VigilAsyncResult",
+        return self.subclass_with_self("app.async_result:VigilAsyncResult",
                                        reverse="AsyncResult")
 
     @cached_property
@@ -38,6 +38,14 @@ class VigilCelery(Celery):
 def declared_queues(registry: ModelRegistry) -> list[str]:
     """Every queue the app routes to: one per pool, plus housekeeping (beat tasks)."""
     return [HOUSEKEEPING_QUEUE] + [registry.get(n).queue for n in registry.names()]
+
+
+def outage_retry_policy(s: VigilSettings) -> dict:
+    """kombu's retry policy for a worker's own publishes (a retry, a requeue): they keep trying
+    for about VIGIL_REDIS_OUTAGE_GRACE, so a Redis restart does not drop a request between its
+    record (already moved to the next dispatch) and its message. Pauses of 0.2 s growing to 2 s."""
+    return {"max_retries": max(2, int(s.redis_outage_grace / 2) + 2), "interval_start": 0.2,
+            "interval_step": 0.5, "interval_max": 2.0}
 
 
 def _beat_schedule(s: VigilSettings) -> dict:
@@ -106,6 +114,12 @@ def create_app(settings: VigilSettings | None = None,
         task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2,
                                    "interval_step": 0.5, "interval_max": 1.0},
         result_expires=s.result_ttl,
+        # A result written while Redis restarts is retried (about VIGIL_REDIS_OUTAGE_GRACE), not
+        # lost: the producer's get() waits on it (it would also answer from the record).
+        result_backend_always_retry=True,
+        result_backend_max_retries=max(3, int(s.redis_outage_grace) + 5),
+        result_backend_base_sleep_between_retries_ms=100,
+        result_backend_max_sleep_between_retries_ms=2000,
         # Explicit names and queues; a typo'd queue is an error, not a silently created queue
         # that nothing consumes.
         task_create_missing_queues=False,

@@ -21,7 +21,9 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed                           |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
-|                  |                                            | attempts_exhausted                      |
+|                  |                                            | attempts_exhausted, request_lost        |
+|                  |                                            | (raised by `r.get()`: Redis has no      |
+|                  |                                            | record of the request)                  |
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ CANARY_FAILED = "canary_failed"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 JOB_DELETED = "job_deleted"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+# Raised by `r.get()` only: Redis has no record of the request any more (lost by a Redis crash
+# inside the AOF fsync window, or expired after VIGIL_RESULT_TTL). Submitting it again is safe.
+REQUEST_LOST = "request_lost"
 
 
 class VigilError(Exception):

@@ -84,8 +84,8 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
 def reap_workers(store: RequestStore, now: float, republish: Republish, on_failed: OnFailed, *,
                  reap_timeout: float, max_attempts: int, lock_ttl_s: float = 60.0,
                  registration_grace: float = DEFAULT_WORKER_REGISTRATION_GRACE_S,
-                 chunk: int = SWEEP_CHUNK, max_reaps: int = MAX_REAPS_PER_RUN
-                 ) -> dict[str, tuple[int, int]]:
+                 chunk: int = SWEEP_CHUNK, max_reaps: int = MAX_REAPS_PER_RUN,
+                 redis_started_at: float = 0.0) -> dict[str, tuple[int, int]]:
     """Reap every worker whose last heartbeat is older than `reap_timeout`, or, for a worker
     that never became ready (has_pinged 0: crashed or stuck in warm-up), older than
     `registration_grace` (never shorter than the timeout). The registry is read `chunk` entries
@@ -99,6 +99,9 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     Celery's own copy, if it comes back after the visibility timeout, is an older dispatch and is
     dropped unexecuted. Returns {worker name: (requeued, failed)}; {} when another reaper holds
     the lock or `reap_timeout` is 0.
+
+    Silence is counted from `redis_started_at` at the earliest (when Redis last started): no
+    heartbeat could land while Redis was down, so a restart never makes live workers look dead.
     """
     if reap_timeout <= 0:
         return {}
@@ -110,12 +113,12 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     started = time.monotonic()
     try:
         for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
-                                         max_reaps):
+                                         max_reaps, redis_started_at):
             name = store.worker_name(inst) or f"instance {inst}"
             requeued = failed = 0
             for rid in store.inflight_ids(inst):
                 try:
-                    outcome = _reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
+                    outcome = reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
                 except Exception as e:  # one bad record must not keep the others stranded
                     log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
                     continue
@@ -146,7 +149,7 @@ def _pool_of(store: RequestStore, request_id: str) -> str:
 
 
 def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: float,
-                 chunk: int, max_reaps: int):
+                 chunk: int, max_reaps: int, since: float = 0.0):
     """Yield (instance, window) for each worker past its window, least recently seen first:
     `reap_timeout` once it pinged, `grace` before. The caller drops each yielded entry before
     the next chunk is read, so only the skipped ones (still in their grace) shift the offset."""
@@ -158,8 +161,8 @@ def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: fl
             return
         for inst, last_seen, pinged in rows:
             window = reap_timeout if pinged else grace
-            if last_seen >= now - window:
-                skipped += 1  # registered, not ready yet, and within its grace
+            if max(last_seen, since) >= now - window:
+                skipped += 1  # within its grace (not ready yet), or Redis started since
                 continue
             yield inst, window
             yielded += 1
@@ -171,7 +174,9 @@ def republish_request(request_id: str, record: dict, dispatch: int) -> None:
     """Publish a request again (same id, its pool's queue) under `dispatch` (Celery's `retries`
     header, which the worker reads as the dispatch number)."""
     from app import app
+    from app.celery_app import outage_retry_policy
     from app.jobs import DEFAULT_JOB, job_queue
+    from app.settings import get_settings
     from app.submit import EXPIRES_GRACE_S
 
     kwargs = json.loads(record["request"])
@@ -180,6 +185,7 @@ def republish_request(request_id: str, record: dict, dispatch: int) -> None:
     app.send_task("vigil.generate", kwargs=kwargs, task_id=request_id, retries=dispatch,
                   queue=job_queue(record["pool"], record.get("job", DEFAULT_JOB)),
                   expires=expires, argsrepr="()",
+                  retry_policy=outage_retry_policy(get_settings()),
                   kwargsrepr=f"{{model: {record['model']!r}, job: {record['job']!r}}}")
 
 
@@ -189,13 +195,16 @@ def hand_back(store: RequestStore, now: float, instance: int | str, republish: R
     the reaper's rule, applied by a worker to itself at shutdown. Returns (requeued, failed)."""
     requeued = failed = 0
     for rid in store.inflight_ids(instance):
-        outcome = _reap_one(store, now, rid, instance, republish, on_failed, max_attempts)
+        outcome = reap_one(store, now, rid, instance, republish, on_failed, max_attempts)
         requeued += outcome == "requeued"
         failed += outcome == "failed"
     return requeued, failed
 
 
-def _reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
+def reap_one(store, now, rid, inst, republish, on_failed, max_attempts) -> str:
+    """Hand one request of worker instance `inst` back: failed (deadline passed, or out of
+    attempts) or moved to its next dispatch and published again. Returns "failed", "requeued",
+    or "skipped" when it had ended or moved on (nothing done)."""
     rec = store.get(rid)
     # RUNNING under the dead worker, or PENDING with its message held by the dead worker's
     # consumer (received but not begun, or a retry's ETA message): both need a new message.

@@ -8,7 +8,8 @@ A waiting request (record `PENDING` or `RUNNING`) is explained from the pool's s
 (`app.status.collect`), the worker in-flight sets and the pool's queue: e.g. "pool tiny-llama: no
 live worker serves it", "position ~12 of 40 in queue vigil.pool.tiny-llama", "running on worker
 gpu0@h since 12:00:01 (attempt 2 of 3)". The same explanation is `why_waiting(request_id)` in
-Python, and `AsyncResult.info` of a request that is not finished (`VigilAsyncResult`, below).
+Python, and `AsyncResult.info` of a request that is not finished (`VigilAsyncResult`,
+app/async_result.py).
 
 Where a message sits in the queue: kombu's Redis transport LPUSHes each message (a JSON object
 whose `headers.id` is the task id, here the request id) onto the list named after the queue and
@@ -28,8 +29,6 @@ import time
 from typing import Any
 
 import redis
-from celery import states
-from celery.result import AsyncResult
 
 from app import keys
 from app.errors import TransientError, error_from_record
@@ -338,25 +337,3 @@ def run_request(request_id: str, as_json: bool = False, show_text: bool = False)
     else:
         console.print(render(view))
     return 0
-
-
-class VigilAsyncResult(AsyncResult):
-    """Celery's AsyncResult whose `info`, while the request has no outcome, is why_waiting's dict
-    (where it waits and why) instead of Celery's None (PENDING) or the retry's exception (RETRY).
-    `state`, `ready()`, `get()` and `result` are Celery's own and cost nothing more; only reading
-    `info` of an unfinished request reads Vigil's state (a few Redis round trips). Vigil's app
-    hands these out (app/celery_app.py): `generate.delay(...)`, `generate.AsyncResult(id)`,
-    `app.AsyncResult(id)`."""
-
-    @property
-    def info(self):
-        """The result or exception once ready; before that, why_waiting(id) (falling back to
-        Celery's own value when Vigil has no record of the id)."""
-        meta = self._get_task_meta()
-        if meta["status"] in states.READY_STATES:
-            return meta["result"]
-        app = self.app
-        waiting = why_waiting(self.id, client=getattr(app, "vigil_redis", None),
-                              settings=getattr(app, "vigil_settings", None),
-                              registry=getattr(app, "vigil_registry", None))
-        return waiting if waiting is not None else meta["result"]

@@ -83,6 +83,10 @@ DEFAULT_RECONCILE_S = 30.0
 DEFAULT_RECONCILE_CONCURRENCY = 4
 # Submit must not hang on an unreachable Redis: fail within a few seconds with a clear error.
 DEFAULT_REDIS_TIMEOUT_S = 5.0
+# How long a worker keeps retrying a request's Redis writes (begin, result, retry) and its
+# publishes while Redis is unreachable (a restart, a failover), holding what it generated,
+# before it gives the request up to the sweeps.
+DEFAULT_REDIS_OUTAGE_GRACE_S = 120.0
 # Prometheus scrapes workers from another host; the metrics hold no prompts or outputs.
 DEFAULT_METRICS_ADDRESS = "0.0.0.0"
 # Backpressure: past this many open (not yet ended) requests in one job, or in one pool, `.delay`
@@ -163,6 +167,8 @@ class VigilSettings(BaseSettings):
     retry_backoff_max: float = Field(DEFAULT_RETRY_BACKOFF_MAX_S, ge=0, description="Cap of "
                                      "the retry backoff; >= retry_backoff.")
     redis_timeout: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0)
+    redis_outage_grace: float = Field(DEFAULT_REDIS_OUTAGE_GRACE_S, ge=0,
+                                      description="0: fail at once.")
     engine_death_limit: int = Field(DEFAULT_ENGINE_DEATH_LIMIT, ge=1, le=100)
     failure_threshold: int = Field(DEFAULT_FAILURE_THRESHOLD, ge=1, le=1000)
     health_window: float = Field(DEFAULT_HEALTH_WINDOW_S, gt=0)

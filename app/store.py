@@ -6,7 +6,9 @@ updated, and two writers of a result cannot both win.
 from __future__ import annotations
 
 import json
+import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,8 @@ import redis
 from app import keys, redis_conn
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
+from app.store_lua import (
+    BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK)
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
@@ -28,190 +32,11 @@ CREATED_NEW_JOB_QUEUE = 2
 
 # Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
 REDIS_POOL_HEADROOM = 16
-# The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
-# bounded by max_attempts anyway; this only bounds the field whatever the settings.
-HISTORY_MAX = 32
+# Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
+OUTAGE_RETRY_FIRST_S = 0.1
+OUTAGE_RETRY_MAX_S = 2.0
 
-# Lua helpers for the record's `history` field, prepended to the scripts that change it: a JSON
-# list (cjson) of one entry per attempt, {attempt, dispatch, worker, instance (a string: cjson
-# would turn a 63-bit id into a float), started_at, ended_at, outcome, error}. An entry is open
-# while its outcome is null. error_code mirrors VigilError.code: the text before the first ':'
-# ('unknown' without one), null for no error.
-_HISTORY_LUA = """
-local function error_code(err)
-  if not err or err == '' then return cjson.null end
-  local i = string.find(err, ':', 1, true)
-  if not i then return 'unknown' end
-  return string.match(string.sub(err, 1, i - 1), '^%s*(.-)%s*$')
-end
-local function read_history(rec)
-  local raw = redis.call('HGET', rec, 'history')
-  if not raw then return {} end
-  return cjson.decode(raw)
-end
-local function write_history(rec, h)
-  while #h > """ + str(HISTORY_MAX) + """ do table.remove(h, 1) end
-  redis.call('HSET', rec, 'history', cjson.encode(h))
-end
--- Close the attempt `instance` has open (its latest), else the last entry if it is open; an
--- attempt is never invented when none is open (e.g. a PENDING request failed by the sweeper).
-local function close_attempt(rec, instance, now, outcome, err)
-  local h = read_history(rec)
-  local pick = nil
-  for i = #h, 1, -1 do
-    if h[i].outcome == cjson.null and h[i].instance == instance then pick = i break end
-  end
-  if not pick and #h > 0 and h[#h].outcome == cjson.null then pick = #h end
-  if not pick then return end
-  h[pick].ended_at = tonumber(now)
-  h[pick].outcome = outcome
-  h[pick].error = error_code(err)
-  write_history(rec, h)
-end
-"""
-
-# KEYS[1] record, KEYS[2] deadline index, KEYS[3] job hash, KEYS[4] job's pending set,
-# KEYS[5] pool's job set, KEYS[6] jobs zset, KEYS[7] pool's pending set. ARGV: request_id,
-# deadline_at, job, now, own_queue (1: the job has its own queue in the pool), max pending per
-# job, max pending per pool (0 = no cap), field, value, ...
-# -> 1 created, 2 created and the job's queue is new in this pool, 0 already there (never
-# overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending set is at its cap
-# (nothing written for any negative answer).
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('HGET', KEYS[3], 'state') == 'deleted' then return -1 end
-local max_job, max_pool = tonumber(ARGV[6]), tonumber(ARGV[7])
-if max_job > 0 and redis.call('SCARD', KEYS[4]) >= max_job then return -2 end
-if max_pool > 0 and redis.call('SCARD', KEYS[7]) >= max_pool then return -3 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 8))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('HSETNX', KEYS[3], 'created_at', ARGV[4])
-redis.call('HSET', KEYS[3], 'name', ARGV[3], 'last_active', ARGV[4])
-redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
-redis.call('SADD', KEYS[4], ARGV[1])
-redis.call('SADD', KEYS[7], ARGV[1])
-if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 end
-return 1
-"""
-
-# KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats.
-# ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix.
-# The request leaves its previous holder's in-flight set (a worker keeps a request it released
-# for a retry there until someone begins it: see _RELEASE). A run appends an open attempt to
-# `history`.
-# -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
-#  | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
-_BEGIN = _HISTORY_LUA + """
-local rec = KEYS[1]
-local st = redis.call('HGET', rec, 'status')
-if not st then return {'missing'} end
-if st == 'SUCCEEDED' or st == 'FAILED' then
-  redis.call('SREM', KEYS[2], ARGV[1])
-  redis.call('HINCRBY', KEYS[3], 'duplicate_deliveries', 1)
-  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
-  return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
-end
-local current = tonumber(redis.call('HGET', rec, 'dispatch') or '0')
-local dispatch = tonumber(ARGV[2])
-if dispatch < current then
-  redis.call('SREM', KEYS[2], ARGV[1])
-  redis.call('HINCRBY', KEYS[3], 'stale_deliveries', 1)
-  return {'stale', tostring(current)}
-end
-local deadline = tonumber(redis.call('HGET', rec, 'deadline_at') or '0')
-if deadline > 0 and tonumber(ARGV[5]) > deadline then return {'expired'} end
-local attempts = tonumber(redis.call('HGET', rec, 'attempts') or '0')
-if attempts >= tonumber(ARGV[6]) then
-  return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
-end
-attempts = attempts + 1
-local prev = redis.call('HGET', rec, 'instance')
-if prev and prev ~= ARGV[4] then redis.call('SREM', ARGV[7] .. prev, ARGV[1]) end
-redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
-           'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5])
-local h = read_history(rec)
-h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance = ARGV[4],
-             started_at = tonumber(ARGV[5]), ended_at = cjson.null, outcome = cjson.null,
-             error = cjson.null}
-write_history(rec, h)
-redis.call('SADD', KEYS[2], ARGV[1])
-return {'run', tostring(attempts)}
-"""
-
-# KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
-# KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
-# inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
-# that a worker holds), finishing instance, job and pool pending-set prefixes.
-# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
-# Only a winning write closes an attempt in `history` (the finisher's open one, else the last if
-# open) as succeeded / failed.
-_FINISH = _HISTORY_LUA + """
-local rec = KEYS[1]
-redis.call('SREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-local owner = redis.call('HGET', rec, 'instance')
-if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
-local job = redis.call('HGET', rec, 'job')
-if job then redis.call('SREM', ARGV[10] .. job, ARGV[1]) end
-local pool = redis.call('HGET', rec, 'pool')
-if pool then redis.call('SREM', ARGV[11] .. pool, ARGV[1]) end
-local st = redis.call('HGET', rec, 'status')
-if st == 'SUCCEEDED' or st == 'FAILED' then
-  redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
-  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
-  return {0, st, f[1] or '', f[2] or '', f[3] or ''}
-end
-redis.call('HSET', rec, 'status', ARGV[2], 'result', ARGV[3], 'error_kind', ARGV[4],
-           'error', ARGV[5], 'finished_at', ARGV[6])
-close_attempt(rec, ARGV[9], ARGV[6], ARGV[2] == 'SUCCEEDED' and 'succeeded' or 'failed',
-              ARGV[5])
-redis.call('EXPIRE', rec, tonumber(ARGV[7]))
-return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
-"""
-
-# KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
-# now. Hands a RUNNING request back to the queue for a retry, closing its attempt in `history`
-# (outcome 'retry', the code of last_error); a no-op (0) if it is no longer ours.
-# The id stays in this worker's in-flight set: the retry's message is an ETA message that this
-# worker's consumer holds unacked until it is due, so if the worker dies now the reaper must
-# still find the request (the next _BEGIN, anywhere, removes it from the set).
-_RELEASE = _HISTORY_LUA + """
-if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then
-  redis.call('SREM', KEYS[2], ARGV[1])
-  return 0
-end
-if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
-if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
-close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
-return 1
-"""
-
-
-# KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
-# new dispatch, now. Hands a dead worker's request (RUNNING under it, or PENDING: received but
-# not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
-# dispatch (the caller then publishes that dispatch's message: a refused requeue publishes
-# nothing); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
-# still open in `history` is closed 'requeued' with error worker_lost.
-_REQUEUE = _HISTORY_LUA + """
-redis.call('SREM', KEYS[2], ARGV[1])
-local st = redis.call('HGET', KEYS[1], 'status')
-if st ~= 'RUNNING' and st ~= 'PENDING' then return 0 end
-if st == 'RUNNING' and redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
-local d = tonumber(redis.call('HGET', KEYS[1], 'dispatch') or '0')
-if tonumber(ARGV[3]) > d then d = tonumber(ARGV[3]) end
-local lost = 'worker_lost: its worker stopped heartbeating and was reaped'
-redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d, 'last_error', lost)
-close_attempt(KEYS[1], ARGV[2], ARGV[4], 'requeued', lost)
-return 1
-"""
-
-# KEYS[1] lock. ARGV: owner. Deletes the lock only if this owner still holds it.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+log = logging.getLogger("vigil.store")
 
 
 @dataclass(frozen=True)
@@ -279,24 +104,43 @@ class RequestStore:
     """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
     when Redis cannot be reached, never a bare redis exception."""
 
-    def __init__(self, client: redis.Redis, result_ttl: int):
+    def __init__(self, client: redis.Redis, result_ttl: int, outage_grace: float = 0.0, *,
+                 clock=time.monotonic, sleep=time.sleep):
+        """`outage_grace` > 0 (workers): a call that cannot reach Redis is retried with backoff
+        for up to that many seconds (a Redis restart, a failover) before it raises."""
         self.r = client
         self.result_ttl = result_ttl
-        self._create = client.register_script(_CREATE)
-        self._begin = client.register_script(_BEGIN)
-        self._finish = client.register_script(_FINISH)
-        self._release = client.register_script(_RELEASE)
-        self._unlock = client.register_script(_UNLOCK)
-        self._requeue = client.register_script(_REQUEUE)
+        self.outage_grace = outage_grace
+        self._clock, self._sleep = clock, sleep
+        self._create = client.register_script(CREATE)
+        self._begin = client.register_script(BEGIN)
+        self._finish = client.register_script(FINISH)
+        self._release = client.register_script(RELEASE)
+        self._unlock = client.register_script(UNLOCK)
+        self._requeue = client.register_script(REQUEUE)
 
     def _call(self, fn, *a, **kw):
-        try:
-            return fn(*a, **kw)
-        except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
-            raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
-                                    f"VIGIL_REDIS_URL ({e})") from None
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+        give_up, pause = None, OUTAGE_RETRY_FIRST_S
+        while True:
+            try:
+                return fn(*a, **kw)
+            except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
+                raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
+                                        f"VIGIL_REDIS_URL ({e})") from None
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # (BusyLoadingError, a restarted Redis still reading its AOF, is one of these.)
+                now = self._clock()
+                if give_up is None:
+                    give_up = now + self.outage_grace
+                    if self.outage_grace > 0:
+                        log.warning("cannot reach Redis (%s); retrying for up to %.0f s", e,
+                                    self.outage_grace)
+                if now >= give_up:
+                    raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+                # A script whose reply was lost may have run: every script is written so that
+                # running it again is harmless (it finds its own change and reports it).
+                self._sleep(min(pause, give_up - now))
+                pause = min(pause * 2, OUTAGE_RETRY_MAX_S)
 
     def create(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
                max_per_job: int = 0, max_per_pool: int = 0) -> int:
@@ -344,14 +188,16 @@ class RequestStore:
         self._call(self.r.sadd, keys.inflight(instance), request_id)
 
     def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
-                now: float | None = None) -> bool:
+                now: float | None = None, reason: str | None = None) -> bool:
         """Mark a dead worker's RUNNING request PENDING under `dispatch` (then publish that
-        dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock).
-        False when it had already ended or moved on."""
+        dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock)
+        with `reason` (default: worker_lost, reaped). False when it had already ended or moved
+        on."""
         now = time.time() if now is None else now
+        args = [request_id, dead_instance, dispatch, now] + ([reason] if reason else [])
         return bool(self._call(self._requeue,
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
-                               args=[request_id, dead_instance, dispatch, now]))
+                               args=args))
 
     def silent_workers(self, before: float, limit: int = 100, start: int = 0
                        ) -> list[tuple[str, float, bool]]:
@@ -393,12 +239,15 @@ class RequestStore:
         self._call(self._unlock, keys=[keys.lock(name)], args=[owner])
 
     def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
-              max_attempts: int) -> Begin:
-        """Claim a delivery for this worker: mark RUNNING and count the attempt, or say why not."""
+              max_attempts: int, live_window: float = 0.0) -> Begin:
+        """Claim a delivery for this worker: mark RUNNING and count the attempt, or say why not
+        ("busy": the same copy already runs here, or on a worker seen within `live_window`)."""
         reply = self._call(
             self._begin,
-            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS],
-            args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight("")],
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.WORKERS],
+            # A token per claim: a claim retried after a lost reply finds itself, not a rival.
+            args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight(""),
+                  uuid.uuid4().hex, live_window],
         )
         action = reply[0].decode()
         if action == "done":

@@ -10,6 +10,7 @@ from celery import Task
 from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 
+from app.celery_app import outage_retry_policy
 from app.errors import JOB_DELETED, REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
 from app.jobs import announce_queue, job_queue
 from app.models import get_registry
@@ -64,6 +65,8 @@ class VigilTask(Task):
             options.setdefault("argsrepr", "()")
             options.setdefault("kwargsrepr", kwargs_repr((kwargs or {}).get("model"),
                                                          (kwargs or {}).get("job")))
+            # The record already moved to this dispatch: keep trying through a Redis restart.
+            options.setdefault("retry_policy", outage_retry_policy(get_settings()))
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         if args:
             raise RequestError("invalid_request: pass the request as keyword arguments, "

@@ -22,9 +22,14 @@ def _tell_backend(request_id: str, err) -> None:
 @app.task(name="vigil.deadline_sweep", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def deadline_sweep() -> int:
-    """Fail every request past its deadline (deadline_exceeded); returns how many."""
-    return sweep_deadlines(shared_store(), time.time(),
-                           _tell_backend)
+    """Fail every request past its deadline (deadline_exceeded); returns how many. First, if
+    Redis restarted since the last look, publish again the open requests whose message the
+    restart lost (app/restart_audit.py)."""
+    from app.restart_audit import audit_after_restart
+
+    store = shared_store()
+    audit_after_restart(store, time.time(), republish_request)
+    return sweep_deadlines(store, time.time(), _tell_backend)
 
 
 @app.task(name="vigil.reap_workers", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
@@ -38,10 +43,12 @@ def reap(reap_timeout: float | None = None, registration_grace: float | None = N
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
     grace = (s.worker_registration_grace if registration_grace is None
              else float(registration_grace))
-    return len(reap_workers(shared_store(), time.time(), republish_request,
+    store = shared_store()
+    uptime = float(store.r.info("server")["uptime_in_seconds"])
+    return len(reap_workers(store, time.time(), republish_request,
                             _tell_backend,
                             reap_timeout=timeout, max_attempts=s.max_attempts,
-                            registration_grace=grace))
+                            registration_grace=grace, redis_started_at=time.time() - uptime))
 
 
 def _active_queues(name: str) -> list[str] | None:

@@ -165,6 +165,21 @@ class RunningWorker:
         stop_process(self.proc, timeout=60)
 
 
+def engine_processes(pid: int) -> list:
+    """Live descendants (psutil.Process) of the worker `pid`: its engine processes, less its
+    orphan guard."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "orphan_guard" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
 @pytest.fixture(scope="session")
 def warm_worker(redis_server, tmp_path_factory):
     """One warm worker shared by the worker-tier tests that only send it requests."""

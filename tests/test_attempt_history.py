@@ -10,7 +10,8 @@ import pytest
 from app import keys
 from app.housekeeping import reap_workers, sweep_deadlines
 from app.schemas import parse_request
-from app.store import HISTORY_MAX, RequestStore, connect
+from app.store import RequestStore, connect
+from app.store_lua import HISTORY_MAX
 from app.submit import record_fields
 
 pytestmark = pytest.mark.redis

@@ -1,16 +1,19 @@
-"""Worker tier: SIGTERM (a PaaS stop) hands in-flight requests to another worker at once."""
+"""Worker tier: SIGTERM (a PaaS stop) hands in-flight requests to another worker at once, and
+the worker stops cleanly, leaking nothing."""
 from __future__ import annotations
 
 import signal
 import time
 
+import psutil
 import pytest
 
 from app import keys
 from app.embedded import wait_for
 from app.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, every_request_taken
+from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
+                            every_request_taken)
 
 pytestmark = pytest.mark.worker
 
@@ -19,7 +22,9 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         warm_worker, redis_server, tmp_path):
     """Given two workers and no beat at all (so no reaper can help), when one gets SIGTERM with
     long generations in flight, then it hands them back at once: every request completes
-    exactly once, those it held on the other worker, and the stopped worker exits cleanly."""
+    exactly once, those it held on the other worker, and the stopped worker exits 0 after
+    shutting its engine down: no engine process left, no leaked shared memory or __del__ noise
+    in its log, its registry entry gone."""
     store = RequestStore(redis_server.client(), 3600)
     victim = RunningWorker(redis_server, "leaver@testhost", tmp_path)
     try:
@@ -32,6 +37,8 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
                  what="every request to be taken by a worker")
         held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
         assert held, "the leaving worker took no request"
+        children = engine_processes(victim.proc.pid)
+        assert "EngineCore" in " ".join(p.name() for p in children)
         stopped_at = time.monotonic()
         victim.proc.send_signal(signal.SIGTERM)
         outs = [r.get(timeout=300) for r in rs]
@@ -45,8 +52,15 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         assert moved
         assert all(by_id[rid]["worker"] in ("warm@testhost", "leaver@testhost") for rid in held)
         assert_each_ran_to_a_result_once(store, [r.id for r in rs])
+        # A clean stop: exit 0 after shutting the engine down, no engine process left, no
+        # leaked shared memory or __del__ noise in the log, and the registry entry gone.
         assert victim.proc.wait(timeout=120) == 0
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                 for p in children), 30, what="engine processes to exit")
         assert victim.entry() is None
-        assert "handed back" in victim.log.read_text()
+        log = victim.log.read_text()
+        assert "handed back" in log
+        for bad in ("leaked shared_memory", "__del__", "Traceback", "orphan guard"):
+            assert bad not in log, f"{bad!r} in worker log"
     finally:
         victim.stop()

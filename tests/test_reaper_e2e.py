@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 from app import keys
@@ -14,7 +15,8 @@ from app.embedded import start_process, stop_process, vigil_env, wait_for
 from app.settings import get_settings
 from app.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, every_request_taken
+from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
+                            every_request_taken)
 
 pytestmark = pytest.mark.worker
 REAP_TIMEOUT_S = 8
@@ -23,9 +25,10 @@ REAP_TIMEOUT_S = 8
 def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         warm_worker, redis_server, tmp_path):
     """Given two live workers and a real beat reaping after 8 s of silence, when one worker's
-    whole process group is SIGKILLed with requests in flight, then every request completes
-    exactly once, those it held on their second attempt on the survivor, long before Redis'
-    visibility timeout would have brought them back."""
+    main process is SIGKILLed with requests in flight, then its engine processes exit within
+    seconds (the orphan guard), and every request completes exactly once, those it held on
+    their second attempt on the survivor, long before Redis' visibility timeout would have
+    brought them back."""
     store = RequestStore(redis_server.client(), 3600)
     beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
                           "-s", str(tmp_path / "schedule")],
@@ -44,8 +47,14 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
                  what="every request to be taken by a worker")
         held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
         assert held, "the victim took no request"
+        children = engine_processes(victim.proc.pid)
+        assert "EngineCore" in " ".join(p.name() for p in children)
         killed_at = time.monotonic()
-        os.killpg(victim.proc.pid, signal.SIGKILL)
+        # The main process only: its engine processes are left to the orphan guard, which must
+        # kill them within seconds, so a successor never meets memory held by its predecessor.
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                 for p in children), 30, what="engine processes to exit")
         outs = [r.get(timeout=300) for r in rs]
         recovered_s = time.monotonic() - killed_at
         print(f"\n{len(held)} requests were on the killed worker; all 32 done "

@@ -88,9 +88,9 @@ def test_past_deadline_and_out_of_attempts_are_reported(store):
     create(store, "late", now=time.time() - 7200)
     assert store.begin("late", 0, "w", 1, time.time(), 3).action == "expired"
     create(store, "tired")
-    for _ in range(2):
-        store.begin("tired", 0, "w", 1, time.time(), 2)
-    b = store.begin("tired", 0, "w", 1, time.time(), 2)
+    for inst in (1, 2):  # redeliveries after dead (unregistered) workers
+        store.begin("tired", 0, "w", inst, time.time(), 2)
+    b = store.begin("tired", 0, "w", 3, time.time(), 2)
     assert b.action == "exhausted" and b.attempts == 2
 
 

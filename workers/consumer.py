@@ -152,3 +152,32 @@ def guard_transport() -> None:
 
     _brpop_read.vigil_guarded = True
     kredis.Channel._brpop_read = _brpop_read
+    guard_detached_channels(kredis)
+
+
+def guard_detached_channels(kredis) -> None:
+    """Make a kombu Redis channel whose connection is already closed raise a connection error,
+    which kombu and Celery handle, instead of AttributeError, which stops the worker.
+
+    On a Redis restart Celery closes the lost connection (its transport's `client` becomes
+    None), but the channel is still asked for a client twice: by its close, to restore its
+    unacked messages, and by every task that finishes afterwards, to ack its message. Both went
+    through `_connparams` to `None.hostname`, and the AttributeError escaped as an
+    "Unrecoverable error": the worker exited (measured, Celery 5.7 / kombu 5.7, in
+    tests/test_redis_restart_e2e.py). Now the restore and the ack fail like any write to a lost
+    connection: the messages stay in kombu's unacked hash, a copy of a request still running is
+    dropped as busy when it comes back (app/store_lua.py BEGIN), and what the worker no longer
+    holds it hands back when Redis returns (WorkerRuntime.reclaim_orphans). Idempotent."""
+    import redis
+
+    original = kredis.Channel._connparams
+    if getattr(original, "vigil_guarded", False):
+        return
+
+    def _connparams(self, asynchronous=False):
+        if self.connection.client is None:
+            raise redis.ConnectionError("the broker connection of this channel was closed")
+        return original(self, asynchronous=asynchronous)
+
+    _connparams.vigil_guarded = True
+    kredis.Channel._connparams = _connparams

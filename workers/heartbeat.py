@@ -29,7 +29,10 @@ class Heartbeat:
     """Publishes `fields()` for one worker instance until stopped."""
 
     def __init__(self, client: redis.Redis, instance_id: int, name: str, interval: float,
-                 fields: Callable[[], dict], clock: Callable[[], float] = time.time):
+                 fields: Callable[[], dict], clock: Callable[[], float] = time.time,
+                 on_redis_back: Callable[[], None] | None = None):
+        """`on_redis_back` runs (in its own thread) after a write succeeds following a failed
+        one, or when Redis' run_id changed since the last write: Redis was away or restarted."""
         self.r = client
         self.instance_id = instance_id
         self.name = name
@@ -41,6 +44,9 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self.started_at = clock()
         self.has_pinged = False
+        self.on_redis_back = on_redis_back
+        self._run_id: str | None = None
+        self._failed = False
 
     def start(self) -> "Heartbeat":
         """Write the entry once (synchronously: the worker is registered before it consumes)."""
@@ -81,9 +87,21 @@ class Heartbeat:
                 break
             try:
                 self.beat()
+                self._watch_redis()
             except redis.RedisError as e:  # Redis blips must not kill the heartbeat
                 log.warning("heartbeat failed: %s", e)
+                self._failed = True
             self._stop.wait(MIN_GAP_S)
+
+    def _watch_redis(self) -> None:
+        run_id = str(self.r.info("server")["run_id"])
+        restarted = self._run_id is not None and run_id != self._run_id
+        back = self._failed or restarted
+        self._run_id, self._failed = run_id, False
+        if back and self.on_redis_back is not None:
+            log.warning("Redis is back%s", " (restarted)" if restarted else "")
+            threading.Thread(target=self.on_redis_back, name="vigil-redis-back",
+                             daemon=True).start()
 
     def stop(self, unregister: bool = True) -> None:
         """Stop beating; on a clean stop remove the entry (in-flight set included)."""

@@ -51,7 +51,8 @@ class WorkerRuntime:
         self.instance_id = new_instance_id()
         self.registry = registry or get_registry()
         self.client = connect(settings)
-        self.store = RequestStore(self.client, settings.result_ttl)
+        # Writes ride out a Redis restart (a finished generation is not thrown away).
+        self.store = RequestStore(self.client, settings.result_ttl, settings.redis_outage_grace)
         engine = engine or os.environ.get("VIGIL_ENGINE", "vllm")
         if engine not in ENGINES:
             raise ValueError(f"VIGIL_ENGINE must be one of {sorted(ENGINES)}, got {engine!r}")
@@ -77,7 +78,8 @@ class WorkerRuntime:
         self.health = WorkerHealth(self, HealthLedger(self.client, window=settings.failure_window,
                                                       threshold=settings.failure_threshold))
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
-                                   settings.heartbeat_interval, self._heartbeat_fields)
+                                   settings.heartbeat_interval, self._heartbeat_fields,
+                                   on_redis_back=self.reclaim_orphans)
 
     @property
     def pools(self) -> list[str]:
@@ -154,6 +156,40 @@ class WorkerRuntime:
                          self.settings.max_attempts)
         self._aborted = self.host.abort_in_flight()
         return done
+
+    def reclaim_orphans(self) -> int:
+        """After Redis was away or restarted: hand back (same id, next dispatch) every request
+        this worker's in-flight set names but the worker does not hold. Celery's consumer drops
+        the messages it held but had not started (a retry's delayed message) when it loses the
+        broker, and a Redis crash can roll a finished request back to RUNNING here; either would
+        otherwise wait for the visibility timeout or the deadline. Returns how many."""
+        from celery.worker import state
+
+        from app import app
+        from app.housekeeping import reap_one, republish_request
+
+        listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
+        # A delivery is reserved (or scheduled) before task_received adds it to the set, so one
+        # that arrives now is either missing from `listed` or present in `held`.
+        held = {r.id for group in (state.active_requests, state.reserved_requests,
+                                   state.scheduled_requests) for r in tuple(group)}
+        n = 0
+        for rid in listed:
+            if rid in held:
+                continue
+            try:
+                outcome = reap_one(self.store, time.time(), rid, self.instance_id,
+                                   republish_request,
+                                   lambda r, err: app.backend.mark_as_failure(r, err),
+                                   self.settings.max_attempts)
+            except Exception as e:  # the next Redis return tries again
+                log.warning("could not hand back orphan %s: %s", rid, e)
+                continue
+            n += outcome in ("requeued", "failed")
+        if n:
+            log.warning("handed back %d request(s) this worker no longer held after Redis came "
+                        "back", n)
+        return n
 
     def hand_back(self) -> tuple[int, int]:
         """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds

@@ -76,15 +76,21 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
         metrics.dropped(pool, "given_back")
         raise GiveBack(request_id)
-    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
+    # A worker seen within the reap window is alive: a copy of what it runs is not run again.
+    live = s.worker_reap_timeout or 3 * s.heartbeat_interval
+    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live)
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))
-        b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts)
+        b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
+                           live)
     if b.action == "done":
         metrics.dropped(pool, "duplicate_delivery")
         return _outcome(b.outcome)
     if b.action == "stale":
         metrics.dropped(pool, "stale")
+        raise StaleDelivery(request_id)
+    if b.action == "busy":  # its live owner finishes it (or the reaper requeues it)
+        metrics.dropped(pool, "duplicate_delivery")
         raise StaleDelivery(request_id)
     if b.action == "expired":
         return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "

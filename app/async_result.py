@@ -1,0 +1,110 @@
+"""The result handle Vigil's app gives producers: `generate.delay(...)`, `app.AsyncResult(id)`.
+
+Celery's AsyncResult, with two things added from Vigil's own record of the request:
+
+- `info` of an unfinished request says where it waits and why (app/request_view.py);
+- `get()` never waits on something that cannot come. Celery's `get` waits for the result
+  backend's key; Vigil's record is written first, in the same step that decides the outcome.
+  While `get` waits, it looks at the record every `RECORD_CHECK_S`: an ended record whose result
+  never reached the backend (a Redis restart between the two writes) answers from the record,
+  and a request Redis has no record of at all raises `request_lost` (TerminalError) instead of
+  waiting for ever. A record can vanish only when Redis loses writes (a crash inside the AOF
+  fsync window: docs/reliability.md) or after VIGIL_RESULT_TTL, when the result is gone too.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+from celery import states
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+
+from app import keys
+from app.errors import REQUEST_LOST, TerminalError, error_from_record
+
+# How often a waiting `get()` looks at the request's record (one HMGET).
+RECORD_CHECK_S = 5.0
+
+
+class _FromRecord(Exception):
+    """The record answered for a result the backend does not have (internal to get())."""
+
+    def __init__(self, status: str, result: bytes | None, kind: bytes | None, err: bytes | None):
+        super().__init__(status)
+        self.status, self.result, self.kind, self.err = status, result, kind, err
+
+
+class VigilAsyncResult(AsyncResult):
+    """Celery's AsyncResult whose `info`, while the request has no outcome, is why_waiting's dict
+    (where it waits and why) instead of Celery's None (PENDING) or the retry's exception (RETRY),
+    and whose `get()` also watches Vigil's record (module docstring). `state`, `ready()` and
+    `result` are Celery's own and cost nothing more."""
+
+    @property
+    def info(self):
+        """The result or exception once ready; before that, why_waiting(id) (falling back to
+        Celery's own value when Vigil has no record of the id)."""
+        from app.request_view import why_waiting
+
+        meta = self._get_task_meta()
+        if meta["status"] in states.READY_STATES:
+            return meta["result"]
+        app = self.app
+        waiting = why_waiting(self.id, client=getattr(app, "vigil_redis", None),
+                              settings=getattr(app, "vigil_settings", None),
+                              registry=getattr(app, "vigil_registry", None))
+        return waiting if waiting is not None else meta["result"]
+
+    def get(self, timeout=None, propagate=True, interval=0.5, **kwargs):
+        """Celery's `get` (same arguments), which also ends when Vigil's record ends: returns
+        the result, or raises (propagate) / returns the request's VigilError; raises
+        TerminalError `request_lost` when Redis has no record of the request."""
+        # Celery's on_interval hook fires only once (a vine promise), so wait in slices and
+        # look at the record between them.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            piece = RECORD_CHECK_S if left is None else max(0.0, min(RECORD_CHECK_S, left))
+            try:
+                return super().get(timeout=piece, propagate=propagate, interval=interval,
+                                   **kwargs)
+            except CeleryTimeoutError:
+                if left is not None and left <= RECORD_CHECK_S:
+                    raise
+            try:
+                self._check_record()
+            except _FromRecord as ended:
+                if ended.status == "SUCCEEDED":
+                    return json.loads(ended.result or b"null")
+                err = error_from_record((ended.kind or b"").decode(),
+                                        (ended.err or b"").decode())
+                if propagate:
+                    raise err from None
+                return err
+
+    def _check_record(self) -> None:
+        """Raise _FromRecord if the record ended but the backend has no result, TerminalError
+        request_lost if there is neither; nothing while it runs (or Redis cannot be asked)."""
+        client = getattr(self.app, "vigil_redis", None)
+        if client is None:
+            return
+        try:
+            status, result, kind, err = client.hmget(keys.request(self.id), "status", "result",
+                                                     "error_kind", "error")
+            if status is None:
+                # Read the backend after the record: a result stored just before its record
+                # expired must not be called lost.
+                if self.backend.get_task_meta(self.id).get("status") in states.READY_STATES:
+                    return
+                self.backend.remove_pending_result(self)  # nothing will come: stop listening
+                raise TerminalError.of(REQUEST_LOST, f"Redis has no record of request {self.id} "
+                                       "(lost by a Redis crash inside the AOF fsync window, or "
+                                       "expired after VIGIL_RESULT_TTL); submitting it again is "
+                                       "safe")
+        except (redis.ConnectionError, redis.TimeoutError):
+            return  # Redis is away: keep waiting, Celery reconnects and so does this check
+        if status in (b"SUCCEEDED", b"FAILED"):
+            self.backend.remove_pending_result(self)
+            raise _FromRecord(status.decode(), result, kind, err)
