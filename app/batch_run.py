@@ -229,10 +229,11 @@ def celery_submit(request_id: str, kwargs: dict) -> None:
 def record_poll(store) -> Poll:
     """A `poll` reading the request records (the source of truth the task itself returns) in one
     Redis round trip per call. A record that is gone (deleted, or expired a day after it ended)
-    is reported as an error with code `unknown`: rerun to submit it again."""
+    is reported as an error with code `request_lost` (as `r.get()` does): rerun to submit it
+    again."""
     import redis
 
-    from app.errors import REDIS_UNAVAILABLE, TransientError
+    from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TransientError
 
     def poll(ids: list[str]):
         pipe = store.r.pipeline(transaction=False)
@@ -246,8 +247,9 @@ def record_poll(store) -> Poll:
         for rid, (status, result, kind, error) in zip(ids, rows):
             status = status.decode() if status else None
             if status is None:
-                ended[rid] = (None, ("unknown", "the request's record is gone from Redis "
-                                     "(deleted or expired); rerun to submit it again"))
+                ended[rid] = (None, (REQUEST_LOST, "the request's record is gone from Redis "
+                                     "(lost in a Redis crash, deleted or expired); rerun to "
+                                     "submit it again"))
             elif status in TERMINAL and result:
                 ended[rid] = (json.loads(result), None)
             elif status in TERMINAL:
