@@ -10,7 +10,6 @@ import datetime as dt
 import json
 import logging
 import time
-import uuid
 from typing import Callable
 
 from app import keys, metrics
@@ -45,37 +44,36 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
     backend can tell a waiting `r.get()`. Returns how many it failed; 0 without acting when
     another sweep holds the lock.
     """
-    owner = uuid.uuid4().hex
-    if not store.try_lock(DEADLINE_SWEEP_LOCK, owner, lock_ttl_s):
-        metrics.housekeeping_skipped("deadline_sweep")
-        return 0
-    failed = 0
-    started = time.monotonic()
-    try:
-        while max_items is None or failed < max_items:
-            ids = store.past_deadline(now, chunk)
-            if not ids:
-                break
-            for rid in ids:
-                err = TerminalError.of(DEADLINE_EXCEEDED, "the request did not end before its "
-                                       "deadline (no worker finished it in time)"
-                                       + _unserved_because(store, rid))
-                try:
-                    won, stored = store.finish(rid, SWEEPER_INSTANCE, now,
-                                               error_kind=type(err).__name__, error=str(err))
-                except TransientError as e:  # Redis blip: the next sweep picks the rest up
-                    log.warning("deadline sweep stopped early: %s", e)
-                    return failed
-                if won:
-                    failed += 1
-                    metrics.request_failed(_pool_of(store, rid), DEADLINE_EXCEEDED)
+    with store.locked(DEADLINE_SWEEP_LOCK, lock_ttl_s) as held:
+        if not held:
+            metrics.housekeeping_skipped("deadline_sweep")
+            return 0
+        failed = 0
+        started = time.monotonic()
+        try:
+            while max_items is None or failed < max_items:
+                ids = store.past_deadline(now, chunk)
+                if not ids:
+                    break
+                for rid in ids:
+                    err = TerminalError.of(DEADLINE_EXCEEDED, "the request did not end before its "
+                                           "deadline (no worker finished it in time)"
+                                           + _unserved_because(store, rid))
                     try:
-                        on_failed(rid, err)
-                    except Exception as e:  # one bad item must not stop the sweep
-                        log.warning("deadline sweep: could not notify %s: %s", rid, e)
-    finally:
-        store.unlock(DEADLINE_SWEEP_LOCK, owner)
-        metrics.housekeeping_ran("deadline_sweep", time.monotonic() - started)
+                        won, stored = store.finish(rid, SWEEPER_INSTANCE, now,
+                                                   error_kind=type(err).__name__, error=str(err))
+                    except TransientError as e:  # Redis blip: the next sweep picks the rest up
+                        log.warning("deadline sweep stopped early: %s", e)
+                        return failed
+                    if won:
+                        failed += 1
+                        metrics.request_failed(_pool_of(store, rid), DEADLINE_EXCEEDED)
+                        try:
+                            on_failed(rid, err)
+                        except Exception as e:  # one bad item must not stop the sweep
+                            log.warning("deadline sweep: could not notify %s: %s", rid, e)
+        finally:
+            metrics.housekeeping_ran("deadline_sweep", time.monotonic() - started)
     if failed:
         log.warning("deadline sweep failed %d request(s) with deadline_exceeded", failed)
     return failed
@@ -92,12 +90,13 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     at a time; at most `max_reaps` workers are reaped per run (the rest on the next run).
 
     Each request it held (RUNNING, or PENDING with its message in that worker's consumer:
-    received but not begun, or a retry's delayed message) is published again (same id, dispatch + 1) and handed back to
-    PENDING, or failed when out of attempts (attempts_exhausted) or past its deadline
-    (deadline_exceeded); then the worker's registry entry and in-flight set are dropped. The
-    message is published before the record moves, so the newest dispatch always has a message:
-    Celery's own copy, if it comes back after the visibility timeout, is an older dispatch and is
-    dropped unexecuted. Returns {worker name: (requeued, failed)}; {} when another reaper holds
+    received but not begun, or a retry's delayed message) is moved back to PENDING under
+    dispatch + 1 and published again (same id), or failed when out of attempts
+    (attempts_exhausted) or past its deadline (deadline_exceeded); then the worker's registry
+    entry and in-flight set are dropped. The record moves before the message is published, so a
+    requeue refused because another worker took the request meanwhile publishes nothing; Celery's
+    own copy, if it comes back after the visibility timeout, is an older dispatch and is dropped
+    unexecuted. Returns {worker name: (requeued, failed)}; {} when another reaper holds
     the lock or `reap_timeout` is 0.
 
     Silence is counted from `redis_started_at` at the earliest (when Redis last started): no
@@ -105,37 +104,36 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     """
     if reap_timeout <= 0:
         return {}
-    owner = uuid.uuid4().hex
-    if not store.try_lock(REAPER_LOCK, owner, lock_ttl_s):
-        metrics.housekeeping_skipped("reaper")
-        return {}
-    report: dict[str, tuple[int, int]] = {}
-    started = time.monotonic()
-    try:
-        for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
-                                         max_reaps, redis_started_at):
-            name = store.worker_name(inst) or f"instance {inst}"
-            requeued = failed = 0
-            for rid in store.inflight_ids(inst):
-                try:
-                    outcome = reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
-                except Exception as e:  # one bad record must not keep the others stranded
-                    log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
-                    continue
-                requeued += outcome == "requeued"
-                failed += outcome == "failed"
-            store.drop_worker(inst)
-            metrics.REAPED_WORKERS.inc()
-            metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
-            metrics.REAPED_REQUESTS.labels("failed").inc(failed)
-            report[name] = (requeued, failed)
-            log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
-                        "requeued %d request(s), failed %d", name, inst, window,
-                        "" if window == reap_timeout else " (never ready: registration grace)",
-                        requeued, failed)
-    finally:
-        store.unlock(REAPER_LOCK, owner)
-        metrics.housekeeping_ran("reaper", time.monotonic() - started)
+    with store.locked(REAPER_LOCK, lock_ttl_s) as held:
+        if not held:
+            metrics.housekeeping_skipped("reaper")
+            return {}
+        report: dict[str, tuple[int, int]] = {}
+        started = time.monotonic()
+        try:
+            for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
+                                             max_reaps, redis_started_at):
+                name = store.worker_name(inst) or f"instance {inst}"
+                requeued = failed = 0
+                for rid in store.inflight_ids(inst):
+                    try:
+                        outcome = reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
+                    except Exception as e:  # one bad record must not strand the others
+                        log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
+                        continue
+                    requeued += outcome == "requeued"
+                    failed += outcome == "failed"
+                store.drop_worker(inst)
+                metrics.REAPED_WORKERS.inc()
+                metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
+                metrics.REAPED_REQUESTS.labels("failed").inc(failed)
+                report[name] = (requeued, failed)
+                log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
+                            "requeued %d request(s), failed %d", name, inst, window,
+                            "" if window == reap_timeout else " (never ready: registration grace)",
+                            requeued, failed)
+        finally:
+            metrics.housekeeping_ran("reaper", time.monotonic() - started)
     return report
 
 
@@ -257,37 +255,36 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
     from app.health import QUARANTINED, RESTARTING
     from app.models import QUEUE_PREFIX
 
-    owner = uuid.uuid4().hex
-    if not store.try_lock(HEALTH_TICK_LOCK, owner, lock_ttl_s):
-        metrics.housekeeping_skipped("health_tick")
-        return 0
-    cancelled = 0
-    started = time.monotonic()
-    try:
-        for inst in ledger.quarantined():
-            name = store.worker_name(inst)
-            if not name:
-                continue
-            try:
-                queues = active_queues(name)
-            except Exception as e:  # one unreachable worker must not stop the tick
-                log.warning("health tick: cannot ask %s for its queues: %s", name, e)
-                continue
-            pools = [q for q in queues or () if q.startswith(QUEUE_PREFIX)]
-            if not pools or ledger.read(inst).state not in (QUARANTINED, RESTARTING):
-                continue
-            for q in pools:
+    with store.locked(HEALTH_TICK_LOCK, lock_ttl_s) as held:
+        if not held:
+            metrics.housekeeping_skipped("health_tick")
+            return 0
+        cancelled = 0
+        started = time.monotonic()
+        try:
+            for inst in ledger.quarantined():
+                name = store.worker_name(inst)
+                if not name:
+                    continue
                 try:
-                    cancel(name, q)
-                    cancelled += 1
-                except Exception as e:
-                    log.warning("health tick: cannot cancel %s on %s: %s", q, name, e)
-            log.warning("health tick: quarantined worker %s was still consuming %s; cancelled",
-                        name, ", ".join(pools))
-    finally:
-        store.unlock(HEALTH_TICK_LOCK, owner)
-        metrics.housekeeping_ran("health_tick", time.monotonic() - started)
-        metrics.CONSUMERS_CANCELLED.inc(cancelled)
+                    queues = active_queues(name)
+                except Exception as e:  # one unreachable worker must not stop the tick
+                    log.warning("health tick: cannot ask %s for its queues: %s", name, e)
+                    continue
+                pools = [q for q in queues or () if q.startswith(QUEUE_PREFIX)]
+                if not pools or ledger.read(inst).state not in (QUARANTINED, RESTARTING):
+                    continue
+                for q in pools:
+                    try:
+                        cancel(name, q)
+                        cancelled += 1
+                    except Exception as e:
+                        log.warning("health tick: cannot cancel %s on %s: %s", q, name, e)
+                log.warning("health tick: quarantined worker %s was still consuming %s; cancelled",
+                            name, ", ".join(pools))
+        finally:
+            metrics.housekeeping_ran("health_tick", time.monotonic() - started)
+            metrics.CONSUMERS_CANCELLED.inc(cancelled)
     return cancelled
 
 
@@ -305,11 +302,10 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
     from app.jobs import pool_queues, serving_workers
     from app import keys
 
-    owner = uuid.uuid4().hex
-    if not store.try_lock(RECONCILE_LOCK, owner, lock_ttl_s):
-        return 0
-    added = 0
-    try:
+    with store.locked(RECONCILE_LOCK, lock_ttl_s) as held:
+        if not held:
+            return 0
+        added = 0
         instance_of = {store.worker_name(i.decode()): i.decode()
                        for i in store.r.zrange(keys.WORKERS, 0, -1)}
         for pool in pools:
@@ -332,8 +328,6 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
                     if q not in have:
                         add(name, q)
                         added += 1
-    finally:
-        store.unlock(RECONCILE_LOCK, owner)
     if added:
         log.warning("reconcile: added %d missing job-queue consumer(s)", added)
     return added

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Callable
 
 import redis
@@ -145,11 +144,10 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
     them. Under the job's lock; returns how many requests it failed, or -1 when another process
     is ending the job right now."""
     client = store.r
-    owner = uuid.uuid4().hex
-    if not store.try_lock(JOB_LOCK.format(name), owner, lock_ttl_s):
-        return -1
-    failed = 0
-    try:
+    with store.locked(JOB_LOCK.format(name), lock_ttl_s) as held:
+        if not held:
+            return -1
+        failed = 0
         pipe = client.pipeline(transaction=True)
         pipe.hset(keys.job(name), mapping={"state": "deleted", "deleted_at": now,
                                            "reason": reason})
@@ -191,8 +189,6 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                     cancel(queue_name(pool, name), names)
                 except Exception as e:  # the queue is empty and gone; a consumer is harmless
                     log.warning("ending job %s: cancel_consumer failed: %s", name, e)
-    finally:
-        store.unlock(JOB_LOCK.format(name), owner)
     log.warning("job %s ended (%s): failed %d open request(s)", name, reason, failed)
     return failed
 
@@ -202,11 +198,10 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
     """End every job whose lease lapsed (no submit or touch for its lease): abandoned, its
     requests fail instead of occupying GPUs. The default job never lapses. Lock-guarded;
     returns how many jobs it ended."""
-    owner = uuid.uuid4().hex
-    if not store.try_lock("job_leases", owner, lock_ttl_s):
-        return 0
-    ended = 0
-    try:
+    with store.locked("job_leases", lock_ttl_s) as held:
+        if not held:
+            return 0
+        ended = 0
         oldest = now - default_lease_s
         for name, last in store.r.zrangebyscore(keys.JOBS, "-inf", now, withscores=True,
                                                 start=0, num=1000):
@@ -219,6 +214,4 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
                 if end(name, f"job {name!r} abandoned: no submit or poll for "
                        f"{now - last:.0f} s (its lease)") >= 0:
                     ended += 1
-    finally:
-        store.unlock("job_leases", owner)
     return ended

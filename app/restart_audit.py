@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import Callable
 
 from app import keys
@@ -91,19 +90,18 @@ def audit_after_restart(store: RequestStore, now: float, republish: Republish, *
     seen = store._call(store.r.get, RUN_ID_KEY)
     if seen is not None and seen.decode() == run_id:
         return None
-    owner = uuid.uuid4().hex
-    if not store.try_lock(AUDIT_LOCK, owner, lock_ttl_s):
-        return None
-    timer = time.monotonic()
-    published = 0
-    try:
+    with store.locked(AUDIT_LOCK, lock_ttl_s) as held:
+        if not held:
+            return None
+        timer = time.monotonic()
+        published = 0
         # Open ids first, then what holds them: a request that moves from a queue to a worker in
         # between is seen held or queued, never neither.
         open_ids = [m.decode() for m in store._call(store.r.zrange, keys.DEADLINES, 0, -1)]
-        held = _held_ids(store)
+        holding = _held_ids(store)
         queued = queued_ids(store)
         for rid in open_ids:
-            if rid in held or rid in queued:
+            if rid in holding or rid in queued:
                 continue
             rec = store.get(rid)
             # Only requests from before the restart: a later one's message was published
@@ -118,8 +116,6 @@ def audit_after_restart(store: RequestStore, now: float, republish: Republish, *
             republish(rid, rec, dispatch)
             published += 1
         store._call(store.r.set, RUN_ID_KEY, run_id)
-    finally:
-        store.unlock(AUDIT_LOCK, owner)
     if published or seen is not None:
         log.warning("Redis restarted (run_id %s): %d open request(s) had lost their message and "
                     "were published again (%.1f s)", run_id[:12], published,

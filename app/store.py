@@ -9,8 +9,9 @@ import json
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import redis
 
@@ -237,6 +238,21 @@ class RequestStore:
     def unlock(self, name: str, owner: str) -> None:
         """Release the named lock if `owner` still holds it."""
         self._call(self._unlock, keys=[keys.lock(name)], args=[owner])
+
+    @contextmanager
+    def locked(self, name: str, ttl_s: float) -> Iterator[bool]:
+        """Hold the named lock (a lease of `ttl_s`, with an owner id of its own) for the block;
+        yields True, or False without holding anything when someone else has it. Released on
+        the way out if it is still this holder's (a lease that lapsed is not taken from its
+        next holder)."""
+        owner = uuid.uuid4().hex
+        if not self.try_lock(name, owner, ttl_s):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.unlock(name, owner)
 
     def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
               max_attempts: int, live_window: float = 0.0) -> Begin:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from app import app
 from app.celery_app import HOUSEKEEPING_QUEUE
@@ -100,15 +99,12 @@ def reconcile() -> dict:
     s = get_settings()
     store = shared_store()
     reg = get_registry()
-    owner = uuid.uuid4().hex
-    if not store.try_lock("pool_reconcile", owner, 60):
-        return {}
-    try:
+    with store.locked("pool_reconcile", 60) as held:
+        if not held:
+            return {}
         done = reconcile_pools(store, reg, time.time(), _control,
                                live_window=s.worker_reap_timeout or 3 * s.heartbeat_interval,
                                concurrency=s.reconcile_concurrency)
-    finally:
-        store.unlock("pool_reconcile", owner)
     done["job_consumers_added"] = ensure_job_consumers(store, reg.names(), _active_queues, _add)
     return done
 
