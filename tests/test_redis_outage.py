@@ -148,6 +148,9 @@ def test_after_a_restart_only_requests_whose_message_is_gone_are_published_again
     one queued, one fetched (kombu's unacked hash), one held by a worker, one running, and one
     submitted after the restart, when the audit runs, then only the first is moved to its next
     dispatch and published again, and a second audit (same Redis run) does nothing."""
+    # Redis reports its uptime in whole seconds: let it be up long enough for "after" to be
+    # unmistakably after its start.
+    wait_until(lambda: time.time() - redis_start(store)[1] >= 2, 5)
     _, started = redis_start(store)
     before = started - 30
     for rid in ("lost", "queued", "fetched", "held", "running"):
