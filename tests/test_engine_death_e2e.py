@@ -109,8 +109,11 @@ def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_
     after engine_death_limit deaths in a row it hands them back at once (same ids, attempt + 1),
     stops consuming and exits with status 70; all 16 complete on the healthy worker, none lost,
     none twice."""
+    # A limit of 2 (the default is 3, covered by tests/test_engine_recovery.py): one engine
+    # start less for the same path, to keep the suite short.
     broken = RunningWorker(redis_server, "broken@testhost", tmp_path, pools=DRILL_MODEL,
-                           VIGIL_ENGINE="drill", VIGIL_DRILL="die_on_start", VIGIL_PRELOAD="0")
+                           VIGIL_ENGINE="drill", VIGIL_DRILL="die_on_start", VIGIL_PRELOAD="0",
+                           VIGIL_ENGINE_DEATH_LIMIT="2")
     healthy = drill_worker.name
     try:
         inst = broken.wait_registered()["instance_id"]
