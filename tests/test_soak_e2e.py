@@ -1,0 +1,71 @@
+"""Worker tier: the soak's short version (bench/soak.py; issue 8 parts 1 and 3).
+
+Runs `python -m bench.soak` in a subprocess: the soak needs a Redis of its own and this test
+process's Celery app is already built for the suite's Redis (the app is built once per process).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from app.embedded import start_process, stop_process, vigil_env, wait_for
+
+pytestmark = pytest.mark.worker
+N = 300
+# By progress, not time, each once its target holds requests: the steady worker's EngineCore is
+# SIGKILLed once 40 requests have ended, the victim worker's whole process group once 100 have.
+KILL_ENGINE_AT = 40
+KILL_WORKER_AT = 100
+# Failure codes a kill-only run may produce by design: none.
+ALLOWED_FAILURES: set[str] = set()
+
+
+def test_a_short_soak_with_two_beats_loses_nothing_and_runs_nothing_twice(tmp_path):
+    """Given two workers and two beats on a Redis of their own, and 300 requests submitted as
+    fast as a window of 96 open requests allows, when one worker's EngineCore is SIGKILLed once
+    40 requests have ended and the other worker's whole process group (then restarted) once 100
+    have, each while it holds requests, then every request ends, none runs to a result twice,
+    none is requeued twice for one dispatch or failed twice, no dead instance is reaped twice
+    although both beats send every reap, nothing fails, and the results read back through
+    Celery's result backend agree with the records."""
+    report_path = tmp_path / "report.json"
+    out = tmp_path / "soak.out"
+    argv = [sys.executable, "-m", "bench.soak", "--requests", str(N), "--max-tokens", "24",
+            "--window", "96", "--rate", "0", "--beats", "2",
+            "--kill-worker-at", str(KILL_WORKER_AT), "--kill-engine-at", str(KILL_ENGINE_AT),
+            # Pause the producer until the reaper can see every message the victim holds: a
+            # message a consumer fetched in the last instant before a SIGKILL is lost to it
+            # (docs/architecture.md, Known gaps); the bench shows that gap, this test does not.
+            "--quiesce-kills",
+            "--drain-timeout", "240", "--logdir", str(tmp_path / "logs"),
+            "--report", str(report_path)]
+    proc = start_process(argv, vigil_env(os.environ["VIGIL_REDIS_URL"]), out)
+    try:
+        # SIGTERM on a timeout: the soak stops every process it started.
+        wait_for(lambda: proc.poll() is not None, 540, 0.5, "the soak to finish")
+    finally:
+        stop_process(proc, timeout=60)
+    text = out.read_text(errors="replace")
+    assert report_path.exists(), f"no report; output:\n{text[-6000:]}"
+    rep = json.loads(report_path.read_text())
+    print("\n" + text[text.find("-- soak report --"):])
+
+    kills = {kind: [k for k in rep["kills"] if k["kind"] == kind] for kind in ("worker", "engine")}
+    assert len(kills["worker"]) >= 1 and len(kills["engine"]) >= 1, rep["kills"]
+    assert all(k["held"] for k in rep["kills"]), "a kill hit a worker holding no request"
+    assert rep["accepted"] == N
+    assert rep["lost"] == 0, rep["lost_detail"]
+    assert rep["duplicates"] == 0, rep["duplicate_ids"]
+    assert rep["requeued_twice"] == 0 and rep["failed_twice"] == 0
+    assert rep["stats"].get("duplicate_results", 0) == 0
+    assert rep["wrong_results"] == 0
+    assert set(rep["failed_by_code"]) <= ALLOWED_FAILURES, rep["failed_by_code"]
+    assert rep["succeeded"] == N - sum(rep["failed_by_code"].values())
+    # The killed instance was reaped exactly once although two beats sent every reap.
+    assert rep["reaps"] and all(n == 1 for n in rep["reaps"].values()), rep["reaps"]
+    assert rep["unrecovered_kills"] == 0
+    assert rep["backend_checked"] > 0 and not rep["backend_disagreements"]
+    assert proc.returncode == 0, text[-3000:]
