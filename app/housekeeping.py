@@ -83,7 +83,8 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                  reap_timeout: float, max_attempts: int, lock_ttl_s: float = 60.0,
                  registration_grace: float = DEFAULT_WORKER_REGISTRATION_GRACE_S,
                  chunk: int = SWEEP_CHUNK, max_reaps: int = MAX_REAPS_PER_RUN,
-                 redis_started_at: float = 0.0) -> dict[str, tuple[int, int]]:
+                 redis_started_at: float = 0.0, audit_lost: bool = True
+                 ) -> dict[str, tuple[int, int]]:
     """Reap every worker whose last heartbeat is older than `reap_timeout`, or, for a worker
     that never became ready (has_pinged 0: crashed or stuck in warm-up), older than
     `registration_grace` (never shorter than the timeout). The registry is read `chunk` entries
@@ -101,6 +102,8 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
 
     Silence is counted from `redis_started_at` at the earliest (when Redis last started): no
     heartbeat could land while Redis was down, so a restart never makes live workers look dead.
+    After a reap (`audit_lost`), the reaped workers' pools are audited for requests whose message
+    the dead consumer took with it (app/message_audit.py audit_after_reap).
     """
     if reap_timeout <= 0:
         return {}
@@ -109,11 +112,14 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
             metrics.housekeeping_skipped("reaper")
             return {}
         report: dict[str, tuple[int, int]] = {}
+        reaped_pools: set[str] = set()
         started = time.monotonic()
         try:
             for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
                                              max_reaps, redis_started_at):
                 name = store.worker_name(inst) or f"instance {inst}"
+                pools = store.r.hget(keys.worker(inst), "pools")
+                reaped_pools.update(p for p in (pools or b"").decode().split(",") if p)
                 requeued = failed = 0
                 for rid in store.inflight_ids(inst):
                     try:
@@ -134,6 +140,12 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                             requeued, failed)
         finally:
             metrics.housekeeping_ran("reaper", time.monotonic() - started)
+    if reaped_pools and audit_lost:
+        # A consumer killed while it waited in BRPOP can take a message with it, out of every
+        # queue, the unacked hash and the in-flight sets (app/message_audit.py).
+        from app.message_audit import audit_after_reap
+
+        audit_after_reap(store, now, republish, sorted(reaped_pools))
     return report
 
 

@@ -23,8 +23,8 @@ def _tell_backend(request_id: str, err) -> None:
 def deadline_sweep() -> int:
     """Fail every request past its deadline (deadline_exceeded); returns how many. First, if
     Redis restarted since the last look, publish again the open requests whose message the
-    restart lost (app/restart_audit.py)."""
-    from app.restart_audit import audit_after_restart
+    restart lost (app/message_audit.py)."""
+    from app.message_audit import audit_after_restart
 
     store = shared_store()
     audit_after_restart(store, time.time(), republish_request)

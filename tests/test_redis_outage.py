@@ -17,10 +17,10 @@ import redis
 from app import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
 from app.housekeeping import reap_workers
-from app.restart_audit import RUN_ID_KEY, audit_after_restart, redis_start
+from app.message_audit import RUN_ID_KEY, audit_after_restart, redis_start
 from app.store import RequestStore, connect
 from tests.conftest import wait_until
-from tests.test_store_and_service import create, runtime  # noqa: F401 (a fixture)
+from tests.test_store_and_service import create
 
 pytestmark = pytest.mark.redis
 
@@ -257,7 +257,7 @@ def test_the_heartbeat_calls_back_when_redis_returns_or_restarted():
     assert threading.active_count() >= 1
 
 
-def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(runtime, monkeypatch):
+def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(settings, monkeypatch):
     """Given a worker whose in-flight set names a request RUNNING under it that it does not run
     (a Redis crash rolled its finish back) and a PENDING one whose delayed retry its consumer
     dropped with the connection, when Redis comes back, then both are moved to their next
@@ -266,7 +266,9 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(runtime, mo
 
     published = Published()
     monkeypatch.setattr(hk, "republish_request", published)
-    rt = runtime()
+    from workers.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False)
     create(rt.store, "rolled-back")
     rt.store.begin("rolled-back", 0, rt.name, rt.instance_id, time.time(), 3)
     create(rt.store, "dropped-retry")
@@ -275,3 +277,23 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(runtime, mo
     assert rt.reclaim_orphans() == 2
     assert sorted(published) == [("dropped-retry", 2), ("rolled-back", 1)]
     assert {rt.store.get(r)["status"] for r in ("rolled-back", "dropped-retry")} == {"PENDING"}
+
+
+def test_after_a_reap_a_message_the_dead_consumer_took_is_published_again(store):
+    """Given a worker (pools tiny-llama) killed while its consumer waited in BRPOP, so that Redis
+    handed it a message no one will read (the request PENDING, in no queue, no unacked entry, no
+    in-flight set), when the reaper reaps it, then that request is published again under its
+    next dispatch; a request submitted a moment ago (between record and publish) is left."""
+    now = time.time()
+    store.r.hset(keys.worker(5), mapping={"name": "dead@h", "last_seen": now - 600,
+                                          "pools": "tiny-llama"})
+    store.r.zadd(keys.WORKERS, {"5": now - 600})
+    create(store, "taken", now=now - 30)
+    create(store, "just-submitted", now=now - 1)
+    published = Published()
+    report = reap_workers(store, now, published, lambda *a: None, reap_timeout=120,
+                          max_attempts=3)
+    assert report == {"dead@h": (0, 0)}
+    assert published == [("taken", 1)]
+    assert store.get("taken")["last_error"].startswith("worker_lost")
+    assert store.get("just-submitted")["dispatch"] == "0"
