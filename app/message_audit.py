@@ -22,9 +22,12 @@ Either way, under a lock, every open request that is PENDING, held by no worker 
 set: a worker that holds one hands it back itself, workers/runtime.py reclaim_orphans, and a dead
 worker's are the reaper's), old enough (created before the restart, or `MIN_AGE_S` before the
 reap: a submit between its record and its publish is not an orphan), and whose id is in no queue
-of its pool and not in kombu's unacked hash, is moved to its next dispatch and published again. A
-copy of its old message that turns up later is an older dispatch and is dropped unexecuted, so a
-needless republish costs one delivery, never a second run.
+of its pool, is moved to its next dispatch and published again. A copy in kombu's unacked hash
+does not count: a message there whose request no worker holds was fetched by a consumer that died
+(or lost its connection) before Celery reported it, and would come back only after the
+visibility timeout (720 s). A copy of the old message that turns up later, from there or
+anywhere, is an older dispatch and is dropped unexecuted, so a needless republish (a live
+consumer a millisecond from reporting its fetch) costs one delivery, never a second run.
 """
 from __future__ import annotations
 
@@ -59,10 +62,11 @@ def redis_start(store: RequestStore) -> tuple[str, float]:
     return str(info["run_id"]), time.time() - float(info["uptime_in_seconds"])
 
 
-def queued_ids(store: RequestStore, pools: list[str] | None = None) -> set[str]:
-    """Request ids that have a message somewhere kombu keeps one: a queue of `pools` (all pools
-    if None; a list of JSON messages whose headers.id is the request id) or the unacked hash
-    (fetched by a consumer, not yet acked: running, or a retry's delayed message)."""
+def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
+               unacked: bool = False) -> set[str]:
+    """Request ids with a message in a queue of `pools` (all pools if None; a list of JSON
+    messages whose headers.id is the request id), and with `unacked`, also in kombu's unacked
+    hash (fetched by a consumer, not yet acked)."""
     from app.jobs import pool_queues
 
     if pools is None:
@@ -78,7 +82,7 @@ def queued_ids(store: RequestStore, pools: list[str] | None = None) -> set[str]:
             if len(items) < CHUNK:
                 break
             start += CHUNK
-    for _, raw in store.r.hscan_iter(UNACKED_KEY, count=CHUNK):
+    for _, raw in store.r.hscan_iter(UNACKED_KEY, count=CHUNK) if unacked else ():
         try:
             ids.add(json.loads(raw)[0]["headers"]["id"])
         except (ValueError, KeyError, IndexError, TypeError):
@@ -103,8 +107,8 @@ def _held_ids(store: RequestStore) -> set[str]:
 def republish_lost(store: RequestStore, now: float, republish: Republish, *,
                    created_before: float, reason: str, pools: list[str] | None = None) -> int:
     """Publish again every open request (of `pools`, or all) that is PENDING, created before
-    `created_before`, held by no worker, and has no message in its queues or kombu's unacked
-    hash (module docstring); returns how many. The caller holds AUDIT_LOCK."""
+    `created_before`, held by no worker, and has no message in its pool's queues (module
+    docstring); returns how many. The caller holds AUDIT_LOCK."""
     # Open ids first, then what holds them: a request that moves from a queue to a worker in
     # between is seen held or queued (a needless republish costs a delivery, never a run).
     if pools is None:

@@ -197,8 +197,9 @@ def warm_worker(redis_server, tmp_path_factory):
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:
     """True once every request of `results` has left the queue and is held by one of the worker
     `instances` (or has ended). Fault tests kill only then: a message a consumer fetched in the
-    last instant before a SIGKILL, before Celery's task_received, is invisible to the reaper
-    (docs/architecture.md, known gaps)."""
+    last instant before a SIGKILL, before Celery's task_received, is not in the worker's
+    in-flight set: it comes back through the reaper's audit (app/message_audit.py), not with the
+    worker's other requests, which would blur what the test measures."""
     from app import keys
 
     if store.r.llen(queue):
