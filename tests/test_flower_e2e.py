@@ -137,14 +137,15 @@ def test_a_request_waiting_in_the_worker_shows_its_model_and_job_but_not_its_pro
     says otherwise: tasks/base.py, VigilRequest)."""
     prompt = f"flower-waiting-prompt-{uuid.uuid4().hex}"
     r = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": prompt, "max_tokens": 4,
-                                     "job": "flower-wait"}, countdown=30)
+                                     "job": "flower-wait"}, countdown=15)
 
     def scheduled():
         w = flower.workers(WORKER).get(WORKER, {})
         mine = [s for s in w.get("scheduled") or [] if s["request"]["id"] == r.id]
         return (w, mine[0]) if mine else None
 
-    view, entry = wait_for(scheduled, 25, 0.5, "the worker view to list the waiting request")
+    # Listed while its countdown runs (Flower asks the worker over the broker: a second or two).
+    view, entry = wait_for(scheduled, 13, 0.5, "the worker view to list the waiting request")
     assert entry["request"]["name"] == "vigil.generate"
     assert "flower-wait" in entry["request"]["kwargs"] and "tiny-llama" in entry["request"]["kwargs"]
     assert prompt not in json.dumps(view)
