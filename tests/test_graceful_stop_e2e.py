@@ -2,6 +2,7 @@
 the worker stops cleanly, leaking nothing."""
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -60,7 +61,12 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         assert victim.entry() is None
         log = victim.log.read_text()
         assert "handed back" in log
-        for bad in ("leaked shared_memory", "__del__", "Traceback", "orphan guard"):
+        for bad in ("leaked shared_memory", "__del__", "orphan guard"):
             assert bad not in log, f"{bad!r} in worker log"
+        # Celery logs the expected give-back of a delivery that arrived during the stop
+        # (Reject, requeued untouched) with a traceback; any other traceback is a crash.
+        blocks = re.split(r"\n(?=\[\d{4}-)", log)
+        crashes = [b for b in blocks if "Traceback" in b and "celery.exceptions.Reject" not in b]
+        assert not crashes, crashes[0][-2000:]
     finally:
         victim.stop()
