@@ -3,17 +3,20 @@
 Celery's AsyncResult, with two things added from Vigil's own record of the request:
 
 - `info` of an unfinished request says where it waits and why (app/request_view.py);
-- `get()` never waits on something that cannot come. Celery's `get` waits for the result
+- `get()` never waits on something that cannot come, and keeps its job alive. Celery's `get` waits for the result
   backend's key; Vigil's record is written first, in the same step that decides the outcome.
   While `get` waits, it looks at the record every `RECORD_CHECK_S`: an ended record whose result
   never reached the backend (a Redis restart between the two writes) answers from the record,
   and a request Redis has no record of at all raises `request_lost` (TerminalError) instead of
   waiting for ever. A record can vanish only when Redis loses writes (a crash inside the AOF
   fsync window: docs/reliability.md) or after VIGIL_RESULT_TTL, when the result is gone too.
+  The same look renews the request's job lease (at most once a minute per job and process), so a
+  caller that only waits in `get()` is not taken for one that abandoned its job.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import redis
@@ -26,6 +29,11 @@ from app.errors import REQUEST_LOST, TerminalError, error_from_record
 
 # How often a waiting `get()` looks at the request's record (one HMGET).
 RECORD_CHECK_S = 5.0
+# A waiting `get()` renews its request's job lease (app/jobs.py) at most this often per process
+# and job: a caller that only waits is not abandoning its job.
+LEASE_TOUCH_S = 60.0
+_touched: dict[str, float] = {}
+_touched_lock = threading.Lock()
 
 
 class _FromRecord(Exception):
@@ -91,8 +99,10 @@ class VigilAsyncResult(AsyncResult):
         if client is None:
             return
         try:
-            status, result, kind, err = client.hmget(keys.request(self.id), "status", "result",
-                                                     "error_kind", "error")
+            status, result, kind, err, job = client.hmget(
+                keys.request(self.id), "status", "result", "error_kind", "error", "job")
+            if job and status in (b"PENDING", b"RUNNING"):
+                _renew_lease(client, job.decode())
             if status is None:
                 # Read the backend after the record: a result stored just before its record
                 # expired must not be called lost.
@@ -108,3 +118,17 @@ class VigilAsyncResult(AsyncResult):
         if status in (b"SUCCEEDED", b"FAILED"):
             self.backend.remove_pending_result(self)
             raise _FromRecord(status.decode(), result, kind, err)
+
+
+def _renew_lease(client, job: str) -> None:
+    """Renew `job`'s lease if this process has not done so for LEASE_TOUCH_S."""
+    from app.jobs import DEFAULT_JOB, touch
+
+    if job == DEFAULT_JOB:
+        return
+    now = time.monotonic()
+    with _touched_lock:
+        if now - _touched.get(job, -LEASE_TOUCH_S) < LEASE_TOUCH_S:
+            return
+        _touched[job] = now
+    touch(client, job)

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 import redis
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from app import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
@@ -298,3 +299,31 @@ def test_after_a_reap_a_message_the_dead_consumer_took_is_published_again(store)
     assert published == [("taken", 1)]
     assert store.get("taken")["last_error"].startswith("worker_lost")
     assert store.get("just-submitted")["dispatch"] == "0"
+
+
+def test_waiting_in_get_renews_the_job_lease(monkeypatch):
+    """Given a job whose last activity is an hour old and one of its requests running, when a
+    producer waits on that request with get(), then the job's lease is renewed while it waits
+    (so beat does not take the job for abandoned)."""
+    from app import app
+    from app import async_result
+    from app.jobs import create_job
+
+    monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
+    monkeypatch.setattr(async_result, "_touched", {})
+    client = app.vigil_redis
+    store = RequestStore(client, 60)
+    job = f"lease-{uuid.uuid4().hex[:8]}"
+    create_job(client, job, now=time.time() - 3600)
+    rid = f"lease-{uuid.uuid4()}"
+    create(store, rid, job=job)
+    client.zadd(keys.JOBS, {job: time.time() - 3600})
+    store.begin(rid, 0, "w", 98, time.time(), 3)
+    try:
+        with pytest.raises(CeleryTimeoutError):
+            app.AsyncResult(rid).get(timeout=1.5)  # still running: times out
+        assert client.zscore(keys.JOBS, job) > time.time() - 60
+    finally:
+        store.finish(rid, 98, time.time(), error_kind="TerminalError", error="job_deleted: test")
+        client.delete(keys.job(job), keys.inflight(98))
+        client.zrem(keys.JOBS, job)
