@@ -319,11 +319,13 @@ def test_waiting_in_get_renews_the_job_lease(monkeypatch):
     create(store, rid, job=job)
     client.zadd(keys.JOBS, {job: time.time() - 3600})
     store.begin(rid, 0, "w", 98, time.time(), 3)
+    r = app.AsyncResult(rid)
     try:
         with pytest.raises(CeleryTimeoutError):
-            app.AsyncResult(rid).get(timeout=1.5)  # still running: times out
+            r.get(timeout=1.5)  # still running: times out
         assert client.zscore(keys.JOBS, job) > time.time() - 60
     finally:
+        r.backend.remove_pending_result(r)  # stop listening now, not at interpreter exit
         store.finish(rid, 98, time.time(), error_kind="TerminalError", error="job_deleted: test")
         client.delete(keys.job(job), keys.inflight(98))
         client.zrem(keys.JOBS, job)
