@@ -113,6 +113,7 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
             return {}
         report: dict[str, tuple[int, int]] = {}
         reaped_pools: set[str] = set()
+        republished: set[str] = set()
         started = time.monotonic()
         try:
             for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
@@ -129,6 +130,8 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                         continue
                     requeued += outcome == "requeued"
                     failed += outcome == "failed"
+                    if outcome == "requeued":
+                        republished.add(rid)
                 store.drop_worker(inst)
                 metrics.REAPED_WORKERS.inc()
                 metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
@@ -145,7 +148,7 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
         # queue, the unacked hash and the in-flight sets (app/message_audit.py).
         from app.message_audit import audit_after_reap
 
-        audit_after_reap(store, now, republish, sorted(reaped_pools))
+        audit_after_reap(store, now, republish, sorted(reaped_pools), requeued=republished)
     return report
 
 

@@ -105,22 +105,26 @@ def _held_ids(store: RequestStore) -> set[str]:
 
 
 def republish_lost(store: RequestStore, now: float, republish: Republish, *,
-                   created_before: float, reason: str, pools: list[str] | None = None) -> int:
+                   created_before: float, reason: str, pools: list[str] | None = None,
+                   skip: set[str] = frozenset()) -> int:
     """Publish again every open request (of `pools`, or all) that is PENDING, created before
-    `created_before`, held by no worker, and has no message in its pool's queues (module
-    docstring); returns how many. The caller holds AUDIT_LOCK."""
-    # Open ids first, then what holds them: a request that moves from a queue to a worker in
-    # between is seen held or queued (a needless republish costs a delivery, never a run).
+    `created_before`, held by no worker, has no message in its pool's queues and is not in
+    `skip` (just published by the caller); returns how many (module docstring). The caller holds
+    AUDIT_LOCK."""
+    # Open ids, then the queues, then the in-flight sets: a message moves from a queue to a
+    # worker's set, so one that moves during the reads is seen in one or the other, except in
+    # the instant between its fetch and Celery's report of it (a needless republish there costs
+    # a stale delivery, never a second run).
     if pools is None:
         open_ids = [m.decode() for m in store._call(store.r.zrange, keys.DEADLINES, 0, -1)]
     else:
         open_ids = sorted({m.decode() for p in pools
                            for m in store._call(store.r.smembers, keys.pool_requests(p))})
-    holding = _held_ids(store)
     queued = queued_ids(store, pools)
+    holding = _held_ids(store)
     published = 0
     for rid in open_ids:
-        if rid in holding or rid in queued:
+        if rid in holding or rid in queued or rid in skip:
             continue
         rec = store.get(rid)
         if (not rec or rec.get("status") != keys.PENDING
@@ -160,17 +164,19 @@ def audit_after_restart(store: RequestStore, now: float, republish: Republish, *
 
 
 def audit_after_reap(store: RequestStore, now: float, republish: Republish, pools: list[str],
-                     *, lock_ttl_s: float = 120.0) -> int | None:
+                     *, requeued: set[str] = frozenset(), lock_ttl_s: float = 120.0
+                     ) -> int | None:
     """Republish the messages a reaped worker's consumer may have taken as it died, in `pools`
-    (those it consumed): requests created more than MIN_AGE_S ago. Returns how many; None when
-    another audit runs (the next reap's audit, or a restart's, covers them)."""
+    (those it consumed): requests created more than MIN_AGE_S ago, less those the reap itself
+    just published again (`requeued`). Returns how many; None when another audit runs (the next
+    reap's audit, or a restart's, covers them)."""
     if not pools:
         return 0
     with store.locked(AUDIT_LOCK, lock_ttl_s) as held:
         if not held:
             return None
         published = republish_lost(store, now, republish, created_before=now - MIN_AGE_S,
-                                   reason=REAP_REASON, pools=pools)
+                                   reason=REAP_REASON, pools=pools, skip=requeued)
     if published:
         log.warning("%d request(s) of pool(s) %s had lost their message to a dead worker's "
                     "consumer and were published again", published, ", ".join(pools))
