@@ -15,6 +15,8 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 | vigil:workers               | zset | none                        | instance id -> last_seen (unix seconds)  |
 | vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
 |                             |      |                             | duplicate_deliveries, stale_deliveries   |
+| vigil:redis_run_id          | str  | none (one key)              | the Redis run_id of the last complete    |
+|                             |      |                             | restart audit (app/message_audit.py)     |
 | vigil:deadlines             | zset | none                        | request id -> deadline_at, non-terminal  |
 |                             |      |                             | requests only (create adds, finish drops)|
 |                             |      |                             | read by the deadline sweep               |
@@ -54,6 +56,7 @@ PREFIX = "vigil:"
 WORKERS = PREFIX + "workers"
 STATS = PREFIX + "stats"
 DEADLINES = PREFIX + "deadlines"
+REDIS_RUN_ID = PREFIX + "redis_run_id"
 
 PENDING = "PENDING"
 RUNNING = "RUNNING"

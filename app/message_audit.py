@@ -41,7 +41,7 @@ from app.store import RequestStore
 
 log = logging.getLogger("vigil.message_audit")
 
-RUN_ID_KEY = keys.PREFIX + "redis_run_id"
+RUN_ID_KEY = keys.REDIS_RUN_ID
 AUDIT_LOCK = "message_audit"
 # kombu's Redis transport: messages delivered and not yet acked (delivery tag -> [message, ...]).
 UNACKED_KEY = "unacked"
