@@ -15,7 +15,6 @@ Celery's AsyncResult, with two things added from Vigil's own record of the reque
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -26,6 +25,7 @@ from celery.result import AsyncResult
 
 from app import keys
 from app.errors import REQUEST_LOST, TerminalError, error_from_record
+from app.store import Outcome
 
 # How often a waiting `get()` looks at the request's record (one HMGET).
 RECORD_CHECK_S = 5.0
@@ -34,14 +34,6 @@ RECORD_CHECK_S = 5.0
 LEASE_TOUCH_S = 60.0
 _touched: dict[str, float] = {}
 _touched_lock = threading.Lock()
-
-
-class _FromRecord(Exception):
-    """The record answered for a result the backend does not have (internal to get())."""
-
-    def __init__(self, status: str, result: bytes | None, kind: bytes | None, err: bytes | None):
-        super().__init__(status)
-        self.status, self.result, self.kind, self.err = status, result, kind, err
 
 
 class VigilAsyncResult(AsyncResult):
@@ -81,23 +73,23 @@ class VigilAsyncResult(AsyncResult):
             except CeleryTimeoutError:
                 if left is not None and left <= RECORD_CHECK_S:
                     raise
-            try:
-                self._check_record()
-            except _FromRecord as ended:
-                if ended.status == "SUCCEEDED":
-                    return json.loads(ended.result or b"null")
-                err = error_from_record((ended.kind or b"").decode(),
-                                        (ended.err or b"").decode())
-                if propagate:
-                    raise err from None
-                return err
+            ended = self._ended_record()
+            if ended is None:
+                continue
+            if ended.status == "SUCCEEDED":
+                return ended.result
+            err = error_from_record(ended.error_kind, ended.error)
+            if propagate:
+                raise err
+            return err
 
-    def _check_record(self) -> None:
-        """Raise _FromRecord if the record ended but the backend has no result, TerminalError
-        request_lost if there is neither; nothing while it runs (or Redis cannot be asked)."""
+    def _ended_record(self) -> Outcome | None:
+        """The record's outcome once it ended (the backend may never get it); None while it runs
+        or Redis cannot be asked. Raises TerminalError request_lost when there is neither a
+        record nor a result."""
         client = getattr(self.app, "vigil_redis", None)
         if client is None:
-            return
+            return None
         try:
             status, result, kind, err, job = client.hmget(
                 keys.request(self.id), "status", "result", "error_kind", "error", "job")
@@ -107,17 +99,18 @@ class VigilAsyncResult(AsyncResult):
                 # Read the backend after the record: a result stored just before its record
                 # expired must not be called lost.
                 if self.backend.get_task_meta(self.id).get("status") in states.READY_STATES:
-                    return
+                    return None
                 self.backend.remove_pending_result(self)  # nothing will come: stop listening
                 raise TerminalError.of(REQUEST_LOST, f"Redis has no record of request {self.id} "
                                        "(lost by a Redis crash inside the AOF fsync window, or "
                                        "expired after VIGIL_RESULT_TTL); submitting it again is "
                                        "safe")
         except (redis.ConnectionError, redis.TimeoutError):
-            return  # Redis is away: keep waiting, Celery reconnects and so does this check
-        if status in (b"SUCCEEDED", b"FAILED"):
-            self.backend.remove_pending_result(self)
-            raise _FromRecord(status.decode(), result, kind, err)
+            return None  # Redis is away: keep waiting, Celery reconnects and so does this check
+        if status not in (b"SUCCEEDED", b"FAILED"):
+            return None
+        self.backend.remove_pending_result(self)
+        return Outcome.from_reply(status, result, kind, err)
 
 
 def _renew_lease(client, job: str) -> None:

@@ -10,7 +10,8 @@ import datetime as dt
 import json
 import logging
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from app import keys, metrics
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError, TransientError,
@@ -33,6 +34,22 @@ REAPER_LOCK = "reaper"
 MAX_REAPS_PER_RUN = 100
 
 
+@contextmanager
+def _timed_lock(store: RequestStore, lock: str, ttl_s: float, task: str) -> Iterator[bool]:
+    """`store.locked`, counted in the housekeeping metrics: `task` skipped when another run holds
+    the lock, else the time this run held it."""
+    with store.locked(lock, ttl_s) as held:
+        if not held:
+            metrics.housekeeping_skipped(task)
+            yield False
+            return
+        started = time.monotonic()
+        try:
+            yield True
+        finally:
+            metrics.housekeeping_ran(task, time.monotonic() - started)
+
+
 def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
                     chunk: int = SWEEP_CHUNK, lock_ttl_s: float = 60.0,
                     max_items: int | None = None) -> int:
@@ -44,36 +61,31 @@ def sweep_deadlines(store: RequestStore, now: float, on_failed: OnFailed, *,
     backend can tell a waiting `r.get()`. Returns how many it failed; 0 without acting when
     another sweep holds the lock.
     """
-    with store.locked(DEADLINE_SWEEP_LOCK, lock_ttl_s) as held:
+    with _timed_lock(store, DEADLINE_SWEEP_LOCK, lock_ttl_s, "deadline_sweep") as held:
         if not held:
-            metrics.housekeeping_skipped("deadline_sweep")
             return 0
         failed = 0
-        started = time.monotonic()
-        try:
-            while max_items is None or failed < max_items:
-                ids = store.past_deadline(now, chunk)
-                if not ids:
-                    break
-                for rid in ids:
-                    err = TerminalError.of(DEADLINE_EXCEEDED, "the request did not end before its "
-                                           "deadline (no worker finished it in time)"
-                                           + _unserved_because(store, rid))
+        while max_items is None or failed < max_items:
+            ids = store.past_deadline(now, chunk)
+            if not ids:
+                break
+            for rid in ids:
+                err = TerminalError.of(DEADLINE_EXCEEDED, "the request did not end before its "
+                                       "deadline (no worker finished it in time)"
+                                       + _unserved_because(store, rid))
+                try:
+                    won, stored = store.finish(rid, SWEEPER_INSTANCE, now,
+                                               error_kind=type(err).__name__, error=str(err))
+                except TransientError as e:  # Redis blip: the next sweep picks the rest up
+                    log.warning("deadline sweep stopped early: %s", e)
+                    return failed
+                if won:
+                    failed += 1
+                    metrics.request_failed(_pool_of(store, rid), DEADLINE_EXCEEDED)
                     try:
-                        won, stored = store.finish(rid, SWEEPER_INSTANCE, now,
-                                                   error_kind=type(err).__name__, error=str(err))
-                    except TransientError as e:  # Redis blip: the next sweep picks the rest up
-                        log.warning("deadline sweep stopped early: %s", e)
-                        return failed
-                    if won:
-                        failed += 1
-                        metrics.request_failed(_pool_of(store, rid), DEADLINE_EXCEEDED)
-                        try:
-                            on_failed(rid, err)
-                        except Exception as e:  # one bad item must not stop the sweep
-                            log.warning("deadline sweep: could not notify %s: %s", rid, e)
-        finally:
-            metrics.housekeeping_ran("deadline_sweep", time.monotonic() - started)
+                        on_failed(rid, err)
+                    except Exception as e:  # one bad item must not stop the sweep
+                        log.warning("deadline sweep: could not notify %s: %s", rid, e)
     if failed:
         log.warning("deadline sweep failed %d request(s) with deadline_exceeded", failed)
     return failed
@@ -107,42 +119,37 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
     """
     if reap_timeout <= 0:
         return {}
-    with store.locked(REAPER_LOCK, lock_ttl_s) as held:
+    with _timed_lock(store, REAPER_LOCK, lock_ttl_s, "reaper") as held:
         if not held:
-            metrics.housekeeping_skipped("reaper")
             return {}
         report: dict[str, tuple[int, int]] = {}
         reaped_pools: set[str] = set()
         republished: set[str] = set()
-        started = time.monotonic()
-        try:
-            for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
-                                             max_reaps, redis_started_at):
-                name = store.worker_name(inst) or f"instance {inst}"
-                pools = store.r.hget(keys.worker(inst), "pools")
-                reaped_pools.update(p for p in (pools or b"").decode().split(",") if p)
-                requeued = failed = 0
-                for rid in store.inflight_ids(inst):
-                    try:
-                        outcome = reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
-                    except Exception as e:  # one bad record must not strand the others
-                        log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
-                        continue
-                    requeued += outcome == "requeued"
-                    failed += outcome == "failed"
-                    if outcome == "requeued":
-                        republished.add(rid)
-                store.drop_worker(inst)
-                metrics.REAPED_WORKERS.inc()
-                metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
-                metrics.REAPED_REQUESTS.labels("failed").inc(failed)
-                report[name] = (requeued, failed)
-                log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
-                            "requeued %d request(s), failed %d", name, inst, window,
-                            "" if window == reap_timeout else " (never ready: registration grace)",
-                            requeued, failed)
-        finally:
-            metrics.housekeeping_ran("reaper", time.monotonic() - started)
+        for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
+                                         max_reaps, redis_started_at):
+            name = store.worker_name(inst) or f"instance {inst}"
+            pools = store.r.hget(keys.worker(inst), "pools")
+            reaped_pools.update(p for p in (pools or b"").decode().split(",") if p)
+            requeued = failed = 0
+            for rid in store.inflight_ids(inst):
+                try:
+                    outcome = reap_one(store, now, rid, inst, republish, on_failed, max_attempts)
+                except Exception as e:  # one bad record must not strand the others
+                    log.warning("reaper: request %s of %s not handled: %s", rid, name, e)
+                    continue
+                requeued += outcome == "requeued"
+                failed += outcome == "failed"
+                if outcome == "requeued":
+                    republished.add(rid)
+            store.drop_worker(inst)
+            metrics.REAPED_WORKERS.inc()
+            metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
+            metrics.REAPED_REQUESTS.labels("failed").inc(failed)
+            report[name] = (requeued, failed)
+            log.warning("reaped worker %s (instance %s): no heartbeat for over %.0f s%s; "
+                        "requeued %d request(s), failed %d", name, inst, window,
+                        "" if window == reap_timeout else " (never ready: registration grace)",
+                        requeued, failed)
     if reaped_pools and audit_lost:
         # A consumer killed while it waited in BRPOP can take a message with it, out of every
         # queue, the unacked hash and the in-flight sets (app/message_audit.py).
@@ -270,12 +277,10 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
     from app.health import QUARANTINED, RESTARTING
     from app.models import QUEUE_PREFIX
 
-    with store.locked(HEALTH_TICK_LOCK, lock_ttl_s) as held:
+    with _timed_lock(store, HEALTH_TICK_LOCK, lock_ttl_s, "health_tick") as held:
         if not held:
-            metrics.housekeeping_skipped("health_tick")
             return 0
         cancelled = 0
-        started = time.monotonic()
         try:
             for inst in ledger.quarantined():
                 name = store.worker_name(inst)
@@ -298,7 +303,6 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
                 log.warning("health tick: quarantined worker %s was still consuming %s; cancelled",
                             name, ", ".join(pools))
         finally:
-            metrics.housekeeping_ran("health_tick", time.monotonic() - started)
             metrics.CONSUMERS_CANCELLED.inc(cancelled)
     return cancelled
 

@@ -68,6 +68,7 @@ def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
     messages whose headers.id is the request id), and with `unacked`, also in kombu's unacked
     hash (fetched by a consumer, not yet acked)."""
     from app.jobs import pool_queues
+    from app.request_view import message_id
 
     if pools is None:
         queues = list(store.r.scan_iter(match=QUEUE_PATTERN, count=CHUNK, _type="list"))
@@ -78,7 +79,7 @@ def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
         start = 0
         while True:
             items = store._call(store.r.lrange, q, start, start + CHUNK - 1)
-            ids.update(i for i in map(_message_id, items) if i)
+            ids.update(i for i in map(message_id, items) if i)
             if len(items) < CHUNK:
                 break
             start += CHUNK
@@ -88,13 +89,6 @@ def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
         except (ValueError, KeyError, IndexError, TypeError):
             continue
     return ids
-
-
-def _message_id(raw: bytes) -> str | None:
-    try:
-        return json.loads(raw)["headers"]["id"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def _held_ids(store: RequestStore) -> set[str]:

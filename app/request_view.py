@@ -54,7 +54,7 @@ def queue_position(client: redis.Redis, queue: str, request_id: str, *, limit: i
         n = min(chunk, limit - scanned)
         items = client.lrange(queue, -(scanned + n), -(scanned + 1))  # left to right
         for i, raw in enumerate(reversed(items)):  # head (rightmost) first
-            if needle in raw and _message_id(raw) == request_id:
+            if needle in raw and message_id(raw) == request_id:
                 return scanned + i + 1, length
         if len(items) < n:
             break
@@ -69,7 +69,9 @@ def request_queue(pool: str, job: str) -> str:
     return queue_name(pool, job)
 
 
-def _message_id(raw: bytes) -> str | None:
+def message_id(raw: bytes) -> str | None:
+    """The task id (here the request id) of one kombu message as stored in a queue list, or None
+    when the entry is not a kombu message."""
     try:
         return json.loads(raw)["headers"]["id"]
     except (ValueError, KeyError, TypeError):

@@ -180,6 +180,16 @@ def engine_processes(pid: int) -> list:
     return out
 
 
+def wait_processes_gone(procs, timeout: float = 30) -> None:
+    """Wait until none of `procs` (psutil.Process) is alive (zombies count as gone)."""
+    import psutil
+
+    from app.embedded import wait_for
+
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                             for p in procs), timeout, what="engine processes to exit")
+
+
 @pytest.fixture(scope="session")
 def warm_worker(redis_server, tmp_path_factory):
     """One warm worker shared by the worker-tier tests that only send it requests."""

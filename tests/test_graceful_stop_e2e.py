@@ -6,7 +6,6 @@ import re
 import signal
 import time
 
-import psutil
 import pytest
 
 from app import keys
@@ -14,7 +13,7 @@ from app.embedded import wait_for
 from app.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken)
+                            every_request_taken, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 
@@ -56,8 +55,7 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         # A clean stop: exit 0 after shutting the engine down, no engine process left, no
         # leaked shared memory or __del__ noise in the log, and the registry entry gone.
         assert victim.proc.wait(timeout=120) == 0
-        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                 for p in children), 30, what="engine processes to exit")
+        wait_processes_gone(children)
         assert victim.entry() is None
         log = victim.log.read_text()
         assert "handed back" in log

@@ -7,7 +7,6 @@ import signal
 import sys
 import time
 
-import psutil
 import pytest
 
 from app import keys
@@ -16,7 +15,7 @@ from app.settings import get_settings
 from app.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken)
+                            every_request_taken, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 REAP_TIMEOUT_S = 8
@@ -53,8 +52,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         # The main process only: its engine processes are left to the orphan guard, which must
         # kill them within seconds, so a successor never meets memory held by its predecessor.
         os.kill(victim.proc.pid, signal.SIGKILL)
-        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                 for p in children), 30, what="engine processes to exit")
+        wait_processes_gone(children)
         outs = [r.get(timeout=300) for r in rs]
         recovered_s = time.monotonic() - killed_at
         print(f"\n{len(held)} requests were on the killed worker; all 32 done "

@@ -152,8 +152,7 @@ class WorkerRuntime:
         from app.housekeeping import hand_back, republish_request
 
         done = hand_back(self.store, time.time(), self.instance_id, republish_request,
-                         lambda rid, err: app.backend.mark_as_failure(rid, err),
-                         self.settings.max_attempts)
+                         app.backend.mark_as_failure, self.settings.max_attempts)
         self._aborted = self.host.abort_in_flight()
         return done
 
@@ -179,8 +178,7 @@ class WorkerRuntime:
                 continue
             try:
                 outcome = reap_one(self.store, time.time(), rid, self.instance_id,
-                                   republish_request,
-                                   lambda r, err: app.backend.mark_as_failure(r, err),
+                                   republish_request, app.backend.mark_as_failure,
                                    self.settings.max_attempts)
             except Exception as e:  # the next Redis return tries again
                 log.warning("could not hand back orphan %s: %s", rid, e)
