@@ -5,8 +5,8 @@ from celery import Celery
 from kombu import Queue
 from kombu.utils.objects import cached_property
 
-from app import redis_conn
-from app.models import ModelRegistry, get_registry
+from app.state import conn as redis_conn
+from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 
 HOUSEKEEPING_QUEUE = "vigil.housekeeping"
@@ -15,7 +15,7 @@ HOUSEKEEPING_QUEUE = "vigil.housekeeping"
 class VigilCelery(Celery):
     """Celery, except that the results it hands out (`generate.delay(...)`, `app.AsyncResult(id)`)
     are VigilAsyncResult: `info` of an unfinished request says where it waits and why
-    (app/request_view.py)."""
+    (app/ops/request_view.py)."""
 
     # What create_app built this app from (results read Vigil's state through them).
     vigil_settings: VigilSettings | None = None
@@ -24,13 +24,13 @@ class VigilCelery(Celery):
     @cached_property
     def AsyncResult(self):
         """The result class bound to this app."""
-        return self.subclass_with_self("app.async_result:VigilAsyncResult",
+        return self.subclass_with_self("app.requests.async_result:VigilAsyncResult",
                                        reverse="AsyncResult")
 
     @cached_property
     def vigil_redis(self):
         """A client for Vigil's state in this app's Redis, built on first use."""
-        from app.store import connect
+        from app.state.store import connect
 
         return connect(self.vigil_settings or get_settings())
 
@@ -59,7 +59,7 @@ def _beat_schedule(s: VigilSettings) -> dict:
     # Quarantined workers must really stop consuming: the worker cancels its own consumers,
     # and this tick does it from outside when the worker could not.
     sched["vigil.health_tick"] = (s.health_tick_interval, "vigil.health_tick", {})
-    # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/jobs.py).
+    # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/fleet/jobs.py).
     sched["vigil.reconcile"] = (s.reconcile_interval, "vigil.reconcile", {})
     sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
     return {name: {"task": task, "schedule": every, "kwargs": kwargs,
@@ -85,7 +85,7 @@ def create_app(settings: VigilSettings | None = None,
         "socket_connect_timeout": s.redis_timeout,
         "retry_on_timeout": True,
         # Sentinel: the master's name and the sentinels' own options; nothing otherwise
-        # (app/redis_conn.py gives the state client the same).
+        # (app/state/conn.py gives the state client the same).
         **redis_conn.transport_options(s),
     }
     tls = redis_conn.tls_options(s)

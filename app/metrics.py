@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from app.store import Outcome
+    from app.state.store import Outcome
     from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.metrics")
@@ -182,7 +182,7 @@ class WorkerCollector:
         yield from self._redis_state()
 
     def _redis_state(self):
-        from app import keys
+        from app.state import keys
 
         rt = self.rt
         try:
@@ -207,7 +207,7 @@ class WorkerCollector:
 
 
 def _pool_queues(client, pool: str) -> list[str]:
-    from app.jobs import pool_queues  # the pool's own queue and one per job
+    from app.fleet.jobs import pool_queues  # the pool's own queue and one per job
 
     return pool_queues(client, pool)
 

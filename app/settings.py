@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.redis_conn import check_url, is_sentinel, is_tls, redacted_url
+from app.state.conn import check_url, is_sentinel, is_tls, redacted_url
 
 ENV_PREFIX = "VIGIL_"
 
@@ -60,7 +60,7 @@ DEFAULT_RETRY_BACKOFF_MAX_S = 60.0
 # Three: a poison request costs one death at a time (a canary passes between), and an external
 # kill is one; three in a row with nothing working between is the engine itself.
 DEFAULT_ENGINE_DEATH_LIMIT = 3
-# Health ledger (app/health.py): failures proven by traffic (timed-out requests, a stalled engine)
+# Health ledger (app/state/health.py): failures proven by traffic (timed-out requests, a stalled engine)
 # within the window, with no completed generation since, that quarantine a worker. Three: one
 # slow request is a blip, three in a row is a wedge.
 DEFAULT_FAILURE_THRESHOLD = 3
@@ -115,9 +115,9 @@ class VigilSettings(BaseSettings):
     # repr=False: the URL may hold a password, and a settings object can end up in a log line.
     redis_url: str = Field(DEFAULT_REDIS_URL, repr=False, description="Broker, result backend "
                            "and state: redis://, rediss:// (TLS), sentinel://host:port;... "
-                           "(Sentinel) or unix:// (app/redis_conn.py). Its credentials are "
+                           "(Sentinel) or unix:// (app/state/conn.py). Its credentials are "
                            "never shown.")
-    # TLS and Sentinel (docs/operations.md, "Redis beyond one box"): app/redis_conn.py hands
+    # TLS and Sentinel (docs/operations.md, "Redis beyond one box"): app/state/conn.py hands
     # them to the broker, the result backend and the state client alike.
     redis_tls_ca_file: FilePath | None = Field(None, description="CA certificates (PEM) that "
                                                "Redis' certificate is checked against "
@@ -196,7 +196,7 @@ class VigilSettings(BaseSettings):
                            "`vigil worker --loglevel` (DEBUG, INFO, WARNING, ERROR, CRITICAL).")
     # Prompts and outputs are user data: never logged unless an operator asks for it.
     log_payloads: bool = False
-    # Flower's basic auth (`vigil flower`, app/cli.py). Flower shows every worker and task and can
+    # Flower's basic auth (`vigil flower`, app/ops/cli.py). Flower shows every worker and task and can
     # shut workers down, so `vigil flower` refuses to start without both unless auth is disabled
     # explicitly. The password is a SecretStr: its repr and any settings error hide the value.
     flower_user: str = Field("", description="Flower's basic-auth user.")

@@ -3,7 +3,7 @@
     python -m bench.deadline_sweep [--records 100000]
 
 Starts a private Redis, writes N expired PENDING records (pipelined, with the same Lua script the
-producer uses), sweeps them with `app.housekeeping.sweep_deadlines`, and reports the sweeper's
+producer uses), sweeps them with `app.fleet.housekeeping.sweep_deadlines`, and reports the sweeper's
 peak Python memory (tracemalloc) and time, against the same sweep over a 1,000-record backlog in
 the same run. The last line is `ratio R` = peak memory (N) / peak memory (1,000): ~1 means the
 sweep's memory does not grow with the backlog.
@@ -14,12 +14,12 @@ import argparse
 import time
 import tracemalloc
 
-from app.embedded import EmbeddedRedis
-from app.housekeeping import sweep_deadlines
-from app.schemas import parse_request
+from app.local.embedded import EmbeddedRedis
+from app.fleet.housekeeping import sweep_deadlines
+from app.requests.schemas import parse_request
 from app.settings import load_settings
-from app.store import RequestStore, connect
-from app.submit import record_fields
+from app.state.store import RequestStore, connect
+from app.requests.submit import record_fields
 
 
 def fill(store: RequestStore, n: int, prefix: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.cpu_meter import GET_TIMEOUT_S, _tail
 
 MODEL = "tiny-llama"
-# Words the tiny model's tokenizer was trained on (workers/tiny_model.py): ~1 token per word.
+# Words the tiny model's tokenizer was trained on (app/local/tiny_model.py): ~1 token per word.
 WORDS = ("the a one two red blue green small large quick slow cat dog bird fish tree river "
          "mountain city house road car train ship sun moon star cloud rain snow wind fire water "
          "stone gold book page word song voice light dark day night morning evening year time "
@@ -36,7 +36,7 @@ def make_prompts(n: int, round_no: int, words: int = 10) -> list[str]:
 
 # -- the direct engine (runs in its own process: `--direct-server`) ----------------------------
 def direct_server() -> int:
-    """Build one AsyncLLM like workers/engines.py does, then run rounds on command.
+    """Build one AsyncLLM like workers/engine/kinds.py does, then run rounds on command.
 
     Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens"} ->
     {"elapsed", "tokens", "n"}; "quit" or EOF shuts the engine down. vLLM's own output goes to
@@ -47,10 +47,10 @@ def direct_server() -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engines import engine_env_defaults
+    from workers.engine.kinds import engine_env_defaults
 
     engine_env_defaults()
-    from app.models import get_registry
+    from app.requests.models import get_registry
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind

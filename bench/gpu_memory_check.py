@@ -3,7 +3,7 @@ NVIDIA GPU and torch (vLLM is not needed). Runs in well under five minutes:
 
     python bench/gpu_memory_check.py [--index 0] [--hold-fraction 0.8]
 
-1. Compares the worker's own probe (workers/memory.py: NVML, else torch) with `nvidia-smi`.
+1. Compares the worker's own probe (workers/engine/memory.py: NVML, else torch) with `nvidia-smi`.
 2. Sizes a model entry asking for the default budget (gpu_memory_utilization 0.9) on the idle
    card: expected granted in full.
 3. Starts a second process that holds `--hold-fraction` of the card with a torch allocation,
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.errors import TransientError  # noqa: E402
-from app.models import ModelSpec  # noqa: E402
-from workers.memory import GiB, plan_memory, probe_memory  # noqa: E402
+from app.requests.models import ModelSpec  # noqa: E402
+from workers.engine.memory import GiB, plan_memory, probe_memory  # noqa: E402
 
 HOLDER = """
 import sys, torch

@@ -13,7 +13,7 @@ every `--worker-kill-every` s (and starts a fresh one) and an EngineCore every
 
 Kills land at any moment: the producer never pauses for them. A message a dying consumer takes
 with it (a BRPOP Redis answers on the dead socket) is published again by the reaper's audit
-(app/message_audit.py), so a lost request is a bug. The report (bench/soak_report.py, filled by
+(app/fleet/message_audit.py), so a lost request is a bug. The report (bench/soak_report.py, filled by
 bench/soak_findings.py) comes from Vigil's own records once every request ended, or the drain
 gave up: at `--drain-timeout`, or once every open request has had no message anywhere for longer
 than a reap and its audit take (`stranded_s`). Exit status 1 when anything was lost, ran to a
@@ -80,7 +80,7 @@ class Soak:
     # -- load --------------------------------------------------------------------------------
     def open_requests(self) -> int:
         """Requests accepted and not yet ended (the pool's open set)."""
-        from app import keys
+        from app.state import keys
 
         return self.fleet.client.scard(keys.pool_requests(MODEL))
 
@@ -228,7 +228,7 @@ class Soak:
         """Until every request is submitted and ended, printing progress every 10 s. After the
         last submit, stop waiting at the drain timeout, or once every open request has had no
         message anywhere (queue, unacked, in-flight set) for `stranded_s`."""
-        from app import keys
+        from app.state import keys
 
         last_say = last_look = 0.0
         drain_deadline = stranded_since = None

@@ -22,7 +22,7 @@ READ_CHUNK = 500
 RECORD_FIELDS = ("status", "created_at", "finished_at", "error", "result", "attempts",
                  "dispatch", "history", "last_error")
 REAPED = re.compile(r"reaped worker \S+ \(instance (\d+)\)")
-# app/message_audit.py audit_after_reap, logged by the reaper.
+# app/fleet/message_audit.py audit_after_reap, logged by the reaper.
 AUDIT_REPUBLISHED = re.compile(r"(\d+) request\(s\) of pool\(s\) .* had lost their message to a "
                                r"dead worker's consumer")
 
@@ -30,7 +30,7 @@ AUDIT_REPUBLISHED = re.compile(r"(\d+) request\(s\) of pool\(s\) .* had lost the
 def read_records(client, ids: list[str]) -> dict[str, dict | None]:
     """Each request's record (the fields the report needs, decoded; `history` as a list), or
     None for an id Redis has no record of."""
-    from app import keys
+    from app.state import keys
 
     out: dict[str, dict | None] = {}
     for i in range(0, len(ids), READ_CHUNK):
@@ -156,7 +156,7 @@ def describe_republished(recs: dict[str, dict | None], kills: list[Kill],
     submit, and from the nearest worker kill) and their history. Submitted within milliseconds
     of a kill: a message the dead consumer took; otherwise more likely a copy a live consumer had
     fetched but not yet reported, which its stale delivery then shows."""
-    from app.message_audit import REAP_REASON
+    from app.fleet.message_audit import REAP_REASON
 
     out = []
     for rid, rec in recs.items():

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.embedded import (REPO, EmbeddedRedis, start_process, start_worker, stop_process,
+from app.local.embedded import (REPO, EmbeddedRedis, start_process, start_worker, stop_process,
                           vigil_env, wait_for)
 
 MODEL = "tiny-llama"
@@ -75,12 +75,12 @@ class Fleet:
     def build_model(self) -> None:
         """Build the tiny model's weights if they are not there yet (once, here: two workers
         building it at once would race)."""
-        from app.models import get_registry
-        from workers.tiny_model import is_built
+        from app.requests.models import get_registry
+        from app.local.tiny_model import is_built
 
         path = get_registry().get(MODEL).path
         if not is_built(path):
-            subprocess.run([sys.executable, "-m", "app.cli", "model", "build-tiny", path],
+            subprocess.run([sys.executable, "-m", "app.ops.cli", "model", "build-tiny", path],
                            check=True, env=vigil_env(self.redis.url, **self.env), cwd=str(REPO),
                            stdout=subprocess.DEVNULL)
 
@@ -137,7 +137,7 @@ class Fleet:
 
     def held(self, name: str) -> list[str]:
         """The request ids in the live worker's in-flight set (none if it is not registered)."""
-        from app import keys
+        from app.state import keys
 
         e = self.entry(name)
         if not e:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.embedded import free_port as _free_port
+from app.local.embedded import free_port as _free_port
 from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, renice_engine
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
 
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "to N (validates a suggested fix; not what Vigil does today)")
     p.add_argument("--one-session", action="store_true",
                    help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
-                        "instead of app.embedded's one session per process")
+                        "instead of app.local.embedded's one session per process")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
@@ -77,7 +77,7 @@ class Bench:
         # Before anything imports `app`: the Celery app and settings are built at import.
         os.environ["VIGIL_CACHE_DIR"] = self.cache
         os.environ["VIGIL_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        from app import embedded
+        from app.local import embedded
 
         self.emb = embedded
         self.redis = embedded.EmbeddedRedis(port=port)
@@ -103,8 +103,8 @@ class Bench:
         if not self.args.worker_loglevel:
             proc = self.emb.start_worker(url, f"{name}@%h", log, concurrency=self.args.concurrency,
                                          pools=MODEL, **env)
-        else:  # app.embedded.start_worker has no log level: the same command, spelled out
-            argv = [sys.executable, "-m", "app.cli", "worker", "--cpu", "--name", f"{name}@%h",
+        else:  # app.local.embedded.start_worker has no log level: the same command, spelled out
+            argv = [sys.executable, "-m", "app.ops.cli", "worker", "--cpu", "--name", f"{name}@%h",
                     "--concurrency", str(self.args.concurrency), "--pools", MODEL,
                     "--loglevel", self.args.worker_loglevel]
             proc = self.emb.start_process(argv, self.emb.vigil_env(url, **env), log)
@@ -292,12 +292,12 @@ class Bench:
         summary: list[str] = []
         try:
             self.redis.start()
-            from app.models import get_registry
-            from workers.tiny_model import is_built
+            from app.requests.models import get_registry
+            from app.local.tiny_model import is_built
 
             path = get_registry().get(MODEL).path
             if not is_built(path):  # once, here: two engines building it at once would race
-                subprocess.run([sys.executable, "-m", "app.cli", "model", "build-tiny", path],
+                subprocess.run([sys.executable, "-m", "app.ops.cli", "model", "build-tiny", path],
                                check=True, env=self.emb.vigil_env(self.redis.url),
                                cwd=str(self.emb.REPO), stdout=subprocess.DEVNULL)
             self.say(f"vigil bench {time.strftime('%Y-%m-%d %H:%M')}: {os.cpu_count()} CPUs, "

@@ -12,13 +12,13 @@ from kombu.exceptions import OperationalError
 
 from app.celery_app import outage_retry_policy
 from app.errors import JOB_DELETED, REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
-from app.jobs import announce_queue, job_queue
-from app.models import get_registry
+from app.fleet.jobs import announce_queue, job_queue
+from app.requests.models import get_registry
 from app.settings import get_settings
-from app.store import (CREATED_NEW_JOB_QUEUE, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,
+from app.state.store import (CREATED_NEW_JOB_QUEUE, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,
                        shared_store)
-from app.store import JOB_DELETED as JOB_DELETED_CODE
-from app.submit import (EXPIRES_GRACE_S, admit, effective_deadline, overloaded, record_fields,
+from app.state.store import JOB_DELETED as JOB_DELETED_CODE
+from app.requests.submit import (EXPIRES_GRACE_S, admit, effective_deadline, overloaded, record_fields,
                         wire_kwargs)
 
 log = logging.getLogger("vigil.submit")

@@ -1,16 +1,16 @@
-"""Beat tasks (thin): each calls a `(store, now)` function in app/housekeeping.py."""
+"""Beat tasks (thin): each calls a `(store, now)` function in app/fleet/housekeeping.py."""
 from __future__ import annotations
 
 import time
 
 from app import app
 from app.celery_app import HOUSEKEEPING_QUEUE
-from app.health import HealthLedger
-from app.housekeeping import (enforce_quarantines, ensure_job_consumers, reap_workers,
+from app.state.health import HealthLedger
+from app.fleet.housekeeping import (enforce_quarantines, ensure_job_consumers, reap_workers,
                               republish_request, sweep_deadlines)
-from app.jobs import end_job, expire_jobs
+from app.fleet.jobs import end_job, expire_jobs
 from app.settings import get_settings
-from app.store import shared_store
+from app.state.store import shared_store
 
 
 def _tell_backend(request_id: str, err) -> None:
@@ -23,8 +23,8 @@ def _tell_backend(request_id: str, err) -> None:
 def deadline_sweep() -> int:
     """Fail every request past its deadline (deadline_exceeded); returns how many. First, if
     Redis restarted since the last look, publish again the open requests whose message the
-    restart lost (app/message_audit.py)."""
-    from app.message_audit import audit_after_restart
+    restart lost (app/fleet/message_audit.py)."""
+    from app.fleet.message_audit import audit_after_restart
 
     store = shared_store()
     audit_after_restart(store, time.time(), republish_request)
@@ -42,7 +42,7 @@ def reap(reap_timeout: float | None = None, registration_grace: float | None = N
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
     grace = (s.worker_registration_grace if registration_grace is None
              else float(registration_grace))
-    from app.message_audit import redis_start
+    from app.fleet.message_audit import redis_start
 
     store = shared_store()
     return len(reap_workers(store, time.time(), republish_request,
@@ -62,7 +62,7 @@ def _cancel(name: str, queue: str) -> None:
 
 @app.task(name="vigil.health_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def health_tick() -> int:
-    """Stop quarantined workers that still consume (app/housekeeping.py enforce_quarantines)."""
+    """Stop quarantined workers that still consume (app/fleet/housekeeping.py enforce_quarantines)."""
     s = get_settings()
     store = shared_store()
     ledger = HealthLedger(store.r, window=s.failure_window, threshold=s.failure_threshold)
@@ -92,10 +92,10 @@ def _control(name: str, queue: str, add: bool) -> None:
 
 @app.task(name="vigil.reconcile", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def reconcile() -> dict:
-    """Give unserved pools a worker (app/reconcile.py) and make every worker of a pool consume
+    """Give unserved pools a worker (app/fleet/reconcile.py) and make every worker of a pool consume
     all of its job queues; returns what it did."""
-    from app.models import get_registry
-    from app.reconcile import reconcile_pools
+    from app.requests.models import get_registry
+    from app.fleet.reconcile import reconcile_pools
 
     s = get_settings()
     store = shared_store()
@@ -113,7 +113,7 @@ def reconcile() -> dict:
 @app.task(name="vigil.job_leases", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def job_leases() -> int:
     """End jobs whose lease lapsed (abandoned): their open requests fail job_deleted."""
-    from app.models import get_registry
+    from app.requests.models import get_registry
 
     s = get_settings()
     store = shared_store()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.embedded import EmbeddedRedis
+from app.local.embedded import EmbeddedRedis
 
 _redis: EmbeddedRedis | None = None
 UNSERVED_MODEL = "unserved-model"
@@ -47,7 +47,7 @@ MISSING_MODEL = "missing-llama"  # a registered path with nothing there
 
 def fault_test_models(cache_dir: Path) -> list[dict]:
     """Registry entries of the fault tests' extra pools (same weights as tiny-llama, or broken)."""
-    from workers.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
+    from app.local.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
 
     tiny = {"path": str(cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
             "builder": "tiny-llama", "max_model_len": MAX_POSITIONS, "vocab_size": VOCAB_SIZE,
@@ -110,7 +110,7 @@ class RunningWorker:
     """A real `vigil worker --cpu` subprocess (Celery threads pool, vLLM CPU engine)."""
 
     def __init__(self, redis_server, name: str, tmp: Path, pools: str = "tiny-llama", **env):
-        from app.embedded import start_worker
+        from app.local.embedded import start_worker
 
         self.name = name
         self.log = tmp / f"{name.split('@')[0]}.log"
@@ -123,7 +123,7 @@ class RunningWorker:
         return worker_entry(self.client, self.name)
 
     def wait_engine(self, timeout: float = 300) -> dict[str, str]:
-        from app.embedded import wait_for
+        from app.local.embedded import wait_for
 
         def ready():
             if self.proc.poll() is not None:
@@ -136,7 +136,7 @@ class RunningWorker:
 
     def wait_registered(self, timeout: float = 120) -> dict[str, str]:
         """The worker's registry entry once it heartbeats (no engine needed)."""
-        from app.embedded import wait_for
+        from app.local.embedded import wait_for
 
         def up():
             if self.proc.poll() is not None:
@@ -160,7 +160,7 @@ class RunningWorker:
         return out
 
     def stop(self) -> None:
-        from app.embedded import stop_process
+        from app.local.embedded import stop_process
 
         stop_process(self.proc, timeout=60)
 
@@ -184,7 +184,7 @@ def wait_processes_gone(procs, timeout: float = 30) -> None:
     """Wait until none of `procs` (psutil.Process) is alive (zombies count as gone)."""
     import psutil
 
-    from app.embedded import wait_for
+    from app.local.embedded import wait_for
 
     wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                              for p in procs), timeout, what="engine processes to exit")
@@ -208,9 +208,9 @@ def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny
     """True once every request of `results` has left the queue and is held by one of the worker
     `instances` (or has ended). Fault tests kill only then: a message a consumer fetched in the
     last instant before a SIGKILL, before Celery's task_received, is not in the worker's
-    in-flight set: it comes back through the reaper's audit (app/message_audit.py), not with the
+    in-flight set: it comes back through the reaper's audit (app/fleet/message_audit.py), not with the
     worker's other requests, which would blur what the test measures."""
-    from app import keys
+    from app.state import keys
 
     if store.r.llen(queue):
         return False
@@ -235,7 +235,7 @@ def assert_each_ran_to_a_result_once(store, request_ids) -> None:
 
 def wait_until(cond, timeout: float = 10.0) -> None:
     """Poll `cond` every 10 ms until it is true; fail after `timeout` seconds (unit tier)."""
-    from app.embedded import wait_for
+    from app.local.embedded import wait_for
 
     wait_for(cond, timeout, 0.01, "the condition")
 
@@ -243,7 +243,7 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 @pytest.fixture()
 def make_host():
     """Build engine hosts from a fake engine factory (unit tier); shut them all down after."""
-    from workers.engine_host import EngineHost
+    from workers.engine.host import EngineHost
 
     hosts = []
 

@@ -1,7 +1,7 @@
 """Private redis-servers of the kinds a fleet beyond one box uses: password, TLS, Sentinel.
 
 Each runs the Debian `redis-server` binary on free loopback ports in its own process group and
-data directory (app/embedded.py's rules: stopped TERM then KILL, directory removed). The TLS
+data directory (app/local/embedded.py's rules: stopped TERM then KILL, directory removed). The TLS
 material is made per test with the `cryptography` package: a self-signed CA, a server
 certificate for 127.0.0.1/localhost and a client certificate, all signed by that CA.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from app.embedded import free_port, redis_server_path, stop_process, wait_for
+from app.local.embedded import free_port, redis_server_path, stop_process, wait_for
 
 SENTINEL_MASTER = "vigil-test-master"
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from app import keys
-from app.housekeeping import reap_workers, sweep_deadlines
-from app.schemas import parse_request
-from app.store import RequestStore, connect
-from app.store_lua import HISTORY_MAX
-from app.submit import record_fields
+from app.state import keys
+from app.fleet.housekeeping import reap_workers, sweep_deadlines
+from app.requests.schemas import parse_request
+from app.state.store import RequestStore, connect
+from app.state.lua import HISTORY_MAX
+from app.requests.submit import record_fields
 
 pytestmark = pytest.mark.redis
 T0 = 1_700_000_000.125  # a current Unix time, exact in binary and within cjson's 14 digits

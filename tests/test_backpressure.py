@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from app import app, keys
+from app import app
+from app.state import keys
 from app.errors import TransientError
-from app.schemas import parse_request
-from app.store import (CREATED, EXISTS, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore, connect,
+from app.requests.schemas import parse_request
+from app.state.store import (CREATED, EXISTS, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore, connect,
                        shared_store)
-from app.submit import record_fields
+from app.requests.submit import record_fields
 from tasks.inference import generate
 
 pytestmark = pytest.mark.redis

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app import batch
-from app.cli import main
-from app.embedded import start_process, stop_process, vigil_env, wait_for
-from app.models import get_registry
-from app.store import RequestStore
+from app.ops import batch_file as batch
+from app.ops.cli import main
+from app.local.embedded import start_process, stop_process, vigil_env, wait_for
+from app.requests.models import get_registry
+from app.state.store import RequestStore
 from tests.conftest import UNSERVED_MODEL
 
 pytestmark = pytest.mark.worker
@@ -138,7 +138,7 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
     cids = [g["custom_id"] for g in good]
     rids = {cid: batch.request_id_for(job, cid) for cid in cids}
     stats_before = store.stats()
-    argv = [sys.executable, "-m", "app.cli", "batch", str(src), "--job", job, "--window", "4",
+    argv = [sys.executable, "-m", "app.ops.cli", "batch", str(src), "--job", job, "--window", "4",
             "--quiet"]
     env = vigil_env(redis_server.url)
 

@@ -1,6 +1,6 @@
-"""Unit tier: `vigil batch`'s file format (app/batch.py), its runner with a fake fleet
-(app/batch_run.py) and chat rendering with real tokenizers saved in a temporary directory
-(app/chat.py). No Redis, no Celery."""
+"""Unit tier: `vigil batch`'s file format (app/ops/batch_file.py), its runner with a fake fleet
+(app/ops/batch_run.py) and chat rendering with real tokenizers saved in a temporary directory
+(app/requests/chat.py). No Redis, no Celery."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from app import batch
-from app.batch_run import BatchUsageError, default_paths, load_done, run_batch
-from app.chat import ChatTemplates
+from app.ops import batch_file as batch
+from app.ops.batch_run import BatchUsageError, default_paths, load_done, run_batch
+from app.requests.chat import ChatTemplates
 from app.errors import RequestError
-from app.models import ModelRegistry, ModelSpec
-from app.schemas import parse_request
+from app.requests.models import ModelRegistry, ModelSpec
+from app.requests.schemas import parse_request
 
 
 def line(cid="q1", url="/v1/completions", **body) -> dict:
@@ -352,7 +352,7 @@ def save_tokenizer(path: Path, template: str | None) -> str:
 
 
 def registry(tmp_path) -> ModelRegistry:
-    from workers.tiny_model import CHAT_TEMPLATE
+    from app.local.tiny_model import CHAT_TEMPLATE
 
     return ModelRegistry([
         ModelSpec(name="templated", path=save_tokenizer(tmp_path / "t", CHAT_TEMPLATE)),

@@ -8,7 +8,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from app.errors import RequestError, TransientError, WorkerFatalError
-from workers.classify import classify, is_engine_dead
+from workers.engine.classify import classify, is_engine_dead
 
 
 @pytest.mark.parametrize("exc, cls, code", [

@@ -1,9 +1,9 @@
-"""docs/configuration.md is generated from the settings object (app/config_doc.py); these tests
+"""docs/configuration.md is generated from the settings object (app/ops/config_doc.py); these tests
 fail when it is out of date or when a setting is undocumented."""
 from __future__ import annotations
 
-from app.config_doc import COMMAND, field_rows, render
-from app.embedded import REPO
+from app.ops.config_doc import COMMAND, field_rows, render
+from app.local.embedded import REPO
 from app.settings import ENV_PREFIX, VigilSettings
 
 

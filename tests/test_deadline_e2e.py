@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from app.embedded import start_process, stop_process, vigil_env
+from app.local.embedded import start_process, stop_process, vigil_env
 from app.errors import TerminalError
 from tasks.inference import generate
 from tests.conftest import UNSERVED_MODEL

@@ -19,7 +19,7 @@ import yaml
 from honcho.environ import parse_procfile
 
 from app import app
-from app.cli import build_parser, worker_argv
+from app.ops.cli import build_parser, worker_argv
 
 REPO = Path(__file__).resolve().parent.parent
 PROCFILE = REPO / "Procfile"

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from app import app
-from app.embedded import wait_for
+from app.local.embedded import wait_for
 from app.errors import RequestError
-from app.models import queue_for
-from app.store import RequestStore
+from app.requests.models import queue_for
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (DRILL_MODEL, RunningWorker,
                             assert_each_ran_to_a_result_once, every_request_taken)

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from app.errors import RequestError, TransientError
-from app.models import ModelSpec
-from app.schemas import GenerateRequest
-from workers.engines import EngineOutput
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from workers.engine.kinds import EngineOutput
 from tests.conftest import wait_until as _wait_until
 
 A = ModelSpec(name="model-a")
@@ -192,7 +192,7 @@ def test_request_errors_from_the_engine_are_not_retryable(make_host):
 
 
 def test_drain_aborts_in_flight_requests_and_refuses_new_ones(make_host):
-    from workers.engine_host import HandedBack
+    from workers.engine.host import HandedBack
 
     f = Factory()
     host = make_host(f)

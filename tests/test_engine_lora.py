@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.adapters import AdapterRef, AdapterSpec, resolve_adapter
+from app.requests.adapters import AdapterRef, AdapterSpec, resolve_adapter
 from app.errors import RequestError, TransientError
-from app.models import ModelSpec
-from app.schemas import GenerateRequest
-from workers.engines import EngineOutput
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from workers.engine.kinds import EngineOutput
 
 SPEC = ModelSpec(name="model-a", max_loras=2, max_lora_rank=8)
 
@@ -188,9 +188,9 @@ def test_adapter_names_and_paths_are_resolved_or_refused(tmp_path):
 
 
 def test_a_model_without_adapters_refuses_lora_requests_at_submit():
-    from app.models import ModelRegistry
+    from app.requests.models import ModelRegistry
     from app.settings import load_settings
-    from app.submit import admit
+    from app.requests.submit import admit
 
     reg = ModelRegistry([ModelSpec(name="plain")])
     with pytest.raises(RequestError, match="model plain serves no LoRA adapters"):

@@ -12,12 +12,12 @@ import pytest
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from app.errors import RequestError, TransientError, WorkerFatalError
-from app.models import ModelSpec
-from app.schemas import GenerateRequest
-from workers.engine_host import EngineHost, HandedBack
-from workers.engines import EngineOutput
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from workers.engine.host import EngineHost, HandedBack
+from workers.engine.kinds import EngineOutput
 from tests.conftest import wait_until
-from workers.recovery import DeathStreak, death_signature, split_suspects
+from workers.engine.suspects import DeathStreak, death_signature, split_suspects
 
 A = ModelSpec(name="model-a")
 POISON = "POISON"

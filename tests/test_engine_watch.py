@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from app.errors import TransientError
-from app.models import ModelSpec
-from app.schemas import GenerateRequest
-from workers.engine_host import HandedBack
-from workers.engines import EngineOutput
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from workers.engine.host import HandedBack
+from workers.engine.kinds import EngineOutput
 from tests.conftest import wait_until
 
 A = ModelSpec(name="model-a")
@@ -137,7 +137,7 @@ def test_named_requests_are_aborted_wherever_they_are(make_host):
     """Given requests in the engine, when some are aborted by request id (their job was
     deleted), then exactly those callers get Aborted, the engine drops them, and the others
     finish."""
-    from workers.engine_host import Aborted
+    from workers.engine.host import Aborted
 
     w = World()
     host = make_host(w)

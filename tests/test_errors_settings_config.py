@@ -9,7 +9,7 @@ import pytest
 from app.celery_app import HOUSEKEEPING_QUEUE, create_app, declared_queues
 from app.errors import (RequestError, TerminalError, TransientError, WorkerFatalError,
                         error_from_record)
-from app.models import get_registry
+from app.requests.models import get_registry
 from app.settings import SettingsError, load_settings
 
 
@@ -40,7 +40,7 @@ def test_invalid_setting_names_the_environment_variable(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["-c", "from app import app"],
-                                  ["-m", "app.cli", "worker", "--cpu"]])
+                                  ["-m", "app.ops.cli", "worker", "--cpu"]])
 def test_invalid_redis_url_fails_at_start_naming_the_variable(argv):
     proc = subprocess.run(
         [sys.executable, *argv], capture_output=True, text=True, timeout=60,
@@ -80,7 +80,7 @@ def test_redis_pools_hold_a_connection_per_task_thread():
     (100) made finished requests fail with 'Too many connections' at concurrency 160."""
     import redis
 
-    from app.store import connect
+    from app.state.store import connect
 
     s = load_settings(worker_concurrency=160)
     pool = connect(s).connection_pool
@@ -89,7 +89,7 @@ def test_redis_pools_hold_a_connection_per_task_thread():
 
 
 def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():
-    from app.cli import build_parser, worker_argv
+    from app.ops.cli import build_parser, worker_argv
 
     args = build_parser().parse_args(["worker", "--gpu", "1"])
     argv = worker_argv(args, 128)
@@ -103,7 +103,7 @@ def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():
 
 
 def test_worker_refuses_both_or_neither_device_flag():
-    from app.cli import build_parser
+    from app.ops.cli import build_parser
 
     for argv in (["worker"], ["worker", "--gpu", "0", "--cpu"]):
         with pytest.raises(SystemExit):

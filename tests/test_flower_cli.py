@@ -1,4 +1,4 @@
-"""Unit tier: `vigil flower` (app/cli.py) and its settings. The real Flower process is in
+"""Unit tier: `vigil flower` (app/ops/cli.py) and its settings. The real Flower process is in
 tests/test_flower_e2e.py (worker tier) and tests/test_procfile_honcho_e2e.py."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from app.cli import DEFAULT_FLOWER_PORT, FlowerAuthMissing, build_parser, flower_command
-from app.embedded import vigil_env
+from app.ops.cli import DEFAULT_FLOWER_PORT, FlowerAuthMissing, build_parser, flower_command
+from app.local.embedded import vigil_env
 from app.settings import SettingsError, load_settings
 
 SECRET = "s3cret:pass-word"
@@ -74,7 +74,7 @@ def test_vigil_flower_without_credentials_exits_2_with_a_message_naming_the_vari
     env = vigil_env(redis_server.url)
     for k in ("VIGIL_FLOWER_USER", "VIGIL_FLOWER_PASSWORD", "VIGIL_FLOWER_AUTH_DISABLED"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "app.cli", "flower", "--port", "1"], env=env,
+    out = subprocess.run([sys.executable, "-m", "app.ops.cli", "flower", "--port", "1"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "VIGIL_FLOWER_USER and VIGIL_FLOWER_PASSWORD" in out.stderr and out.stdout == ""
@@ -83,7 +83,7 @@ def test_vigil_flower_without_credentials_exits_2_with_a_message_naming_the_vari
 def test_a_bad_password_setting_exits_2_without_printing_it(redis_server):
     env = vigil_env(redis_server.url, VIGIL_FLOWER_USER="ops",
                     VIGIL_FLOWER_PASSWORD="x," + SECRET)
-    out = subprocess.run([sys.executable, "-m", "app.cli", "flower"], env=env,
+    out = subprocess.run([sys.executable, "-m", "app.ops.cli", "flower"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "VIGIL_FLOWER_PASSWORD" in out.stderr
     assert SECRET not in out.stderr + out.stdout

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import requests
 
-from app.embedded import free_port, start_process, stop_process, vigil_env, wait_for
+from app.local.embedded import free_port, start_process, stop_process, vigil_env, wait_for
 from tasks.inference import generate
 
 pytestmark = pytest.mark.worker

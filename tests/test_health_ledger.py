@@ -1,4 +1,4 @@
-"""Redis tier: the health ledger (app/health.py) with an injected clock, and beat's health tick.
+"""Redis tier: the health ledger (app/state/health.py) with an injected clock, and beat's health tick.
 Only traffic moves the ledger: failures count within the window, a completed generation ends
 the streak, heartbeats and probes change nothing."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.housekeeping import enforce_quarantines
-from app.store import RequestStore
+from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
+from app.fleet.housekeeping import enforce_quarantines
+from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

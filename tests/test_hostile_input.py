@@ -9,9 +9,9 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from app import keys
+from app.state import keys
 from app.errors import RequestError, TerminalError
-from app.schemas import parse_request
+from app.requests.schemas import parse_request
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime
 from workers.service import serve

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from app import keys
-from app.housekeeping import sweep_deadlines
-from app.schemas import parse_request
-from app.store import RequestStore, connect
-from app.submit import record_fields
+from app.state import keys
+from app.fleet.housekeeping import sweep_deadlines
+from app.requests.schemas import parse_request
+from app.state.store import RequestStore, connect
+from app.requests.submit import record_fields
 
 pytestmark = pytest.mark.redis
 T0 = 1_000_000.0
@@ -97,7 +97,7 @@ def test_a_held_lock_makes_a_second_sweep_do_nothing(store):
 
 
 # -- the reaper ----------------------------------------------------------------------------------
-from app.housekeeping import reap_workers  # noqa: E402
+from app.fleet.housekeeping import reap_workers  # noqa: E402
 
 
 def register(store, instance, name, last_seen):

@@ -1,4 +1,4 @@
-"""Redis tier: jobs (app/jobs.py) as functions of (store, now): the job's queue per pool is
+"""Redis tier: jobs (app/fleet/jobs.py) as functions of (store, now): the job's queue per pool is
 announced once, deleting a job fails its open requests and refuses new ones, a lapsed lease
 ends a job, and the reconcile repairs a lost announcement; two beats never double-act."""
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app import keys
-from app.housekeeping import ensure_job_consumers
-from app.jobs import (DEFAULT_JOB, create_job, end_job, expire_jobs, list_jobs, pool_queues,
+from app.state import keys
+from app.fleet.housekeeping import ensure_job_consumers
+from app.fleet.jobs import (DEFAULT_JOB, create_job, end_job, expire_jobs, list_jobs, pool_queues,
                       queue_name)
-from app.schemas import GenerateRequest
-from app.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore
-from app.submit import record_fields
+from app.requests.schemas import GenerateRequest
+from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore
+from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -85,7 +85,7 @@ def test_a_job_whose_lease_lapsed_is_abandoned_and_an_active_one_is_kept(store):
 
 
 def test_the_reconcile_adds_a_job_queue_a_worker_missed_and_skips_quarantined_ones(store):
-    from app.health import HealthLedger
+    from app.state.health import HealthLedger
 
     submit(store, "r1", "late-job")
     for inst, name in ((1, "ok@h"), (2, "sick@h")):

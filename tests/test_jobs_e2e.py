@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import main
-from app.embedded import wait_for
+from app.ops.cli import main
+from app.local.embedded import wait_for
 from app.errors import TerminalError
-from app.jobs import queue_name
-from app.store import RequestStore
+from app.fleet.jobs import queue_name
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import UNSERVED_MODEL
 

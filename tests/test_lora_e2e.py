@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from app.errors import RequestError
-from app.models import get_registry
-from app.store import RequestStore
+from app.requests.models import get_registry
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import CACHE_DIR
 
@@ -23,8 +23,8 @@ PROMPTS = [f"the story of the {w} begins" for w in ("cat", "dog", "owl", "fox", 
 def adapters():
     """Adapters under VIGIL_ADAPTER_ROOTS: two good ones, rank 16 (above the engine's 8), and
     one made for a model with another hidden size."""
-    from workers.tiny_adapter import build_tiny_adapter
-    from workers.tiny_model import ensure_tiny_llama
+    from app.local.tiny_adapter import build_tiny_adapter
+    from app.local.tiny_model import ensure_tiny_llama
 
     base = ensure_tiny_llama(get_registry().get("tiny-llama").path)
     return {
@@ -91,7 +91,7 @@ def test_an_adapter_still_being_written_keeps_its_request_pending_until_it_is_co
     """Given an adapter directory with no config yet (a writer is still copying it), then its
     request waits, retried without using up attempts, and succeeds once the adapter is complete,
     with the same output as the finished adapter gives."""
-    from app.embedded import wait_for
+    from app.local.embedded import wait_for
 
     target = ROOT / "late"
     shutil.rmtree(target, ignore_errors=True)

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from app.embedded import wait_for
+from app.local.embedded import wait_for
 from app.errors import RequestError
-from app.store import RequestStore
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (CORRUPT_MODEL, MISSING_MODEL, ROOMY_MODEL, RunningWorker,
                             fault_test_models)
-from workers.memory import GiB, probe_memory, worker_device
+from workers.engine.memory import GiB, probe_memory, worker_device
 
 pytestmark = pytest.mark.worker
 # The worker is told that roomy-llama needs all but HEADROOM of the memory free at the start of

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from app.errors import RequestError, TransientError
-from app.models import ModelSpec
-from workers.classify import classify_load_failure
-from workers.engine_host import EngineHost
-from workers.memory import GiB, MemoryProbe, plan_memory, probe_memory, worker_device
+from app.requests.models import ModelSpec
+from workers.engine.classify import classify_load_failure
+from workers.engine.host import EngineHost
+from workers.engine.memory import GiB, MemoryProbe, plan_memory, probe_memory, worker_device
 
 SPEC = ModelSpec(name="m", memory_gib=2.0, kv_cache_gib=1.0, kv_cache_floor_gib=0.25)
 
@@ -107,7 +107,7 @@ def test_the_host_sizes_each_start_and_shares_a_memory_pressure_refusal():
             built.append(plan.engine_args)
 
         async def run(self, r, rid):
-            from workers.engines import EngineOutput
+            from workers.engine.kinds import EngineOutput
 
             return EngineOutput("ok", [1], "length", 1)
 
@@ -117,7 +117,7 @@ def test_the_host_sizes_each_start_and_shares_a_memory_pressure_refusal():
         def shutdown(self, timeout):
             pass
 
-    from app.schemas import GenerateRequest
+    from app.requests.schemas import GenerateRequest
 
     host = EngineHost(Engine, idle_cleanup=0,
                       planner=lambda s: plan_memory(s, cpu(free[0]))).start()

@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.embedded import free_port, wait_for
+from app.local.embedded import free_port, wait_for
 from app.errors import RequestError
-from app.models import queue_for
+from app.requests.models import queue_for
 from tasks.inference import generate
 from tests.conftest import DRILL_MODEL, RunningWorker
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from app import keys
-from app.embedded import EmbeddedRedis, start_process, start_worker, stop_process, vigil_env, \
+from app.state import keys
+from app.local.embedded import EmbeddedRedis, start_process, start_worker, stop_process, vigil_env, \
     wait_for
 
 pytestmark = pytest.mark.worker

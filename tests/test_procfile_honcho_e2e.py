@@ -21,7 +21,7 @@ import redis
 import requests
 from honcho.environ import parse_procfile
 
-from app.embedded import REPO, free_port, start_process, vigil_env, wait_for
+from app.local.embedded import REPO, free_port, start_process, vigil_env, wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from app import keys
-from app.embedded import start_process, stop_process, vigil_env, wait_for
+from app.state import keys
+from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.settings import get_settings
-from app.store import RequestStore
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
                             every_request_taken, wait_processes_gone)

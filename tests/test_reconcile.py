@@ -1,4 +1,4 @@
-"""Redis tier: the pool reconcile (app/reconcile.py) as a function of (store, registry, now):
+"""Redis tier: the pool reconcile (app/fleet/reconcile.py) as a function of (store, registry, now):
 an unserved pool with waiting work gets the idlest healthy worker that fits its model, never one
 that cannot; with none, the reason is recorded; replicas grow a pool; lent workers go back."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.health import HealthLedger
-from app.jobs import queue_name
-from app.models import ModelRegistry, ModelSpec
-from app.reconcile import reconcile_pools, unserved_reason
-from app.store import RequestStore
+from app.state.health import HealthLedger
+from app.fleet.jobs import queue_name
+from app.requests.models import ModelRegistry, ModelSpec
+from app.fleet.reconcile import reconcile_pools, unserved_reason
+from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

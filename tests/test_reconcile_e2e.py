@@ -7,10 +7,10 @@ import time
 import pytest
 
 from app import app
-from app.embedded import wait_for
+from app.local.embedded import wait_for
 from app.errors import TerminalError
-from app.jobs import queue_name
-from app.store import RequestStore
+from app.fleet.jobs import queue_name
+from app.state.store import RequestStore
 from tasks.housekeeping import deadline_sweep, reconcile
 from tasks.inference import generate
 from tests.conftest import HUGE_MODEL, ROOMY_MODEL, RunningWorker

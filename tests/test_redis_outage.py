@@ -15,11 +15,11 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from app import keys
+from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
-from app.housekeeping import reap_workers
-from app.message_audit import RUN_ID_KEY, audit_after_restart, redis_start
-from app.store import RequestStore, connect
+from app.fleet.housekeeping import reap_workers
+from app.fleet.message_audit import RUN_ID_KEY, audit_after_restart, redis_start
+from app.state.store import RequestStore, connect
 from tests.conftest import wait_until
 from tests.test_store_and_service import create
 
@@ -197,7 +197,7 @@ def test_get_answers_from_the_record_or_says_request_lost(monkeypatch):
     record's result and the second raises TerminalError request_lost, both within seconds
     instead of waiting out the timeout."""
     from app import app
-    from app import async_result
+    from app.requests import async_result
 
     monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
     store = RequestStore(app.vigil_redis, 60)
@@ -264,7 +264,7 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(settings, m
     (a Redis crash rolled its finish back) and a PENDING one whose delayed retry its consumer
     dropped with the connection, when Redis comes back, then both are moved to their next
     dispatch and published again."""
-    import app.housekeeping as hk
+    import app.fleet.housekeeping as hk
 
     published = Published()
     monkeypatch.setattr(hk, "republish_request", published)
@@ -306,8 +306,8 @@ def test_waiting_in_get_renews_the_job_lease(monkeypatch):
     producer waits on that request with get(), then the job's lease is renewed while it waits
     (so beat does not take the job for abandoned)."""
     from app import app
-    from app import async_result
-    from app.jobs import create_job
+    from app.requests import async_result
+    from app.fleet.jobs import create_job
 
     monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
     monkeypatch.setattr(async_result, "_touched", {})

@@ -1,4 +1,4 @@
-"""Redis beyond one box (app/redis_conn.py): password, TLS and Sentinel URLs for the broker, the
+"""Redis beyond one box (app/state/conn.py): password, TLS and Sentinel URLs for the broker, the
 result backend and Vigil's state, from one set of settings; credentials never shown.
 
 Unit tests for the URL rules and the Celery configuration; Redis-tier tests against private
@@ -15,12 +15,12 @@ import pytest
 import redis
 
 from app.celery_app import create_app
-from app.embedded import free_port, wait_for
+from app.local.embedded import free_port, wait_for
 from app.errors import REDIS_UNAVAILABLE, TransientError
-from app.redis_conn import preflight, redacted_url, sentinel_addresses
+from app.state.conn import preflight, redacted_url, sentinel_addresses
 from app.settings import SettingsError, load_settings
-from app.status import redacted_url as status_redacted_url
-from app.store import RequestStore, connect
+from app.ops.status import redacted_url as status_redacted_url
+from app.state.store import RequestStore, connect
 from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel,
                                  make_tls_files)
 

@@ -3,7 +3,7 @@ not the suite's open loopback one: with a password, over TLS with client certifi
 through Redis Sentinel (docs/operations.md, "Redis beyond one box").
 
 These tests are about connectivity, not generation: each worker runs VIGIL_ENGINE=instant
-(workers/engines.py, InstantEngine: answers without a model), so a worker starts in seconds and
+(workers/engine/kinds.py, InstantEngine: answers without a model), so a worker starts in seconds and
 the round trip exercises the broker, the result backend and Vigil's state over the connection
 under test. Every worker and server is private to its test.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.embedded import REPO, free_port, start_worker, stop_process, vigil_env, wait_for
+from app.local.embedded import REPO, free_port, start_worker, stop_process, vigil_env, wait_for
 from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel,
                                  make_tls_files)
 
@@ -61,7 +61,7 @@ def serve_one_request(url: str, name: str, tmp_path: Path, check_client, **env: 
         assert out.returncode == 0, out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["worker"] == name and result["completion_tokens"] == 4
-        status = _run([sys.executable, "-m", "app.cli", "status", "--json"], vigil_env(url, **env))
+        status = _run([sys.executable, "-m", "app.ops.cli", "status", "--json"], vigil_env(url, **env))
         assert status.returncode == 0, status.stderr[-3000:]
         snap = json.loads(status.stdout)
         assert any(w["name"] == name for w in snap["workers"])
@@ -97,7 +97,7 @@ def test_password_redis_round_trip_and_a_wrong_password_fails_fast_without_showi
         assert out.stdout.startswith("TransientError redis_unavailable")
         assert "refused the credentials" in out.stdout
 
-        worker = _run([sys.executable, "-m", "app.cli", "worker", "--cpu", "--name",
+        worker = _run([sys.executable, "-m", "app.ops.cli", "worker", "--cpu", "--name",
                        "wrong@testhost"], env)
         assert worker.returncode == 2
         assert "VIGIL_REDIS_URL" in worker.stderr and "refused the credentials" in worker.stderr

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from app.embedded import EmbeddedRedis, start_process, stop_process, vigil_env, wait_for
-from app.store import RequestStore
+from app.local.embedded import EmbeddedRedis, start_process, stop_process, vigil_env, wait_for
+from app.state.store import RequestStore
 from tests.conftest import CACHE_DIR, RunningWorker, assert_each_ran_to_a_result_once
 
 pytestmark = pytest.mark.worker

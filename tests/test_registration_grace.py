@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from app import keys
-from app.housekeeping import reap_workers
-from app.schemas import parse_request
+from app.state import keys
+from app.fleet.housekeeping import reap_workers
+from app.requests.schemas import parse_request
 from app.settings import SettingsError, load_settings
-from app.store import RequestStore, connect
-from app.submit import record_fields
+from app.state.store import RequestStore, connect
+from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

@@ -12,16 +12,16 @@ import time
 import pytest
 from celery import states
 
-from app import keys
+from app.state import keys
 from app.celery_app import create_app
-from app.embedded import vigil_env
+from app.local.embedded import vigil_env
 from app.errors import TransientError
-from app.health import HealthLedger
-from app.models import get_registry
-from app.request_view import SCAN_LIMIT, describe, queue_position, why_waiting
-from app.schemas import parse_request
-from app.store import RequestStore, connect
-from app.submit import record_fields
+from app.state.health import HealthLedger
+from app.requests.models import get_registry
+from app.ops.request_view import SCAN_LIMIT, describe, queue_position, why_waiting
+from app.requests.schemas import parse_request
+from app.state.store import RequestStore, connect
+from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -219,18 +219,18 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
     url = settings.redis_url
     create(store, "r1")
     publish(celery_db1, "r1")
-    out = subprocess.run([sys.executable, "-m", "app.cli", "request", "r1", "--json"],
+    out = subprocess.run([sys.executable, "-m", "app.ops.cli", "request", "r1", "--json"],
                          env=vigil_env(url), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     v = json.loads(out.stdout)
     assert v["found"] and v["status"] == "PENDING"
     assert v["waiting"]["reasons"] == ["pool tiny-llama: no live worker serves it",
                                        f"position ~1 of 1 in queue {QUEUE}"]
-    human = subprocess.run([sys.executable, "-m", "app.cli", "request", "r1"],
+    human = subprocess.run([sys.executable, "-m", "app.ops.cli", "request", "r1"],
                            env=vigil_env(url, COLUMNS="200"), capture_output=True, text=True,
                            timeout=60)
     assert human.returncode == 0 and "no live worker serves it" in human.stdout
-    missing = subprocess.run([sys.executable, "-m", "app.cli", "request", "nope", "--json"],
+    missing = subprocess.run([sys.executable, "-m", "app.ops.cli", "request", "nope", "--json"],
                              env=vigil_env(url), capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and json.loads(missing.stdout) == {"request_id": "nope",
                                                                       "found": False}
@@ -239,8 +239,8 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
 
 def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_db1):
     """Given a request of job eval-7 behind another of the same job, then its place is counted in
-    the job's own queue (app/jobs.py), not the pool's."""
-    from app.jobs import job_queue
+    the job's own queue (app/fleet/jobs.py), not the pool's."""
+    from app.fleet.jobs import job_queue
 
     create(store, "r1", job="eval-7")
     for rid in ("ahead", "r1"):

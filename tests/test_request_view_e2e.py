@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from app.embedded import vigil_env
+from app.local.embedded import vigil_env
 from tasks.inference import generate
 
 pytestmark = pytest.mark.worker
 
 
 def vigil_request(redis_server, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", "request", *args],
+    return subprocess.run([sys.executable, "-m", "app.ops.cli", "request", *args],
                           env=vigil_env(redis_server.url, COLUMNS="200"), capture_output=True,
                           text=True, timeout=60)
 

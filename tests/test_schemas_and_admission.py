@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from app.errors import RequestError
-from app.models import get_registry
-from app.schemas import parse_request
+from app.requests.models import get_registry
+from app.requests.schemas import parse_request
 from app.settings import load_settings
-from app.submit import admit
+from app.requests.submit import admit
 
 OK = {"model": "tiny-llama", "prompt": "hello"}
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from app.embedded import start_process, stop_process, vigil_env, wait_for
+from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 
 pytestmark = pytest.mark.worker
 N = 300
@@ -19,7 +19,7 @@ N = 300
 # SIGKILLed once 40 requests have ended, the victim worker's whole process group once 100 have.
 # The producer does not pause for a kill: a message the victim's consumer takes to its grave (a
 # BRPOP answered after the SIGKILL, a fetch Celery never reported) must come back through the
-# reaper and its audit (app/message_audit.py), or the test fails on a lost request.
+# reaper and its audit (app/fleet/message_audit.py), or the test fails on a lost request.
 KILL_ENGINE_AT = 40
 KILL_WORKER_AT = 100
 # Failure codes a kill-only run may produce by design: none.

@@ -9,11 +9,11 @@ import sys
 import pytest
 import redis
 
-from app.embedded import vigil_env
-from app.health import HealthLedger
-from app.models import get_registry
+from app.local.embedded import vigil_env
+from app.state.health import HealthLedger
+from app.requests.models import get_registry
 from app.settings import load_settings
-from app.status import collect, redacted_url
+from app.ops.status import collect, redacted_url
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -32,9 +32,9 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     ledger = HealthLedger(client, window=3600, threshold=3)
     for i in range(3):
         ledger.failure(2, 1000.0 + i, "stall: no progress")
-    from app.schemas import GenerateRequest
-    from app.store import RequestStore
-    from app.submit import record_fields
+    from app.requests.schemas import GenerateRequest
+    from app.state.store import RequestStore
+    from app.requests.submit import record_fields
 
     store = RequestStore(client, 3600)
     store.create("old-one", record_fields(GenerateRequest(model="tiny-llama", prompt="p",
@@ -57,7 +57,7 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
 def test_status_json_from_the_command_line_hides_credentials(redis_db1_url):
     url = redis_db1_url.replace("redis://", "redis://vigil:s3cret@")
     assert redacted_url(url) == redis_db1_url
-    out = subprocess.run([sys.executable, "-m", "app.cli", "status", "--json"],
+    out = subprocess.run([sys.executable, "-m", "app.ops.cli", "status", "--json"],
                          env=vigil_env(redis_db1_url), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from app import keys
+from app.state import keys
 from app.errors import RequestError, TerminalError
-from app.schemas import parse_request
-from app.store import RequestStore, connect
-from app.submit import record_fields
-from workers.engine_host import EngineHost
-from workers.engines import EngineOutput
+from app.requests.schemas import parse_request
+from app.state.store import RequestStore, connect
+from app.requests.submit import record_fields
+from workers.engine.host import EngineHost
+from workers.engine.kinds import EngineOutput
 from workers.runtime import WorkerRuntime
 from workers.service import RetryLater, StaleDelivery, backoff, serve
 

@@ -10,9 +10,9 @@ import pytest
 
 from app import app
 from app.celery_app import declared_queues
-from app.embedded import free_port, vigil_env
+from app.local.embedded import free_port, vigil_env
 from app.errors import RequestError
-from app.models import get_registry
+from app.requests.models import get_registry
 from tasks.inference import generate
 
 pytestmark = pytest.mark.redis

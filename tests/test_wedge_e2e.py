@@ -10,9 +10,9 @@ import time
 import pytest
 
 from app import app
-from app.embedded import wait_for
-from app.health import HEALTHY, QUARANTINED, RESTARTING, HealthLedger
-from app.store import RequestStore
+from app.local.embedded import wait_for
+from app.state.health import HEALTHY, QUARANTINED, RESTARTING, HealthLedger
+from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, every_request_taken
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from app import app
-from app.embedded import wait_for
+from app.local.embedded import wait_for
 from app.errors import RequestError
-from app.store import RequestStore
+from app.state.store import RequestStore
 from tasks.inference import generate
 
 pytestmark = pytest.mark.worker

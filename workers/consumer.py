@@ -166,7 +166,7 @@ def guard_detached_channels(kredis) -> None:
     "Unrecoverable error": the worker exited (measured, Celery 5.7 / kombu 5.7, in
     tests/test_redis_restart_e2e.py). Now the restore and the ack fail like any write to a lost
     connection: the messages stay in kombu's unacked hash, a copy of a request still running is
-    dropped as busy when it comes back (app/store_lua.py BEGIN), and what the worker no longer
+    dropped as busy when it comes back (app/state/lua.py BEGIN), and what the worker no longer
     holds it hands back when Redis returns (WorkerRuntime.reclaim_orphans). Idempotent."""
     import redis
 

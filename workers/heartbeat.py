@@ -19,7 +19,7 @@ from typing import Callable
 
 import redis
 
-from app import keys
+from app.state import keys
 
 log = logging.getLogger("vigil.heartbeat")
 MIN_GAP_S = 0.2

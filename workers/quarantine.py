@@ -1,5 +1,5 @@
 """A worker's own side of the health ledger: report what traffic proves, quarantine itself at the
-threshold, come back only through a canary (DESIGN.md section 5, "Wedge"; app/health.py).
+threshold, come back only through a canary (DESIGN.md section 5, "Wedge"; app/state/health.py).
 
 Reports come from task threads (a request that ended `wedged`, a completed generation). A
 success costs a Redis call only while the worker is SUSPECT: the local mirror of the ledger
@@ -22,8 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 from app.errors import CANARY_FAILED, TransientError, WorkerFatalError
-from app.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.jobs import pool_queues
+from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
+from app.fleet.jobs import pool_queues
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime

@@ -12,18 +12,18 @@ import threading
 import time
 import uuid
 
-from app.models import ModelRegistry, get_registry
+from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
-from app.store import RequestStore, connect
+from app.state.store import RequestStore, connect
 from app.errors import WorkerFatalError
-from app.jobs import pool_queues
-from app.models import ModelSpec
-from workers.engine_host import EngineHost
-from workers.engines import ENGINES, MODEL_ENGINES, engine_env_defaults
-from app.health import HealthLedger
+from app.fleet.jobs import pool_queues
+from app.requests.models import ModelSpec
+from workers.engine.host import EngineHost
+from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_env_defaults
+from app.state.health import HealthLedger
 from workers.heartbeat import Heartbeat
 from workers.quarantine import WorkerHealth
-from workers.memory import MemoryPlan, plan_memory, probe_memory, worker_device
+from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.orphan_guard import OrphanGuard
 
 log = logging.getLogger("vigil.worker")
@@ -85,7 +85,7 @@ class WorkerRuntime:
     def pools(self) -> list[str]:
         """The pools this worker consumes now: from its consumer's queues once it runs (the
         reconcile adds and removes pools), else the ones it was started with."""
-        from app.models import QUEUE_PREFIX
+        from app.requests.models import QUEUE_PREFIX
 
         try:
             queues = [q.name for q in self.consumer.task_consumer.queues]
@@ -149,7 +149,7 @@ class WorkerRuntime:
         out of attempts or time) and abort them in the engine, whose callers drop their stale
         copies. The engine host must already refuse new requests. Returns (requeued, failed)."""
         from app import app
-        from app.housekeeping import hand_back, republish_request
+        from app.fleet.housekeeping import hand_back, republish_request
 
         done = hand_back(self.store, time.time(), self.instance_id, republish_request,
                          app.backend.mark_as_failure, self.settings.max_attempts)
@@ -165,7 +165,7 @@ class WorkerRuntime:
         from celery.worker import state
 
         from app import app
-        from app.housekeeping import reap_one, republish_request
+        from app.fleet.housekeeping import reap_one, republish_request
 
         listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
         # A delivery is reserved (or scheduled) before task_received adds it to the set, so one

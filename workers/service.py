@@ -15,10 +15,10 @@ from app.errors import (
     RequestError, TerminalError,
     TransientError, VigilError, WorkerFatalError, error_from_record,
 )
-from app.schemas import parse_request
-from app.store import Outcome
-from app.submit import adapter_for, check_prompt_size, record_fields
-from workers.engine_host import Aborted, HandedBack
+from app.requests.schemas import parse_request
+from app.state.store import Outcome
+from app.requests.submit import adapter_for, check_prompt_size, record_fields
+from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")

@@ -1,0 +1,217 @@
+"""Jobs: named submitter sessions, each with its own queue per pool, so a pool serves jobs
+round-robin instead of first come, first served (DESIGN.md section 6).
+
+    from app.fleet import jobs
+    jobs.create_job("eval-7", replicas=2)       # or just submit with job="eval-7"
+    generate.delay(model="tiny-llama", prompt="...", job="eval-7")
+    jobs.delete_job("eval-7")                   # its pending requests fail job_deleted
+
+    vigil job create eval-7 [--replicas N] [--lease S] | vigil job list | vigil job delete eval-7
+
+**Fairness.** A request of job J for pool P is published to the queue `vigil.pool.P.job.J`
+(the `default` job uses the pool's own queue `vigil.pool.P`). Every worker serving P consumes all
+of P's job queues, and kombu's Redis transport pops from a worker's queues in round-robin order,
+rotating the queue it just served to the back: jobs take turns, oldest first within a job, the
+job served longest ago first. A job that enqueues 2,000 requests does not hold up one that
+enqueues 20 after it.
+
+**Consumers follow jobs.** The first request of a job in a pool (the create script says so)
+tells the pool's live workers to consume the new queue (Celery `add_consumer`); a worker
+starting later consumes every job queue of its pools at start; beat's reconcile repairs any
+broadcast that got lost.
+
+**Ending a job.** `delete_job` marks the job deleted (a tombstone until the request deadline:
+later submits to it fail `job_deleted`), fails every request still open with `job_deleted`,
+drops its queues and their messages, and tells workers to stop consuming them, all under the
+job's lock. A job whose lease lapsed (no submit or `touch` for `job_lease`, the request
+deadline by default) is abandoned: the lease sweep ends it the same way, so its requests stop
+occupying GPUs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import redis
+from kombu import Queue
+
+from app.state import keys
+from app.errors import JOB_DELETED, TerminalError, TransientError, VigilError
+from app.requests.models import QUEUE_PREFIX
+
+log = logging.getLogger("vigil.jobs")
+
+DEFAULT_JOB = "default"
+JOB_LOCK = "job:{}"
+CHUNK = 100
+
+
+def queue_name(pool: str, job: str) -> str:
+    """The Celery queue carrying `job`'s requests for `pool`."""
+    return f"{QUEUE_PREFIX}{pool}" if job == DEFAULT_JOB else f"{QUEUE_PREFIX}{pool}.job.{job}"
+
+
+def job_queue(pool: str, job: str) -> Queue:
+    """`queue_name` as a kombu Queue (job queues are not in the app's declared list)."""
+    return Queue(queue_name(pool, job))
+
+
+def pool_queues(client: redis.Redis, pool: str) -> list[str]:
+    """Every queue of `pool`: its own and one per job that has requests there."""
+    jobs = sorted(j.decode() for j in client.smembers(keys.pool_jobs(pool)))
+    return [queue_name(pool, DEFAULT_JOB)] + [queue_name(pool, j) for j in jobs]
+
+
+def serving_workers(client: redis.Redis, pool: str) -> list[str]:
+    """Node names of registered workers whose pools include `pool`."""
+    ids = [i.decode() for i in client.zrange(keys.WORKERS, 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for i in ids:
+        pipe.hmget(keys.worker(i), "name", "pools")
+    out = []
+    for name, pools in pipe.execute():
+        if name and pools is not None and pool in pools.decode().split(","):
+            out.append(name.decode())
+    return out
+
+
+def announce_queue(client: redis.Redis, pool: str, job: str) -> None:
+    """Tell the pool's live workers to consume a job's new queue (best effort: beat's reconcile
+    repairs a lost broadcast)."""
+    from app import app
+
+    names = serving_workers(client, pool)
+    if names:
+        app.control.add_consumer(queue_name(pool, job), destination=names, reply=False)
+
+
+def create_job(client: redis.Redis, name: str, *, replicas: int = 1,
+               lease_s: float | None = None, now: float | None = None) -> None:
+    """Create (or update) a job. Submitting with `job=name` creates it implicitly."""
+    now = time.time() if now is None else now
+    if client.hget(keys.job(name), "state") == b"deleted":
+        raise TerminalError.of(JOB_DELETED, f"job {name!r} was deleted; use a new name")
+    pipe = client.pipeline(transaction=True)
+    pipe.hsetnx(keys.job(name), "created_at", now)
+    fields = {"name": name, "last_active": now, "replicas": replicas}
+    if lease_s is not None:
+        fields["lease_s"] = lease_s
+    pipe.hset(keys.job(name), mapping=fields)
+    pipe.zadd(keys.JOBS, {name: now})
+    pipe.execute()
+
+
+def touch(client: redis.Redis, name: str, now: float | None = None) -> None:
+    """Renew a job's lease (a poller that submits nothing calls this)."""
+    now = time.time() if now is None else now
+    if client.zscore(keys.JOBS, name) is not None:
+        pipe = client.pipeline(transaction=True)
+        pipe.hset(keys.job(name), "last_active", now)
+        pipe.zadd(keys.JOBS, {name: now})
+        pipe.execute()
+
+
+def list_jobs(client: redis.Redis) -> list[dict]:
+    """Every live job with its pending count and pools."""
+    out = []
+    for name, last in client.zrange(keys.JOBS, 0, -1, withscores=True):
+        name = name.decode()
+        raw = {k.decode(): v.decode() for k, v in client.hgetall(keys.job(name)).items()}
+        out.append({"name": name, "last_active": last,
+                    "pending": client.scard(keys.job_requests(name)),
+                    "replicas": int(raw.get("replicas", 1) or 1),
+                    "lease_s": float(raw["lease_s"]) if raw.get("lease_s") else None,
+                    "created_at": float(raw.get("created_at", last))})
+    return out
+
+
+Cancel = Callable[[str, list[str]], None]  # (queue, worker names)
+OnFailed = Callable[[str, VigilError], None]
+
+
+Abort = Callable[[list[str]], None]  # request ids that workers should stop running
+
+
+def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, cancel: Cancel,
+            pools: list[str], tombstone_s: float, lock_ttl_s: float = 120.0,
+            abort: Abort | None = None) -> int:
+    """Delete a job: tombstone first (no new request is accepted for it), then fail every open
+    request `job_deleted: <reason>`, each chunk right after workers were told to abort the ones
+    they are running (`abort`: an aborted request whose record is not failed yet is dropped as
+    stale, and failed here a moment later),
+    drop its queues (and their messages) in `pools`, and tell their workers to stop consuming
+    them. Under the job's lock; returns how many requests it failed, or -1 when another process
+    is ending the job right now."""
+    client = store.r
+    with store.locked(JOB_LOCK.format(name), lock_ttl_s) as held:
+        if not held:
+            return -1
+        failed = 0
+        pipe = client.pipeline(transaction=True)
+        pipe.hset(keys.job(name), mapping={"state": "deleted", "deleted_at": now,
+                                           "reason": reason})
+        pipe.expire(keys.job(name), int(max(60, tombstone_s)))
+        pipe.zrem(keys.JOBS, name)
+        pipe.execute()
+        err = TerminalError.of(JOB_DELETED, reason)
+        while True:
+            ids = [i.decode() for i in client.srandmember(keys.job_requests(name), CHUNK)]
+            if not ids:
+                break
+            if abort is not None:
+                try:  # first: a worker running one frees its engine slot, and does not
+                    abort(ids)  # finish it after it was failed here (a wasted run)
+                except Exception as e:
+                    log.warning("ending job %s: abort broadcast failed: %s", name, e)
+            for rid in ids:
+                try:
+                    won, _ = store.finish(rid, 0, now, error_kind=type(err).__name__,
+                                          error=str(err))
+                except TransientError as e:
+                    log.warning("ending job %s stopped early: %s", name, e)
+                    return failed
+                client.srem(keys.job_requests(name), rid)  # a record that expired meanwhile
+                if won:
+                    failed += 1
+                    try:
+                        on_failed(rid, err)
+                    except Exception as e:  # one bad item must not stop the rest
+                        log.warning("ending job %s: could not notify %s: %s", name, rid, e)
+        for pool in pools:
+            if client.srem(keys.pool_jobs(pool), name):
+                names = serving_workers(client, pool)
+                q = queue_name(pool, name)
+                # The queue, its messages, and kombu's binding records for it (one set per
+                # queue the job ever had: left behind, they would pile up job after job).
+                client.delete(q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}")
+                try:
+                    cancel(queue_name(pool, name), names)
+                except Exception as e:  # the queue is empty and gone; a consumer is harmless
+                    log.warning("ending job %s: cancel_consumer failed: %s", name, e)
+    log.warning("job %s ended (%s): failed %d open request(s)", name, reason, failed)
+    return failed
+
+
+def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, str], int],
+                lock_ttl_s: float = 60.0) -> int:
+    """End every job whose lease lapsed (no submit or touch for its lease): abandoned, its
+    requests fail instead of occupying GPUs. The default job never lapses. Lock-guarded;
+    returns how many jobs it ended."""
+    with store.locked("job_leases", lock_ttl_s) as held:
+        if not held:
+            return 0
+        ended = 0
+        oldest = now - default_lease_s
+        for name, last in store.r.zrangebyscore(keys.JOBS, "-inf", now, withscores=True,
+                                                start=0, num=1000):
+            name = name.decode()
+            if name == DEFAULT_JOB:
+                continue
+            lease = store.r.hget(keys.job(name), "lease_s")
+            limit = now - float(lease) if lease else oldest
+            if last < limit:
+                if end(name, f"job {name!r} abandoned: no submit or poll for "
+                       f"{now - last:.0f} s (its lease)") >= 0:
+                    ended += 1
+    return ended

@@ -1,0 +1,103 @@
+"""`vigil demo` / `make demo`: the whole system end to end on one machine.
+
+Starts a private Redis, one CPU worker (real vLLM engine, tiny-llama built locally), beat and
+Flower; a separate producer process sends prompts with `generate.delay` and shows progress; then
+a summary, the Flower URL, and a clean shutdown that leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import redis
+import requests
+
+from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_process, start_worker,
+                                stop_process, vigil_env, wait_for)
+
+
+def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
+    try:
+        r = requests.get(f"http://127.0.0.1:{port}/api/workers?refresh=1", auth=auth, timeout=5)
+        return r.status_code == 200 and bool(r.json())
+    except (requests.RequestException, ValueError):
+        return False
+
+
+def run_demo(n: int = 100, max_tokens: int = 32) -> int:
+    """Run the demo; 0 when every prompt got a result."""
+    from rich.console import Console
+
+    console = Console()
+    logs = Path(tempfile.mkdtemp(prefix="vigil-demo-"))
+    cache = os.environ.get("VIGIL_CACHE_DIR") or str(Path.home() / ".cache" / "vigil")
+    env = {"VIGIL_CACHE_DIR": cache}
+    procs: list[subprocess.Popen] = []
+    rds = None
+    try:
+        with console.status("building tiny-llama (random weights, local tokenizer)..."):
+            os.environ["VIGIL_CACHE_DIR"] = cache
+            from app.requests.models import TINY_LLAMA, get_registry
+            from workers.engine.kinds import ensure_model_files
+            model_dir = ensure_model_files(get_registry().get(TINY_LLAMA))
+        console.print(f"[green]tiny-llama[/] ready in {model_dir}")
+        rds = EmbeddedRedis().start()
+        console.print(f"private Redis on {rds.url}")
+        worker = start_worker(rds.url, "demo-cpu@%h", logs / "worker.log", pools="tiny-llama", **env)
+        procs.append(worker)
+        beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
+                              "-s", str(logs / "beat-schedule")],
+                             vigil_env(rds.url, **env), logs / "beat.log")
+        procs.append(beat)
+        fport, fpass = free_port(), secrets.token_urlsafe(9)
+        # `vigil flower`, as the Procfile runs it: the password travels in the environment.
+        flower = start_process([sys.executable, "-m", "app.ops.cli", "flower", "--port", str(fport),
+                                "--address", "127.0.0.1"],
+                               vigil_env(rds.url, VIGIL_FLOWER_USER="vigil",
+                                         VIGIL_FLOWER_PASSWORD=fpass, **env),
+                               logs / "flower.log")
+        procs.append(flower)
+        client = rds.client()
+        with console.status("starting the worker and loading the engine (about 20-40 s)..."):
+            wait_for(lambda: _engine_ready(client, worker), 300, 0.5, "the worker's engine")
+        console.print("worker [bold]demo-cpu[/] is up with a warm engine; sending prompts")
+        rc = subprocess.call([sys.executable, "-m", "app.local.demo_producer", "--n", str(n),
+                              "--max-tokens", str(max_tokens)],
+                             env=vigil_env(rds.url, **env), cwd=str(REPO))
+        if _flower_ok(fport, ("vigil", fpass)) or _wait_flower(fport, ("vigil", fpass)):
+            console.print(f"Flower: http://127.0.0.1:{fport}  (user [bold]vigil[/], password "
+                          f"[bold]{fpass}[/]) — it stops with the demo")
+        else:
+            console.print(f"[yellow]Flower did not answer; see {logs / 'flower.log'}[/]")
+        console.print(f"logs: {logs}")
+        return rc
+    finally:
+        with console.status("shutting down (worker stops its engine cleanly)..."):
+            for p in reversed(procs):
+                stop_process(p, timeout=60)
+            if rds is not None:
+                rds.stop()
+        left = [p.pid for p in procs if p.poll() is None]
+        console.print("stopped cleanly: no process left" if not left
+                      else f"[red]still running: {left}[/]")
+
+
+def _wait_flower(port: int, auth: tuple[str, str]) -> bool:
+    try:
+        wait_for(lambda: _flower_ok(port, auth), 20, 0.5, "Flower")
+        return True
+    except TimeoutError:
+        return False
+
+
+def _engine_ready(client: redis.Redis, worker: subprocess.Popen) -> bool:
+    if worker.poll() is not None:
+        raise RuntimeError(f"the worker exited with code {worker.returncode}")
+    for key in client.scan_iter("vigil:worker:*"):
+        if int(client.hget(key, "engine_loads") or 0) >= 1:
+            return True
+    return False

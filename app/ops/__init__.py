@@ -1,0 +1,1 @@
+"""Operator tools: the `vigil` command, status, request views, batch files, the configuration reference."""

@@ -1,0 +1,205 @@
+"""The OpenAI Batch file format for `vigil batch`: reading input lines, shaping output lines, ids.
+
+Pure functions, no Redis and no Celery (app/ops/batch_run.py runs a file; docs/batch.md describes the
+formats). An input line is one JSON object:
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 16}}
+
+`url` "/v1/chat/completions" takes `messages` instead of `prompt`. A line that cannot become a
+request raises RequestError(invalid_request) naming the line and what to fix; a batch never stops
+for one bad line.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from app.errors import INVALID_REQUEST, RequestError
+from app.requests.schemas import JOB_PATTERN
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+COMPLETION = "completion"
+CHAT = "chat"
+KINDS = {COMPLETIONS_URL: COMPLETION, CHAT_URL: CHAT}
+# Fixed forever: request ids are uuid5(BATCH_NAMESPACE, job + "\n" + custom_id), so a rerun finds
+# the requests an interrupted run already submitted. Changing it orphans every batch in flight.
+BATCH_NAMESPACE = uuid.UUID("4f0b7c8e-3c1d-5a8e-9d62-1b7e0a6c2f51")
+MAX_CUSTOM_ID = 512
+# Body fields passed to GenerateRequest unchanged (its strict schema checks their values).
+PASSTHROUGH = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+# OpenAI fields accepted only with the value Vigil gives anyway; `user` is metadata.
+NO_OP = {"n": (1,), "stream": (False,), "user": None}
+
+RenderChat = Callable[[str, list], list[int]]
+
+
+def request_id_for(job: str, custom_id: str) -> str:
+    """The Vigil request id of a line: the same (job, custom_id) always gives the same id."""
+    return str(uuid.uuid5(BATCH_NAMESPACE, f"{job}\n{custom_id}"))
+
+
+def default_job(path: str | Path) -> str:
+    """A job name derived from the input file's name, its last suffix dropped (`eval-7.jsonl` ->
+    `eval-7`), always matching JOB_PATTERN: other characters become '-', a name not starting
+    with a letter or digit gets a `batch-` prefix."""
+    stem = Path(path).stem or "batch"
+    name = re.sub(r"[^A-Za-z0-9._:-]", "-", stem)
+    if not re.match(r"[A-Za-z0-9]", name):
+        name = "batch-" + name
+    return name[:128]
+
+
+def valid_job(job: str) -> bool:
+    """True when `job` is an acceptable request `job` field."""
+    return re.match(JOB_PATTERN, job) is not None
+
+
+def _bad(lineno: int, detail: str) -> RequestError:
+    return RequestError.of(INVALID_REQUEST, f"line {lineno}: {detail}")
+
+
+def read_custom_id(text: str, lineno: int) -> tuple[str, dict]:
+    """The line's custom_id and its parsed object; RequestError(invalid_request) when the line is
+    not a JSON object or has no usable custom_id (a non-empty string of at most 512 characters)."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _bad(lineno, f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise _bad(lineno, f"expected a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
+        raise _bad(lineno, f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} "
+                   f"characters, got {cid!r}"[:300])
+    return cid, obj
+
+
+def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat) -> tuple[str, dict]:
+    """(kind, GenerateRequest kwargs) for a parsed line. `render_chat(model, messages)` turns chat
+    messages into prompt token ids with the model's chat template (app/requests/chat.py). Raises
+    RequestError: invalid_request for a bad envelope or body, or what `render_chat` raises. The
+    values themselves (types, bounds) are checked later by `generate.apply_async`."""
+    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise _bad(lineno, f"unknown field(s) {', '.join(extra)}")
+    if obj.get("method") != "POST":
+        raise _bad(lineno, f"method must be \"POST\", got {obj.get('method')!r}")
+    kind = KINDS.get(obj.get("url"))  # type: ignore[arg-type]
+    if kind is None:
+        raise _bad(lineno, f"url {obj.get('url')!r} is not supported (use {COMPLETIONS_URL} or "
+                   f"{CHAT_URL})")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _bad(lineno, "body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad(lineno, "body.model must be a non-empty string")
+    kwargs = _sampling(body, lineno, kind) | {"model": model, "job": job}
+    if kind == COMPLETION:
+        kwargs |= _prompt(body, lineno)
+    else:
+        kwargs["prompt_token_ids"] = render_chat(model, normalize_messages(body, lineno))
+    return kind, kwargs
+
+
+def _sampling(body: dict, lineno: int, kind: str) -> dict:
+    prompt_field = "prompt" if kind == COMPLETION else "messages"
+    known = {"model", prompt_field, *PASSTHROUGH, *NO_OP}
+    if kind == CHAT:
+        known.add("max_completion_tokens")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise _bad(lineno, f"body field(s) {', '.join(unknown)} not supported for {kind} lines "
+                   f"(supported: {', '.join(sorted(known))})")
+    for name, allowed in NO_OP.items():
+        if allowed is not None and body.get(name) is not None and body[name] not in allowed:
+            raise _bad(lineno, f"body.{name} must be {allowed[0]!r} (one choice per line)")
+    out = {k: body[k] for k in PASSTHROUGH if body.get(k) is not None}  # null = the default
+    mct = body.get("max_completion_tokens")
+    if mct is not None:
+        if "max_tokens" in out and out["max_tokens"] != mct:
+            raise _bad(lineno, "body.max_tokens and body.max_completion_tokens differ")
+        out["max_tokens"] = mct
+    return out
+
+
+def _prompt(body: dict, lineno: int) -> dict:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return {"prompt_token_ids": p}
+    raise _bad(lineno, "body.prompt must be a string or a list of token ids (one prompt per line)")
+
+
+def normalize_messages(body: dict, lineno: int) -> list[dict]:
+    """A chat body's `messages` as [{"role", "content": str}] for a chat template. Content may be a
+    string or a list of text parts (joined with newlines); other parts are refused."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad(lineno, "body.messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise _bad(lineno, f"body.messages[{i}] must be an object with a role string")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise _bad(lineno, f"body.messages[{i}].content: only text parts are supported")
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(lineno, f"body.messages[{i}].content must be a string or text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def batch_id(request_id: str) -> str:
+    """The output line's `id` for a line that has a request id."""
+    return f"batch_req_{request_id}"
+
+
+def line_id(lineno: int) -> str:
+    """The output line's `id` for a line that never got a request id (no usable custom_id, or a
+    duplicate one)."""
+    return f"batch_req_line_{lineno}"
+
+
+def success_line(request_id: str, custom_id: str, kind: str, result: dict, created: int) -> dict:
+    """An output-file line in the OpenAI Batch shape for a finished request: `response.body` is a
+    `text_completion` (choices[0].text) or a `chat.completion` (choices[0].message.content) with
+    finish_reason and usage; `response.request_id` is the Vigil request id."""
+    choice: dict = {"index": 0, "logprobs": None, "finish_reason": result["finish_reason"]}
+    if kind == CHAT:
+        choice["message"] = {"role": "assistant", "content": result["text"]}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice["text"] = result["text"]
+        obj, prefix = "text_completion", "cmpl-"
+    usage = {"prompt_tokens": result["prompt_tokens"],
+             "completion_tokens": result["completion_tokens"],
+             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+    body = {"id": prefix + request_id, "object": obj, "created": created,
+            "model": result["model"], "choices": [choice], "usage": usage}
+    return {"id": batch_id(request_id), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body},
+            "error": None}
+
+
+def error_line(id_: str, custom_id: str | None, code: str, message: str) -> dict:
+    """An error-file line in the OpenAI Batch shape: `response` null, `error` {code, message},
+    `code` being Vigil's error code (app/errors.py)."""
+    return {"id": id_, "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def dumps(line: dict) -> str:
+    """One JSONL line (newline included), UTF-8 kept readable."""
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -1,0 +1,286 @@
+"""The `vigil` command: worker, status, model, flower, demo, batch.
+
+    vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
+    vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
+    vigil status [--json] [--watch S]    # workers (health state, streak) and pools
+    vigil job create|list|delete NAME    # jobs (app/fleet/jobs.py)
+    vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
+    vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
+    vigil demo                           # the end-to-end demo (make demo)
+    vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
+    vigil request ID [--json]            # one request: status, attempts, and why it waits
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import os
+import sys
+
+
+def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
+    """The `celery worker` command line for `vigil worker` (pure, for tests)."""
+    from app import app
+    from app.celery_app import HOUSEKEEPING_QUEUE
+    from app.requests.models import queue_for
+    from app.settings import get_settings
+
+    if args.gpu is not None:
+        name = args.name or f"gpu{args.gpu}@%h"
+    else:
+        name = args.name or "cpu@%h"
+    pools = [p for p in (args.pools or "").split(",") if p]
+    queues = [HOUSEKEEPING_QUEUE] + [queue_for(p) for p in pools] if pools else [
+        q.name for q in app.conf.task_queues]
+    return [
+        sys.executable, "-m", "celery", "-A", "app", "worker",
+        "-P", "threads", "-c", str(args.concurrency or concurrency),
+        "-n", name, "-Q", ",".join(queues), *(["-E"] if get_settings().task_events else []),
+        "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
+    ]
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from app.requests.models import get_registry
+    from app.settings import get_settings
+
+    s = get_settings()
+    reg = get_registry()
+    for p in [p for p in (args.pools or "").split(",") if p]:
+        reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
+    # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
+    # Celery would retry the connection for many minutes (app/state/conn.py).
+    from app.state.conn import preflight
+    from app.state.store import connect
+
+    preflight(s, connect(s))
+    if args.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    if args.pools:
+        os.environ["VIGIL_POOLS"] = args.pools
+    argv = worker_argv(args, s.worker_concurrency)
+    os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
+    return 0  # pragma: no cover
+
+
+DEFAULT_FLOWER_PORT = 5555  # Flower's own default
+FLOWER_LOCAL_ADDRESS = "127.0.0.1"  # where Flower listens when it runs without auth
+
+
+class FlowerAuthMissing(Exception):
+    """`vigil flower` has no credentials and auth was not disabled: it must not start."""
+
+
+def flower_command(args: argparse.Namespace, settings) -> tuple[list[str], dict[str, str]]:
+    """The `celery flower` command line and the environment it adds, for `vigil flower` (pure).
+
+    The credentials go to Flower in its FLOWER_BASIC_AUTH variable, never on the command line,
+    which any user of the host can read (`ps`). Without both VIGIL_FLOWER_USER and
+    VIGIL_FLOWER_PASSWORD it raises FlowerAuthMissing, unless VIGIL_FLOWER_AUTH_DISABLED is set
+    and neither is: then Flower runs without auth and listens on 127.0.0.1 unless `--address`
+    says otherwise.
+    """
+    user, password = settings.flower_user, settings.flower_password.get_secret_value()
+    argv = [sys.executable, "-m", "celery", "-A", "app", "flower", f"--port={args.port}"]
+    env: dict[str, str] = {}
+    address = args.address
+    if user and password:
+        env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
+    elif settings.flower_auth_disabled and not (user or password):
+        address = address or FLOWER_LOCAL_ADDRESS
+    else:
+        missing = " and ".join(v for v, val in (("VIGIL_FLOWER_USER", user),
+                                                ("VIGIL_FLOWER_PASSWORD", password)) if not val)
+        raise FlowerAuthMissing(
+            f"refusing to start Flower without basic auth: set {missing} (or, for local use "
+            "only, VIGIL_FLOWER_AUTH_DISABLED=1 with neither set; Flower then listens on "
+            f"{FLOWER_LOCAL_ADDRESS})")
+    if address:
+        argv.append(f"--address={address}")
+    return argv, env
+
+
+def _cmd_flower(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
+
+    try:
+        argv, extra_env = flower_command(args, get_settings())
+    except FlowerAuthMissing as e:
+        print(f"vigil flower: {e}", file=sys.stderr)
+        return 2
+    if "FLOWER_BASIC_AUTH" not in extra_env:
+        print("vigil flower: basic auth is disabled (VIGIL_FLOWER_AUTH_DISABLED); for local use "
+              "only", file=sys.stderr)
+    # Flower replaces this process: signals reach it directly (honcho, compose, systemd).
+    os.execve(argv[0], argv, {**os.environ, **extra_env})
+    return 0  # pragma: no cover
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from app.ops.status import run_status
+
+    return run_status(as_json=args.json, watch=args.watch)
+
+
+def _cmd_job(args: argparse.Namespace) -> int:
+    import json
+
+    from app.fleet import jobs
+    from app.errors import VigilError
+    from app.settings import get_settings
+    from app.state.store import connect
+
+    client = connect(get_settings())
+    try:
+        if args.job_cmd == "create":
+            jobs.create_job(client, args.name, replicas=args.replicas, lease_s=args.lease)
+            print(f"job {args.name} ready")
+        elif args.job_cmd == "list":
+            rows = jobs.list_jobs(client)
+            if args.json:
+                print(json.dumps(rows))
+            else:
+                for r in rows:
+                    print(f"{r['name']:<32} pending {r['pending']:>7}  replicas {r['replicas']}"
+                          f"  last active {time.time() - r['last_active']:.0f} s ago")
+        else:
+            from app.requests.models import get_registry
+            from tasks.housekeeping import _abort_everywhere, _cancel_everywhere, _tell_backend
+
+            n = jobs.end_job(_store(client), args.name, time.time(), f"job {args.name!r} was "
+                             "deleted", _tell_backend, _cancel_everywhere,
+                             get_registry().names(), get_settings().request_deadline,
+                             abort=_abort_everywhere)
+            if n < 0:
+                print(f"vigil job: job {args.name} is being ended by someone else",
+                      file=sys.stderr)
+                return 1
+            print(f"job {args.name} deleted; {n} open request(s) failed job_deleted")
+    except VigilError as e:
+        print(f"vigil job: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _store(client):
+    from app.settings import get_settings
+    from app.state.store import RequestStore
+
+    return RequestStore(client, get_settings().result_ttl)
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from app.local.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(args.dir)
+    print(f"built tiny-llama in {path}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from app.local.demo import run_demo
+
+    return run_demo(n=args.n, max_tokens=args.max_tokens)
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from app.ops.batch_run import run_command
+
+    return run_command(args.file, job=args.job, output=args.output, errors=args.errors,
+                       window=args.window, quiet=args.quiet)
+
+
+def _cmd_request(args: argparse.Namespace) -> int:
+    from app.ops.request_view import run_request
+
+    return run_request(args.id, as_json=args.json, show_text=args.show_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `vigil`."""
+    p = argparse.ArgumentParser(prog="vigil", description="Fault-tolerant LLM inference on Celery.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    w = sub.add_parser("worker", help="run a worker (one per GPU)")
+    dev = w.add_mutually_exclusive_group(required=True)
+    dev.add_argument("--gpu", type=int, metavar="N", help="pin to GPU N (CUDA_VISIBLE_DEVICES)")
+    dev.add_argument("--cpu", action="store_true", help="run on the CPU (no GPU)")
+    w.add_argument("--name", help="Celery node name (default gpuN@%%h or cpu@%%h)")
+    w.add_argument("--pools", help="comma-separated models to serve and preload (default: all "
+                   "registered pools, loaded on first use)")
+    w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")
+    w.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
+    w.set_defaults(func=_cmd_worker)
+
+    st = sub.add_parser("status", help="workers (health, in flight, memory) and pools")
+    st.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh until Ctrl-C")
+    st.set_defaults(func=_cmd_status)
+
+    j = sub.add_parser("job", help="jobs: named submitter sessions (app/fleet/jobs.py)")
+    jsub = j.add_subparsers(dest="job_cmd", required=True)
+    jc = jsub.add_parser("create", help="create or update a job")
+    jc.add_argument("name")
+    jc.add_argument("--replicas", type=int, default=1, help="workers the job wants on its pool")
+    jc.add_argument("--lease", type=float, help="seconds without submit/poll before it is "
+                    "abandoned (default VIGIL_JOB_LEASE, else the request deadline)")
+    jl = jsub.add_parser("list", help="live jobs")
+    jl.add_argument("--json", action="store_true")
+    jd = jsub.add_parser("delete", help="delete a job: its open requests fail job_deleted")
+    jd.add_argument("name")
+    j.set_defaults(func=_cmd_job)
+
+    m = sub.add_parser("model", help="model tools")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    bt = msub.add_parser("build-tiny", help="build tiny-llama into DIR")
+    bt.add_argument("dir")
+    bt.set_defaults(func=_cmd_model)
+
+    f = sub.add_parser("flower", help="run Flower (celery -A app flower) behind basic auth")
+    f.add_argument("--port", type=int, default=DEFAULT_FLOWER_PORT,
+                   help="port to listen on (default %(default)s)")
+    f.add_argument("--address", help="address to listen on (default: all interfaces; "
+                   f"{FLOWER_LOCAL_ADDRESS} when auth is disabled)")
+    f.set_defaults(func=_cmd_flower)
+
+    d = sub.add_parser("demo", help="run the end-to-end demo on a private Redis")
+    d.add_argument("--n", type=int, default=100, help="prompts to send")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("batch", help="run an OpenAI Batch input file (JSONL) through Vigil; "
+                       "rerun the same command to resume")
+    b.add_argument("file", help="input JSONL: one {custom_id, method, url, body} per line")
+    b.add_argument("--job", help="job name; with custom_id it fixes each request's id (default: "
+                   "the file name, FILE.jsonl -> FILE)")
+    b.add_argument("--output", help="successes, appended (default FILE.output.jsonl)")
+    b.add_argument("--errors", help="failures, rewritten each run (default FILE.errors.jsonl)")
+    b.add_argument("--window", type=int, default=512,
+                   help="most requests in flight at once (default %(default)s)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_batch)
+
+    r = sub.add_parser("request", help="one request: status, attempts, result or error, and "
+                       "while it waits, why")
+    r.add_argument("id", help="the request id (= the Celery task id)")
+    r.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    r.add_argument("--show-text", action="store_true",
+                   help="include the generated text and token ids (user data)")
+    r.set_defaults(func=_cmd_request)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vigil` console script."""
+    from app.settings import SettingsError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SettingsError as e:
+        print(f"vigil: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

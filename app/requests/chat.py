@@ -1,0 +1,78 @@
+"""Chat messages -> prompt token ids, with each model's own chat template (for `vigil batch`).
+
+The tokenizer is loaded from the model's local path (`ModelSpec.path`; the built-in tiny-llama is
+built there first) with transformers' AutoTokenizer, once per model per process. The template is
+rendered with `add_generation_prompt=True` and the text tokenized without special tokens, as
+vLLM's own chat endpoint does: a template that writes BOS itself would otherwise get a second one.
+Sending token ids also lets the producer refuse an over-long conversation before publishing.
+Needs transformers (the `cpu` or `gpu` extra).
+"""
+from __future__ import annotations
+
+from app.errors import INVALID_REQUEST, RequestError
+from app.requests.models import ModelRegistry, ModelSpec
+
+
+class ChatTemplates:
+    """Renders chat messages for the models of `registry`; callable as `render_chat` in
+    app/ops/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template, fails
+    every chat line for it with the same RequestError(invalid_request), found once."""
+
+    def __init__(self, registry: ModelRegistry):
+        self._registry = registry
+        self._tokenizers: dict[str, object] = {}
+        self._broken: dict[str, RequestError] = {}
+
+    def __call__(self, model: str, messages: list[dict]) -> list[int]:
+        """Prompt token ids for `messages` (a list of {"role", "content"}) on `model`. Raises
+        RequestError: model_not_found for an unregistered model, invalid_request when the model
+        has no usable chat template or the template refuses the conversation."""
+        tok = self._tokenizer(self._registry.get(model))
+        from jinja2 import TemplateError
+
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:  # e.g. "roles must alternate user/assistant"
+            raise RequestError.of(INVALID_REQUEST,
+                                  f"the chat template of {model} refused the messages: {e}"
+                                  ) from None
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise RequestError.of(INVALID_REQUEST, f"the chat template of {model} rendered nothing")
+        return ids
+
+    def _tokenizer(self, spec: ModelSpec):
+        if spec.name in self._broken:
+            raise self._broken[spec.name]
+        if spec.name not in self._tokenizers:
+            try:
+                self._tokenizers[spec.name] = _load(spec)
+            except RequestError as e:
+                self._broken[spec.name] = e
+                raise
+        return self._tokenizers[spec.name]
+
+
+def _load(spec: ModelSpec):
+    def refuse(why: str) -> RequestError:
+        return RequestError.of(INVALID_REQUEST, f"model {spec.name} cannot render chat messages: "
+                               f"{why}; send a rendered prompt to /v1/completions instead")
+
+    if not spec.path:
+        raise refuse("its registry entry has no local path to load a tokenizer from")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise refuse("transformers is not installed (install the cpu or gpu extra)") from None
+    if spec.builder == "tiny-llama":
+        from app.local.tiny_model import ensure_tiny_llama
+
+        ensure_tiny_llama(spec.path)
+    try:
+        tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+    except (OSError, ValueError) as e:  # missing files, or a config transformers cannot read
+        raise refuse(f"no tokenizer could be loaded from {spec.path} ({e})") from None
+    if not getattr(tok, "chat_template", None):
+        raise refuse("its tokenizer has no chat template")
+    return tok
+

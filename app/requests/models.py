@@ -1,0 +1,142 @@
+"""The model registry: name -> where the weights are, engine args, memory needed.
+
+A pool is a registered model; each pool has one Celery queue (`queue_for`). The registry is
+`BUILTIN_MODELS` plus the entries of the JSON file named by `VIGIL_MODELS_FILE`:
+
+    {"models": [{"name": "llama-8b", "path": "/models/llama-3-8b", "max_model_len": 8192,
+                 "vocab_size": 128256, "memory_gib": 24, "kv_cache_gib": 40,
+                 "kv_cache_floor_gib": 8, "engine_args": {"max_num_seqs": 256}}]}
+
+`max_model_len` and `vocab_size`, when known, let the producer refuse an oversized token prompt
+or an out-of-vocabulary id before publishing; the engine checks again either way.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.errors import MODEL_NOT_FOUND, RequestError
+from app.settings import SettingsError, VigilSettings, get_settings
+
+QUEUE_PREFIX = "vigil.pool."
+TINY_LLAMA = "tiny-llama"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class ModelSpec(BaseModel):
+    """One registry entry. `builder` names a recipe that builds the weights locally."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=_NAME)
+    path: str | None = None
+    builder: str | None = None
+    max_model_len: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+    # Memory the engine needs besides its KV cache (weights, activations, its processes).
+    memory_gib: float = Field(1.0, gt=0)
+    # The KV cache asked for, and the least worth starting with when memory is short
+    # (workers/engine/memory.py sizes each engine start between the two).
+    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_floor_gib: float = Field(0.25, gt=0)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # LoRA: adapters kept warm in the engine at once (0: this model serves no adapters), the
+    # largest rank accepted, and whether the engine computes base requests correctly in a batch
+    # with adapter requests (vLLM CPU 0.32 does not: FIELD-NOTES.md), else they never share one.
+    max_loras: int = Field(0, ge=0, le=64)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    lora_mixing_safe: bool = False
+
+    @property
+    def queue(self) -> str:
+        return queue_for(self.name)
+
+
+def queue_for(model: str) -> str:
+    """The Celery queue that carries a pool's requests."""
+    return QUEUE_PREFIX + model
+
+
+def _builtins(settings: VigilSettings) -> list[ModelSpec]:
+    from app.local.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
+
+    return [
+        ModelSpec(
+            name=TINY_LLAMA,
+            path=str(settings.cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
+            builder="tiny-llama",
+            max_model_len=MAX_POSITIONS,
+            vocab_size=VOCAB_SIZE,
+            # measured: ~1.8 GB of RSS in the engine's processes besides a 1 GiB KV cache
+            memory_gib=2.0,
+            kv_cache_gib=1.0,
+            kv_cache_floor_gib=0.25,
+            # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
+            # tiny model nothing.
+            engine_args={"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+                         # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
+                         "dtype": "float32"},
+            max_loras=2,
+            max_lora_rank=8,
+        )
+    ]
+
+
+class ModelRegistry:
+    """Read-only map of model name -> ModelSpec."""
+
+    def __init__(self, specs: list[ModelSpec], adapters: dict | None = None):
+        self._specs = {s.name: s for s in specs}
+        self.adapters = adapters or {}
+
+    def names(self) -> list[str]:
+        """All registered model names, sorted."""
+        return sorted(self._specs)
+
+    def get(self, name: str) -> ModelSpec:
+        """The spec for `name`; RequestError(model_not_found) naming the known models otherwise."""
+        try:
+            return self._specs[name]
+        except (KeyError, TypeError):
+            known = ", ".join(self.names())
+            raise RequestError.of(
+                MODEL_NOT_FOUND, f"no model named {name!r} is registered (known: {known})"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+
+def load_registry(settings: VigilSettings) -> ModelRegistry:
+    """Builtins plus `settings.models_file`; a bad file raises SettingsError naming the variable."""
+    from app.requests.adapters import load_adapters
+
+    specs = {s.name: s for s in _builtins(settings)}
+    adapters = {}
+    if settings.models_file is not None:
+        try:
+            raw = json.loads(Path(settings.models_file).read_text())
+            for entry in raw.get("models", []):
+                spec = ModelSpec(**entry)
+                specs[spec.name] = spec
+            adapters = load_adapters(settings.models_file)
+        except (OSError, ValueError, ValidationError, AttributeError, TypeError) as e:
+            raise SettingsError(
+                f"invalid settings: VIGIL_MODELS_FILE={settings.models_file}: {e}") from None
+    return ModelRegistry(list(specs.values()), adapters)
+
+
+@functools.lru_cache(maxsize=1)
+def get_registry() -> ModelRegistry:
+    """The process-wide registry built from `get_settings()`."""
+    return load_registry(get_settings())
+
+
+def valid_model_name(name: str) -> bool:
+    """True when `name` could be a registry name (used before a lookup to keep errors short)."""
+    return isinstance(name, str) and re.match(_NAME, name) is not None

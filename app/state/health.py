@@ -1,0 +1,200 @@
+"""The health ledger: a per-worker failure streak proven by traffic, in Redis (DESIGN.md section 5).
+
+A wedged worker heartbeats and answers every probe, and never finishes a generation, so only
+traffic can condemn it. Workers report their own failures (a request that timed out, an engine
+that made no progress) and successes (a completed generation); nothing else moves the ledger:
+heartbeats and probes cannot reset a streak.
+
+    HEALTHY --failure--> SUSPECT --failures >= threshold within the window--> QUARANTINED
+    QUARANTINED --engine restart--> RESTARTING --canary ok--> HEALTHY
+                                               --canary failed--> QUARANTINED (again; at
+                                                 max_canary_failures the worker leaves)
+    SUSPECT --completed generation--> HEALTHY (streak 0)
+
+The streak counts the failures since the last completed generation that are younger than
+`window` seconds: a failure stops counting once it is older than the window, so blips spread
+over days never add up, while a trickle of one timeout per request timeout still reaches the
+threshold (settings require window >= threshold x request_timeout). Every change is one Lua
+script, so two reporters (task threads, the watchdog) cannot lose an update.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import redis
+
+from app.state import keys
+from app.errors import REDIS_UNAVAILABLE, TransientError
+
+HEALTHY = "HEALTHY"
+SUSPECT = "SUSPECT"
+QUARANTINED = "QUARANTINED"
+RESTARTING = "RESTARTING"
+STATES = (HEALTHY, SUSPECT, QUARANTINED, RESTARTING)
+# A ledger outlives its worker's registry entry by this much (read by `vigil status` after a
+# crash); the reaper and a clean stop delete it.
+LEDGER_TTL_S = 7 * 86400
+
+# KEYS[1] ledger. ARGV: now, reason, window, threshold, ttl.
+# -> {state, streak, became_quarantined (0/1)}
+_FAILURE = """
+local now = tonumber(ARGV[1])
+local raw = redis.call('HGET', KEYS[1], 'failures')
+local kept = {}
+if raw then
+  for _, t in ipairs(cjson.decode(raw)) do
+    if t > now - tonumber(ARGV[3]) then kept[#kept + 1] = t end
+  end
+end
+kept[#kept + 1] = now
+while #kept > 64 do table.remove(kept, 1) end
+local state = redis.call('HGET', KEYS[1], 'state') or 'HEALTHY'
+local became = 0
+if state == 'HEALTHY' or state == 'SUSPECT' then
+  if #kept >= tonumber(ARGV[4]) then
+    state = 'QUARANTINED'
+    became = 1
+    redis.call('HINCRBY', KEYS[1], 'quarantines', 1)
+  else
+    state = 'SUSPECT'
+  end
+end
+redis.call('HSET', KEYS[1], 'state', state, 'failures', cjson.encode(kept), 'streak', #kept,
+           'last_failure_at', ARGV[1], 'last_failure_reason', ARGV[2], 'updated_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
+return {state, #kept, became}
+"""
+
+# KEYS[1] ledger. ARGV: now, ttl. A completed generation: the streak is over. Only in HEALTHY or
+# SUSPECT: a quarantined worker returns through its canary alone. -> state
+_SUCCESS = """
+local state = redis.call('HGET', KEYS[1], 'state') or 'HEALTHY'
+if state == 'HEALTHY' or state == 'SUSPECT' then
+  state = 'HEALTHY'
+  redis.call('HSET', KEYS[1], 'state', state, 'failures', '[]', 'streak', 0,
+             'last_success_at', ARGV[1], 'updated_at', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+end
+return state
+"""
+
+# KEYS[1] ledger. ARGV: now, ok (1/0), reason, ttl. -> {state, canary_failures}
+_CANARY = """
+if ARGV[2] == '1' then
+  redis.call('HSET', KEYS[1], 'state', 'HEALTHY', 'failures', '[]', 'streak', 0,
+             'canary_failures', 0, 'last_success_at', ARGV[1], 'updated_at', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  return {'HEALTHY', 0}
+end
+local n = redis.call('HINCRBY', KEYS[1], 'canary_failures', 1)
+redis.call('HSET', KEYS[1], 'state', 'QUARANTINED', 'last_failure_at', ARGV[1],
+           'last_failure_reason', ARGV[3], 'updated_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+return {'QUARANTINED', n}
+"""
+
+
+@dataclass(frozen=True)
+class Health:
+    """One worker's ledger as read."""
+
+    state: str = HEALTHY
+    streak: int = 0
+    last_failure_reason: str = ""
+    last_failure_at: float | None = None
+    last_success_at: float | None = None
+    quarantines: int = 0
+    canary_failures: int = 0
+
+
+class HealthLedger:
+    """Read and change per-worker ledgers (`vigil:health:{instance}`). Methods raise
+    TransientError(redis_unavailable) when Redis cannot be reached."""
+
+    def __init__(self, client: redis.Redis, *, window: float, threshold: int):
+        self.r = client
+        self.window = window
+        self.threshold = threshold
+        self._failure = client.register_script(_FAILURE)
+        self._success = client.register_script(_SUCCESS)
+        self._canary = client.register_script(_CANARY)
+
+    def _call(self, fn, *a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+
+    def failure(self, instance: int | str, now: float, reason: str) -> tuple[str, int, bool]:
+        """Count one failure proven by traffic. Returns (state, streak, became_quarantined):
+        the last is True for exactly one report, the one that crossed the threshold."""
+        state, streak, became = self._call(
+            self._failure, keys=[keys.health(instance)],
+            args=[now, reason[:300], self.window, self.threshold, LEDGER_TTL_S])
+        return _s(state), int(streak), bool(int(became))
+
+    def success(self, instance: int | str, now: float) -> str:
+        """A generation completed: a HEALTHY or SUSPECT worker's streak is over. Returns the
+        state (a quarantined worker stays quarantined: only its canary brings it back)."""
+        return _s(self._call(self._success, keys=[keys.health(instance)],
+                             args=[now, LEDGER_TTL_S]))
+
+    def restarting(self, instance: int | str, now: float) -> None:
+        """The quarantined worker is restarting its engine."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.health(instance), mapping={"state": RESTARTING, "updated_at": now})
+        pipe.expire(keys.health(instance), LEDGER_TTL_S)
+        self._call(pipe.execute)
+
+    def canary(self, instance: int | str, now: float, ok: bool, reason: str = "") -> tuple[str, int]:
+        """Record a canary generation's outcome: HEALTHY on success; QUARANTINED and one more
+        failed canary otherwise. Returns (state, failed canaries in a row)."""
+        state, n = self._call(self._canary, keys=[keys.health(instance)],
+                              args=[now, "1" if ok else "0", reason[:300], LEDGER_TTL_S])
+        return _s(state), int(n)
+
+    def read(self, instance: int | str) -> Health:
+        """The ledger (a worker never reported on reads HEALTHY)."""
+        raw = self._call(self.r.hgetall, keys.health(instance))
+        f = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def num(name):
+            return float(f[name]) if f.get(name) else None
+
+        return Health(f.get("state", HEALTHY), int(f.get("streak", 0) or 0),
+                      f.get("last_failure_reason", ""), num("last_failure_at"),
+                      num("last_success_at"), int(f.get("quarantines", 0) or 0),
+                      int(f.get("canary_failures", 0) or 0))
+
+    def quarantined(self, limit: int = 1000) -> list[str]:
+        """Instance ids of registered workers whose ledger says QUARANTINED or RESTARTING."""
+        ids = [i.decode() for i in self._call(self.r.zrange, keys.WORKERS, 0, limit - 1)]
+        if not ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hget(keys.health(i), "state")
+        states = self._call(pipe.execute)
+        return [i for i, s in zip(ids, states) if s and s.decode() in (QUARANTINED, RESTARTING)]
+
+    def forget(self, instance: int | str) -> None:
+        """Drop a worker's ledger (clean stop, reaped)."""
+        self._call(self.r.delete, keys.health(instance))
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def describe(h: Health) -> str:
+    """One line for logs and `vigil status`."""
+    out = f"{h.state} streak {h.streak}"
+    if h.last_failure_reason:
+        out += f"; last failure: {h.last_failure_reason}"
+    return out
+
+
+def as_json(h: Health) -> str:
+    """The ledger as JSON (for `vigil status --json`)."""
+    return json.dumps(h.__dict__)

@@ -1,0 +1,113 @@
+"""Every Redis key Vigil owns, in one place. Celery's own keys (queues `vigil.pool.*`, `unacked*`,
+`celery-task-meta-*`, which expire after result_ttl) live beside these in the same database;
+Vigil's all start with `vigil:`. No key outlives what it describes: each expires or is deleted
+when that ends, and an empty set or zset vanishes in the command that removed its last member
+(tests/test_no_leaks_e2e.py).
+
+| key                         | type | TTL                         | owner / meaning                          |
+| --------------------------- | ---- | --------------------------- | ---------------------------------------- |
+| vigil:req:{request_id}      | hash | none while live; result_ttl | producer creates (PENDING); worker runs  |
+|                             |      | once terminal               | it; first terminal writer wins           |
+| vigil:inflight:{instance}   | set  | none; dropped at unregister | request ids a worker instance is running |
+| vigil:worker:{instance}     | hash | none; dropped at unregister | worker registry entry + engine stats,    |
+|                             |      | or by the reaper            | refreshed by the heartbeat; has_pinged 0 |
+|                             |      |                             | until the worker is ready, then 1        |
+| vigil:workers               | zset | none                        | instance id -> last_seen (unix seconds)  |
+| vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
+|                             |      |                             | duplicate_deliveries, stale_deliveries   |
+| vigil:redis_run_id          | str  | none (one key)              | the Redis run_id of the last complete    |
+|                             |      |                             | restart audit (app/fleet/message_audit.py)     |
+| vigil:deadlines             | zset | none                        | request id -> deadline_at, non-terminal  |
+|                             |      |                             | requests only (create adds, finish drops)|
+|                             |      |                             | read by the deadline sweep               |
+| vigil:lock:{name}           | str  | the holder's lease (PX)     | beat task locks (two beats never both    |
+|                             |      |                             | act); value = holder id                  |
+| vigil:job:{name}            | hash | none; a deleted job's is a  | a job (app/fleet/jobs.py): created_at,         |
+|                             |      | tombstone for the deadline  | last_active, lease_s, replicas, state    |
+| vigil:jobs                  | zset | none                        | job name -> last_active (lease sweep)    |
+| vigil:jobreqs:{name}        | set  | none; empty = gone (Redis)  | a job's non-terminal request ids (create |
+|                             |      |                             | adds, finish drops): job delete/lease    |
+| vigil:poolreqs:{pool}       | set  | none; empty = gone (Redis)  | a pool's non-terminal request ids (create|
+|                             |      |                             | adds, finish drops): the pool's pending  |
+|                             |      |                             | count for VIGIL_MAX_PENDING_PER_POOL     |
+| vigil:pooljobs:{pool}       | set  | none; a job leaves it when  | jobs with their own queue in that pool   |
+|                             |      | deleted or abandoned        | (`vigil.pool.{pool}.job.{job}`)          |
+| vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/state/health.py)|
+|                             |      | dropped with its entry      | : state, streak, failures (JSON times),  |
+|                             |      |                             | last_failure_reason, quarantines, ...;   |
+|                             |      |                             | written by the worker, read by beat      |
+
+Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
+request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
+started_at, finished_at, result (result JSON), error_kind, error, last_error, history.
+
+history: a JSON list, one entry per attempt begun (oldest first, the newest 32 kept), written by
+the Lua scripts in app/state/store.py in the same step as the status change:
+    {"attempt": n, "dispatch": d, "worker": "<node name>", "instance": "<instance id, a string>",
+     "started_at": t, "ended_at": t | null, "outcome": null | "succeeded" | "failed" | "retry" |
+     "requeued", "error": null | "<code>"}
+begin appends an open entry (ended_at and outcome null); release closes it "retry", requeue
+"requeued" (worker_lost), the winning finish "succeeded" / "failed". Read it with
+RequestStore.history.
+"""
+from __future__ import annotations
+
+PREFIX = "vigil:"
+WORKERS = PREFIX + "workers"
+STATS = PREFIX + "stats"
+DEADLINES = PREFIX + "deadlines"
+REDIS_RUN_ID = PREFIX + "redis_run_id"
+
+PENDING = "PENDING"
+RUNNING = "RUNNING"
+SUCCEEDED = "SUCCEEDED"
+FAILED = "FAILED"
+TERMINAL = (SUCCEEDED, FAILED)
+
+
+def request(request_id: str) -> str:
+    """The request record hash."""
+    return f"{PREFIX}req:{request_id}"
+
+
+JOBS = PREFIX + "jobs"
+
+
+def job(name: str) -> str:
+    """A job's hash (app/fleet/jobs.py)."""
+    return f"{PREFIX}job:{name}"
+
+
+def job_requests(name: str) -> str:
+    """The set of a job's non-terminal request ids."""
+    return f"{PREFIX}jobreqs:{name}"
+
+
+def pool_requests(pool: str) -> str:
+    """The set of a pool's non-terminal request ids (its pending count, for backpressure)."""
+    return f"{PREFIX}poolreqs:{pool}"
+
+
+def pool_jobs(pool: str) -> str:
+    """The set of jobs that have their own queue in `pool`."""
+    return f"{PREFIX}pooljobs:{pool}"
+
+
+def health(instance_id: int | str) -> str:
+    """The health ledger of one worker instance (app/state/health.py)."""
+    return f"{PREFIX}health:{instance_id}"
+
+
+def inflight(instance_id: int | str) -> str:
+    """The set of request ids one worker instance is running."""
+    return f"{PREFIX}inflight:{instance_id}"
+
+
+def worker(instance_id: int | str) -> str:
+    """One worker instance's registry entry."""
+    return f"{PREFIX}worker:{instance_id}"
+
+
+def lock(name: str) -> str:
+    """A beat task's lock."""
+    return f"{PREFIX}lock:{name}"

@@ -1,0 +1,211 @@
+"""The Lua scripts behind app/state/store.py: each multi-step change to a request record is one
+script, run atomically by Redis."""
+
+# The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
+# bounded by max_attempts anyway; this only bounds the field whatever the settings.
+HISTORY_MAX = 32
+
+# Lua helpers for the record's `history` field, prepended to the scripts that change it: a JSON
+# list (cjson) of one entry per attempt, {attempt, dispatch, worker, instance (a string: cjson
+# would turn a 63-bit id into a float), started_at, ended_at, outcome, error}. An entry is open
+# while its outcome is null. error_code mirrors VigilError.code: the text before the first ':'
+# ('unknown' without one), null for no error.
+HISTORY_HELPERS = """
+local function error_code(err)
+  if not err or err == '' then return cjson.null end
+  local i = string.find(err, ':', 1, true)
+  if not i then return 'unknown' end
+  return string.match(string.sub(err, 1, i - 1), '^%s*(.-)%s*$')
+end
+local function read_history(rec)
+  local raw = redis.call('HGET', rec, 'history')
+  if not raw then return {} end
+  return cjson.decode(raw)
+end
+local function write_history(rec, h)
+  while #h > """ + str(HISTORY_MAX) + """ do table.remove(h, 1) end
+  redis.call('HSET', rec, 'history', cjson.encode(h))
+end
+-- Close the attempt `instance` has open (its latest), else the last entry if it is open; an
+-- attempt is never invented when none is open (e.g. a PENDING request failed by the sweeper).
+local function close_attempt(rec, instance, now, outcome, err)
+  local h = read_history(rec)
+  local pick = nil
+  for i = #h, 1, -1 do
+    if h[i].outcome == cjson.null and h[i].instance == instance then pick = i break end
+  end
+  if not pick and #h > 0 and h[#h].outcome == cjson.null then pick = #h end
+  if not pick then return end
+  h[pick].ended_at = tonumber(now)
+  h[pick].outcome = outcome
+  h[pick].error = error_code(err)
+  write_history(rec, h)
+end
+"""
+
+# KEYS[1] record, KEYS[2] deadline index, KEYS[3] job hash, KEYS[4] job's pending set,
+# KEYS[5] pool's job set, KEYS[6] jobs zset, KEYS[7] pool's pending set. ARGV: request_id,
+# deadline_at, job, now, own_queue (1: the job has its own queue in the pool), max pending per
+# job, max pending per pool (0 = no cap), field, value, ...
+# -> 1 created, 2 created and the job's queue is new in this pool, 0 already there (never
+# overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending set is at its cap
+# (nothing written for any negative answer).
+CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HGET', KEYS[3], 'state') == 'deleted' then return -1 end
+local max_job, max_pool = tonumber(ARGV[6]), tonumber(ARGV[7])
+if max_job > 0 and redis.call('SCARD', KEYS[4]) >= max_job then return -2 end
+if max_pool > 0 and redis.call('SCARD', KEYS[7]) >= max_pool then return -3 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSETNX', KEYS[3], 'created_at', ARGV[4])
+redis.call('HSET', KEYS[3], 'name', ARGV[3], 'last_active', ARGV[4])
+redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[7], ARGV[1])
+if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 end
+return 1
+"""
+
+# KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats, KEYS[4] worker registry
+# zset. ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix,
+# claim token (a claim retried after its reply was lost returns its own run again), live window
+# (an owner seen this recently is alive: its same-dispatch copy is 'busy', not run twice).
+# The request leaves its previous holder's in-flight set (a worker keeps a request it released
+# for a retry there until someone begins it: see RELEASE). A run appends an open attempt to
+# `history`.
+# -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
+#  | {'busy', owner} | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
+BEGIN = HISTORY_HELPERS + """
+local rec = KEYS[1]
+local st = redis.call('HGET', rec, 'status')
+if not st then return {'missing'} end
+if st == 'SUCCEEDED' or st == 'FAILED' then
+  redis.call('SREM', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[3], 'duplicate_deliveries', 1)
+  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
+  return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
+end
+if st == 'RUNNING' and redis.call('HGET', rec, 'begin_token') == ARGV[8] then
+  return {'run', redis.call('HGET', rec, 'attempts')}  -- this begin already ran (reply lost)
+end
+local current = tonumber(redis.call('HGET', rec, 'dispatch') or '0')
+local dispatch = tonumber(ARGV[2])
+if dispatch < current then
+  redis.call('SREM', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[3], 'stale_deliveries', 1)
+  return {'stale', tostring(current)}
+end
+if st == 'RUNNING' and dispatch == current then
+  -- The same copy again while its run is alive: this worker runs it (kombu restored the
+  -- message when the connection dropped), or another worker that heartbeats runs it (a
+  -- redelivery after the visibility timeout). Not a second run: the owner finishes it, or the
+  -- reaper requeues it under a newer dispatch if the owner dies.
+  local owner = redis.call('HGET', rec, 'instance')
+  local seen = owner and redis.call('ZSCORE', KEYS[4], owner)
+  if owner == ARGV[4] or (seen and tonumber(seen) >= tonumber(ARGV[5]) - tonumber(ARGV[9])) then
+    if owner ~= ARGV[4] then redis.call('SREM', KEYS[2], ARGV[1]) end
+    redis.call('HINCRBY', KEYS[3], 'duplicate_deliveries', 1)
+    return {'busy', owner}
+  end
+end
+local deadline = tonumber(redis.call('HGET', rec, 'deadline_at') or '0')
+if deadline > 0 and tonumber(ARGV[5]) > deadline then return {'expired'} end
+local attempts = tonumber(redis.call('HGET', rec, 'attempts') or '0')
+if attempts >= tonumber(ARGV[6]) then
+  return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
+end
+attempts = attempts + 1
+local prev = redis.call('HGET', rec, 'instance')
+if prev and prev ~= ARGV[4] then redis.call('SREM', ARGV[7] .. prev, ARGV[1]) end
+redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
+           'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5],
+           'begin_token', ARGV[8])
+local h = read_history(rec)
+h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance = ARGV[4],
+             started_at = tonumber(ARGV[5]), ended_at = cjson.null, outcome = cjson.null,
+             error = cjson.null}
+write_history(rec, h)
+redis.call('SADD', KEYS[2], ARGV[1])
+return {'run', tostring(attempts)}
+"""
+
+# KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
+# KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
+# inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
+# that a worker holds), finishing instance, job and pool pending-set prefixes.
+# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
+# Only a winning write closes an attempt in `history` (the finisher's open one, else the last if
+# open) as succeeded / failed.
+FINISH = HISTORY_HELPERS + """
+local rec = KEYS[1]
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+local owner = redis.call('HGET', rec, 'instance')
+if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
+local job = redis.call('HGET', rec, 'job')
+if job then redis.call('SREM', ARGV[10] .. job, ARGV[1]) end
+local pool = redis.call('HGET', rec, 'pool')
+if pool then redis.call('SREM', ARGV[11] .. pool, ARGV[1]) end
+local st = redis.call('HGET', rec, 'status')
+if st == 'SUCCEEDED' or st == 'FAILED' then
+  redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
+  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
+  return {0, st, f[1] or '', f[2] or '', f[3] or ''}
+end
+redis.call('HSET', rec, 'status', ARGV[2], 'result', ARGV[3], 'error_kind', ARGV[4],
+           'error', ARGV[5], 'finished_at', ARGV[6])
+close_attempt(rec, ARGV[9], ARGV[6], ARGV[2] == 'SUCCEEDED' and 'succeeded' or 'failed',
+              ARGV[5])
+redis.call('EXPIRE', rec, tonumber(ARGV[7]))
+return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
+"""
+
+# KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
+# now. Hands a RUNNING request back to the queue for a retry, closing its attempt in `history`
+# (outcome 'retry', the code of last_error); a no-op (0) if it is no longer ours.
+# The id stays in this worker's in-flight set: the retry's message is an ETA message that this
+# worker's consumer holds unacked until it is due, so if the worker dies now the reaper must
+# still find the request (the next BEGIN, anywhere, removes it from the set).
+RELEASE = HISTORY_HELPERS + """
+local f = redis.call('HMGET', KEYS[1], 'status', 'instance', 'dispatch')
+if f[1] == 'PENDING' and f[2] == ARGV[2] and f[3] == ARGV[3] then
+  return 1  -- this release already ran (its reply was lost): say so again
+end
+if redis.call('HGET', KEYS[1], 'status') ~= 'RUNNING' then
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 0
+end
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
+if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
+close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
+return 1
+"""
+
+
+# KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
+# new dispatch, now, [reason: the error recorded, worker_lost by default]. Hands a dead worker's
+# request (RUNNING under it, or PENDING: received but
+# not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
+# dispatch (the caller then publishes that dispatch's message: a refused requeue publishes
+# nothing); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
+# still open in `history` is closed 'requeued' with error worker_lost.
+REQUEUE = HISTORY_HELPERS + """
+redis.call('SREM', KEYS[2], ARGV[1])
+local st = redis.call('HGET', KEYS[1], 'status')
+if st ~= 'RUNNING' and st ~= 'PENDING' then return 0 end
+if st == 'RUNNING' and redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
+local d = tonumber(redis.call('HGET', KEYS[1], 'dispatch') or '0')
+if tonumber(ARGV[3]) > d then d = tonumber(ARGV[3]) end
+local lost = ARGV[5] or 'worker_lost: its worker stopped heartbeating and was reaped'
+redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d, 'last_error', lost)
+close_attempt(KEYS[1], ARGV[2], ARGV[4], 'requeued', lost)
+return 1
+"""
+
+# KEYS[1] lock. ARGV: owner. Deletes the lock only if this owner still holds it.
+UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""

@@ -1,0 +1,329 @@
+"""Vigil's request state in Redis: the record, the in-flight sets, the set-once result.
+
+Every multi-step change is one Lua script, so a crash between steps cannot leave a record half
+updated, and two writers of a result cannot both win.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import redis
+
+from app.state import conn as redis_conn, keys
+from app.errors import REDIS_UNAVAILABLE, TransientError
+from app.settings import VigilSettings
+from app.state.lua import (
+    BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK)
+
+# RequestStore.create outcomes
+JOB_DELETED = -1
+# Refused by backpressure (nothing written): the job's, or the pool's, open requests are at
+# their cap (VIGIL_MAX_PENDING_PER_JOB / _PER_POOL).
+OVERLOADED_JOB = -2
+OVERLOADED_POOL = -3
+EXISTS = 0
+CREATED = 1
+CREATED_NEW_JOB_QUEUE = 2
+
+# Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
+REDIS_POOL_HEADROOM = 16
+# Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
+OUTAGE_RETRY_FIRST_S = 0.1
+OUTAGE_RETRY_MAX_S = 2.0
+
+log = logging.getLogger("vigil.store")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A terminal outcome as stored: status SUCCEEDED with `result`, or FAILED with an error."""
+
+    status: str
+    result: dict[str, Any] | None
+    error_kind: str
+    error: str
+
+    @classmethod
+    def from_reply(cls, status, result, error_kind, error) -> "Outcome":
+        def s(x):
+            return x.decode() if isinstance(x, bytes) else (x or "")
+
+        res = s(result)
+        return cls(s(status), json.loads(res) if res else None, s(error_kind), s(error))
+
+
+@dataclass(frozen=True)
+class Begin:
+    """What a worker should do with a delivery: run / done / stale / expired / exhausted / missing."""
+
+    action: str
+    attempts: int = 0
+    outcome: Outcome | None = None
+    last_error: str = ""
+
+
+def connect(settings: VigilSettings) -> redis.Redis:
+    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast).
+
+    The pool blocks (up to redis_timeout) instead of failing when every connection is busy:
+    redis-py's default pool raises "Too many connections" past 100, and a worker's whole batch
+    of task threads finishes in the same engine step.
+    """
+    # Any URL shape (password, TLS, Sentinel) goes through the one builder the broker and
+    # backend options come from (app/state/conn.py).
+    pool = redis_conn.state_pool(
+        settings,
+        max_connections=settings.worker_concurrency + REDIS_POOL_HEADROOM,
+        socket_timeout=settings.redis_timeout,
+        socket_connect_timeout=settings.redis_timeout,
+        health_check_interval=30,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def shared_store() -> "RequestStore":
+    """This process's store for `get_settings()`, built on first use (producers, beat tasks)."""
+    global _shared
+    if _shared is None:
+        from app.settings import get_settings
+
+        s = get_settings()
+        _shared = RequestStore(connect(s), s.result_ttl)
+    return _shared
+
+
+_shared: "RequestStore | None" = None
+
+
+class RequestStore:
+    """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
+    when Redis cannot be reached, never a bare redis exception."""
+
+    def __init__(self, client: redis.Redis, result_ttl: int, outage_grace: float = 0.0, *,
+                 clock=time.monotonic, sleep=time.sleep):
+        """`outage_grace` > 0 (workers): a call that cannot reach Redis is retried with backoff
+        for up to that many seconds (a Redis restart, a failover) before it raises."""
+        self.r = client
+        self.result_ttl = result_ttl
+        self.outage_grace = outage_grace
+        self._clock, self._sleep = clock, sleep
+        self._create = client.register_script(CREATE)
+        self._begin = client.register_script(BEGIN)
+        self._finish = client.register_script(FINISH)
+        self._release = client.register_script(RELEASE)
+        self._unlock = client.register_script(UNLOCK)
+        self._requeue = client.register_script(REQUEUE)
+
+    def _call(self, fn, *a, **kw):
+        give_up, pause = None, OUTAGE_RETRY_FIRST_S
+        while True:
+            try:
+                return fn(*a, **kw)
+            except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
+                raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
+                                        f"VIGIL_REDIS_URL ({e})") from None
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # (BusyLoadingError, a restarted Redis still reading its AOF, is one of these.)
+                now = self._clock()
+                if give_up is None:
+                    give_up = now + self.outage_grace
+                    if self.outage_grace > 0:
+                        log.warning("cannot reach Redis (%s); retrying for up to %.0f s", e,
+                                    self.outage_grace)
+                if now >= give_up:
+                    raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+                # A script whose reply was lost may have run: every script is written so that
+                # running it again is harmless (it finds its own change and reports it).
+                self._sleep(min(pause, give_up - now))
+                pause = min(pause * 2, OUTAGE_RETRY_MAX_S)
+
+    def create(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
+               max_per_job: int = 0, max_per_pool: int = 0) -> int:
+        """Write a new PENDING record and count it in its job (app/fleet/jobs.py) and its pool.
+        Returns CREATED, CREATED_NEW_JOB_QUEUE (the job's queue in this pool is new: its workers
+        must be told to consume it), EXISTS (nothing changed, whatever the caps), JOB_DELETED,
+        or OVERLOADED_JOB / OVERLOADED_POOL: the job already has `max_per_job`, or the pool
+        `max_per_pool`, open requests (0: no cap). Every refusal writes nothing; the count and
+        the write are one script, so concurrent producers cannot overshoot a cap."""
+        from app.fleet.jobs import DEFAULT_JOB
+
+        job = str(fields.get("job", DEFAULT_JOB))
+        pool = str(fields.get("pool", fields.get("model", "")))
+        now = time.time() if now is None else now
+        flat: list[Any] = [request_id, fields.get("deadline_at", "+inf"), job, now,
+                           "0" if job == DEFAULT_JOB else "1", max_per_job, max_per_pool]
+        for k, v in fields.items():
+            flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
+        return int(self._call(self._create, keys=[
+            keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
+            keys.pool_jobs(pool), keys.JOBS, keys.pool_requests(pool)], args=flat))
+
+    def delete(self, request_id: str) -> None:
+        """Remove a record and its place in its job's and pool's pending sets (used to roll
+        back a submit whose publish failed: the backpressure slot is given back)."""
+        job, pool = self._call(self.r.hmget, keys.request(request_id), "job", "pool")
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.request(request_id))
+        pipe.zrem(keys.DEADLINES, request_id)
+        if job:
+            pipe.srem(keys.job_requests(job.decode()), request_id)
+        if pool:
+            pipe.srem(keys.pool_requests(pool.decode()), request_id)
+        self._call(pipe.execute)
+
+    def past_deadline(self, now: float, limit: int = 100) -> list[str]:
+        """Up to `limit` ids of non-terminal requests whose deadline is before `now`, oldest
+        deadline first (the index holds only non-terminal requests)."""
+        ids = self._call(self.r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def hold(self, request_id: str, instance: int | str) -> None:
+        """Note that this worker instance holds a request's message (received, not yet begun),
+        so the reaper finds it if the worker dies before running it."""
+        self._call(self.r.sadd, keys.inflight(instance), request_id)
+
+    def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
+                now: float | None = None, reason: str | None = None) -> bool:
+        """Mark a dead worker's RUNNING request PENDING under `dispatch` (then publish that
+        dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock)
+        with `reason` (default: worker_lost, reaped). False when it had already ended or moved
+        on."""
+        now = time.time() if now is None else now
+        args = [request_id, dead_instance, dispatch, now] + ([reason] if reason else [])
+        return bool(self._call(self._requeue,
+                               keys=[keys.request(request_id), keys.inflight(dead_instance)],
+                               args=args))
+
+    def silent_workers(self, before: float, limit: int = 100, start: int = 0
+                       ) -> list[tuple[str, float, bool]]:
+        """Up to `limit` workers whose last heartbeat is older than `before`, least recently
+        seen first, skipping the first `start`: (instance id, last_seen, has_pinged). An entry
+        whose hash is gone or predates has_pinged counts as pinged (judged by the reap timeout).
+        Two round trips whatever `limit`."""
+        rows = self._call(self.r.zrangebyscore, keys.WORKERS, "-inf", before, start=start,
+                          num=limit, withscores=True)
+        pipe = self.r.pipeline(transaction=False)
+        for inst, _ in rows:
+            pipe.hget(keys.worker(inst.decode()), "has_pinged")
+        flags = self._call(pipe.execute) if rows else []
+        return [(inst.decode(), float(seen), flag != b"0")
+                for (inst, seen), flag in zip(rows, flags)]
+
+    def inflight_ids(self, instance: int | str) -> list[str]:
+        """A worker instance's in-flight request ids (bounded by its concurrency)."""
+        return [r.decode() for r in self._call(self.r.smembers, keys.inflight(instance))]
+
+    def worker_name(self, instance: int | str) -> str:
+        """The Celery node name a worker instance registered with ('' if unknown)."""
+        name = self._call(self.r.hget, keys.worker(instance), "name")
+        return name.decode() if name else ""
+
+    def drop_worker(self, instance: int | str) -> None:
+        """Remove a worker instance's registry entry, in-flight set and health ledger."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.worker(instance), keys.inflight(instance), keys.health(instance))
+        pipe.zrem(keys.WORKERS, str(instance))
+        self._call(pipe.execute)
+
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take the named lock for `ttl_s` unless someone else holds it."""
+        return bool(self._call(self.r.set, keys.lock(name), owner, nx=True, px=int(ttl_s * 1000)))
+
+    def unlock(self, name: str, owner: str) -> None:
+        """Release the named lock if `owner` still holds it."""
+        self._call(self._unlock, keys=[keys.lock(name)], args=[owner])
+
+    @contextmanager
+    def locked(self, name: str, ttl_s: float) -> Iterator[bool]:
+        """Hold the named lock (a lease of `ttl_s`, with an owner id of its own) for the block;
+        yields True, or False without holding anything when someone else has it. Released on
+        the way out if it is still this holder's (a lease that lapsed is not taken from its
+        next holder)."""
+        owner = uuid.uuid4().hex
+        if not self.try_lock(name, owner, ttl_s):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.unlock(name, owner)
+
+    def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
+              max_attempts: int, live_window: float = 0.0) -> Begin:
+        """Claim a delivery for this worker: mark RUNNING and count the attempt, or say why not
+        ("busy": the same copy already runs here, or on a worker seen within `live_window`)."""
+        reply = self._call(
+            self._begin,
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.WORKERS],
+            # A token per claim: a claim retried after a lost reply finds itself, not a rival.
+            args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight(""),
+                  uuid.uuid4().hex, live_window],
+        )
+        action = reply[0].decode()
+        if action == "done":
+            return Begin("done", outcome=Outcome.from_reply(*reply[1:5]))
+        if action == "run":
+            return Begin("run", attempts=int(reply[1]))
+        if action == "exhausted":
+            return Begin("exhausted", attempts=int(reply[1]), last_error=reply[2].decode())
+        return Begin(action)
+
+    def finish(self, request_id: str, instance: int, now: float, *, result: dict | None = None,
+               error_kind: str = "", error: str = "") -> tuple[bool, Outcome]:
+        """Set the terminal outcome once. Returns (won, stored outcome): a losing writer gets the
+        outcome that was already there and the attempt is counted as a duplicate result."""
+        status = keys.SUCCEEDED if result is not None else keys.FAILED
+        reply = self._call(
+            self._finish,
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
+            args=[request_id, status, json.dumps(result) if result is not None else "",
+                  error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
+                  keys.job_requests(""), keys.pool_requests("")],
+        )
+        return bool(reply[0]), Outcome.from_reply(*reply[1:5])
+
+    def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
+                now: float | None = None, refund: bool = False) -> bool:
+        """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped),
+        closing its attempt 'retry' at `now` (default: the clock). With `refund`, the attempt is
+        not counted against max_attempts (the request was not at fault and did not run: e.g. its
+        LoRA adapter is still being written); its deadline still bounds it."""
+        now = time.time() if now is None else now
+        return bool(self._call(
+            self._release,
+            keys=[keys.request(request_id), keys.inflight(instance)],
+            args=[request_id, instance, next_dispatch, last_error, now, "1" if refund else "0"],
+        ))
+
+    def get(self, request_id: str) -> dict[str, str] | None:
+        """The record as a str->str dict, or None if there is none."""
+        raw = self._call(self.r.hgetall, keys.request(request_id))
+        if not raw:
+            return None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def history(self, request_id: str) -> list[dict[str, Any]]:
+        """Every attempt of a request, oldest first (at most HISTORY_MAX, the newest kept), as
+        recorded atomically by begin / release / requeue / finish: one dict per attempt begun,
+        {"attempt": int, "dispatch": int, "worker": node name, "instance": instance id as a str,
+        "started_at": float, "ended_at": float or None, "outcome": None while open, else
+        "succeeded" | "failed" | "retry" | "requeued", "error": the error's code or None}.
+        Times carry cjson's 14 significant digits (0.1 ms for current Unix times). [] when the
+        request has no record or was never begun. An attempt that ended unobserved (its copy
+        superseded by another worker's, or its result losing to an earlier one) stays open."""
+        raw = self._call(self.r.hget, keys.request(request_id), "history")
+        if not raw:
+            return []
+        parsed = json.loads(raw)
+        return parsed if isinstance(parsed, list) else []  # cjson writes an empty list as {}
+
+    def stats(self) -> dict[str, int]:
+        """Fleet counters (duplicate_results, duplicate_deliveries, stale_deliveries)."""
+        raw = self._call(self.r.hgetall, keys.STATS)
+        return {k.decode(): int(v) for k, v in raw.items()}

@@ -1,0 +1,108 @@
+"""Engine death without innocent casualties: suspects, re-isolation, the death streak.
+
+When an engine dies, every request in flight fails with the same EngineDeadError. That does not
+prove any of them guilty: most deaths come from outside (the OOM killer, a killed process, a
+driver reset). The engine host (workers/engine/host.py) keeps those requests as *suspects* and
+re-runs them on a fresh engine, in this order (docs/failure-modes.md, "Engine death"):
+
+1. The whole suspect set, together, once: one restart is all an external death costs.
+2. If the engine dies again, the requests still running are split into ceil(sqrt(n)) groups
+   (groups of <= SINGLES_BELOW run as singles) and the groups run one after another, alone in the
+   engine. A group that finishes clears its members; a group that dies is split again.
+3. A request that dies alone twice (POISON_STRIKES), each time on an engine that had just passed
+   a canary generation, is failed as `poison_request`. The second strike keeps an unlucky
+   innocent, alone in the engine when something else killed it, from being convicted.
+
+Every fresh engine must pass a canary (a one-token generation) before suspects run on it: an
+engine that cannot even do that is broken, not poisoned. Deaths with the same signature and no
+success between them form the *death streak*; at `DeathStreak.limit` (3) the worker is broken
+(`repeated_engine_death`) and leaves.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+
+SINGLES_BELOW = 8  # a group this small is split into single requests at once
+POISON_STRIKES = 2  # deaths alone before a request is convicted
+MAX_RUNS = 8  # runs of one request in one worker before it goes back to the queue instead
+CANARY_TIMEOUT_S = 120.0
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's passage through the engine host, kept across engine restarts."""
+
+    req: GenerateRequest
+    rid: str
+    runs: int = 0
+    solo_deaths: int = 0
+    last: str = ""  # outcome of the last run: ok / error / died / cancelled
+    in_recovery: bool = False  # owned by the recovery plan (not a fresh suspect)
+    granted: object = None  # the engine the recovery handed this ticket for its next run
+    verdict: BaseException | None = None  # what to raise instead of running again
+    gone: bool = False  # the caller gave up (timeout, drain): never run it again
+    adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
+    adapter_engine: object = None  # the engine whose adapter use count holds this ticket
+    extra: dict = field(default_factory=dict)
+
+    def engine_request_id(self) -> str:
+        """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""
+        return self.rid if self.runs <= 1 else f"{self.rid}.r{self.runs}"
+
+
+def split_suspects(group: list[Ticket]) -> list[list[Ticket]]:
+    """Split a group that died: singles below SINGLES_BELOW, else ceil(sqrt(n)) near-equal
+    groups in their original order. With one poison among n, that is about two more deaths
+    to find it whatever n is, and most innocents run batched."""
+    n = len(group)
+    if n <= SINGLES_BELOW:
+        return [[t] for t in group]
+    k = math.ceil(math.sqrt(n))
+    size = math.ceil(n / k)
+    return [group[i:i + size] for i in range(0, n, size)]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def death_signature(exc: BaseException) -> str:
+    """What makes two deaths "the same": the exception type and its message, numbers removed
+    (pids, request ids and counts differ between deaths of one cause)."""
+    text = " ".join(str(exc).split())[:200]
+    return f"{type(exc).__name__}:{_DIGITS.sub('#', text)}"
+
+
+class DeathStreak:
+    """Engine deaths in a row with one signature and no success between them."""
+
+    def __init__(self, limit: int = 3):
+        self.limit = limit
+        self.count = 0
+        self.signature = ""
+
+    def death(self, signature: str) -> int:
+        """Count a death; returns the streak length (a new signature restarts it at 1)."""
+        self.count = self.count + 1 if signature == self.signature else 1
+        self.signature = signature
+        return self.count
+
+    def success(self) -> None:
+        """A generation completed (a request or a canary): the engine works."""
+        self.count = 0
+        self.signature = ""
+
+    @property
+    def broken(self) -> bool:
+        """True once the streak reached the limit: this worker cannot keep an engine alive."""
+        return self.count >= self.limit
+
+
+def canary_request(spec: ModelSpec) -> GenerateRequest:
+    """The smallest real generation: a few token ids in, one token out, greedy."""
+    return GenerateRequest(model=spec.name, prompt_token_ids=[1, 2, 3], max_tokens=1,
+                           temperature=0.0)
