@@ -30,7 +30,7 @@ class VigilCelery(Celery):
     @cached_property
     def vigil_redis(self):
         """A client for Vigil's state in this app's Redis, built on first use."""
-        from app.state.store import connect
+        from app.state.conn import connect
 
         return connect(self.vigil_settings or get_settings())
 

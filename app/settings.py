@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.state.conn import check_url, is_sentinel, is_tls, redacted_url
+from app.redis_url import check_url, is_sentinel, is_tls, redacted_url
 
 ENV_PREFIX = "VIGIL_"
 

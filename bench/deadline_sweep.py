@@ -18,7 +18,8 @@ from app.local.embedded import EmbeddedRedis
 from app.fleet.housekeeping import sweep_deadlines
 from app.requests.schemas import parse_request
 from app.settings import load_settings
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.requests.submit import record_fields
 
 

@@ -10,7 +10,8 @@ import pytest
 from app.state import keys
 from app.fleet.housekeeping import reap_workers, sweep_deadlines
 from app.requests.schemas import parse_request
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.state.lua import HISTORY_MAX
 from app.requests.submit import record_fields
 

@@ -80,7 +80,7 @@ def test_redis_pools_hold_a_connection_per_task_thread():
     (100) made finished requests fail with 'Too many connections' at concurrency 160."""
     import redis
 
-    from app.state.store import connect
+    from app.state.conn import connect
 
     s = load_settings(worker_concurrency=160)
     pool = connect(s).connection_pool

@@ -9,7 +9,8 @@ import pytest
 from app.state import keys
 from app.fleet.housekeeping import sweep_deadlines
 from app.requests.schemas import parse_request
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.requests.submit import record_fields
 
 pytestmark = pytest.mark.redis

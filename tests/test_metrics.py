@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import metrics
 from app.errors import RequestError
 from app.fleet.housekeeping import reap_workers, sweep_deadlines
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from tests.test_store_and_service import KW, Scripted, create
 from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime

@@ -19,7 +19,8 @@ from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
 from app.fleet.housekeeping import reap_workers
 from app.fleet.message_audit import RUN_ID_KEY, audit_after_restart, redis_start
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from tests.conftest import wait_until
 from tests.test_store_and_service import create
 

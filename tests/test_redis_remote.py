@@ -17,10 +17,11 @@ import redis
 from app.celery_app import create_app
 from app.local.embedded import free_port, wait_for
 from app.errors import REDIS_UNAVAILABLE, TransientError
-from app.state.conn import preflight, redacted_url, sentinel_addresses
+from app.redis_url import redacted_url, sentinel_addresses
+from app.state.conn import preflight
 from app.settings import SettingsError, load_settings
-from app.ops.status import redacted_url as status_redacted_url
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel,
                                  make_tls_files)
 
@@ -37,7 +38,7 @@ PW = "hunter2-" + secrets.token_hex(4)
     (f"redis://:{PW}@[broken/0", "(unparseable)"),
 ])
 def test_redacted_url_drops_user_password_and_query_from_every_shape(url, shown):
-    assert redacted_url(url) == status_redacted_url(url) == shown
+    assert redacted_url(url) == shown
 
 
 @pytest.mark.parametrize("overrides, var", [

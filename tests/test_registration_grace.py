@@ -10,7 +10,8 @@ from app.state import keys
 from app.fleet.housekeeping import reap_workers
 from app.requests.schemas import parse_request
 from app.settings import SettingsError, load_settings
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 

@@ -20,7 +20,8 @@ from app.state.health import HealthLedger
 from app.requests.models import get_registry
 from app.ops.request_view import SCAN_LIMIT, describe, queue_position, why_waiting
 from app.requests.schemas import parse_request
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 

@@ -10,7 +10,8 @@ import pytest
 from app.state import keys
 from app.errors import RequestError, TerminalError
 from app.requests.schemas import parse_request
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.requests.submit import record_fields
 from workers.engine.host import EngineHost
 from workers.engine.kinds import EngineOutput

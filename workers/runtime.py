@@ -14,7 +14,8 @@ import uuid
 
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
-from app.state.store import RequestStore, connect
+from app.state.conn import connect
+from app.state.store import RequestStore
 from app.errors import WorkerFatalError
 from app.fleet.jobs import pool_queues
 from app.requests.models import ModelSpec

@@ -51,7 +51,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
     from app.state.conn import preflight
-    from app.state.store import connect
+    from app.state.conn import connect
 
     preflight(s, connect(s))
     if args.gpu is not None:
@@ -128,7 +128,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
     from app.fleet import jobs
     from app.errors import VigilError
     from app.settings import get_settings
-    from app.state.store import connect
+    from app.state.conn import connect
 
     client = connect(get_settings())
     try:

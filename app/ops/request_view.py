@@ -112,7 +112,8 @@ def why_waiting(request_id: str, *, client: redis.Redis | None = None,
     """
     from app.requests.models import get_registry
     from app.settings import get_settings
-    from app.state.store import connect, shared_store
+    from app.state.conn import connect
+    from app.state.store import shared_store
 
     if client is None:
         client = shared_store().r if settings is None else connect(settings)
@@ -315,8 +316,8 @@ def run_request(request_id: str, as_json: bool = False, show_text: bool = False)
 
     from app.requests.models import get_registry
     from app.settings import get_settings
-    from app.ops.status import redacted_url
-    from app.state.store import connect
+    from app.redis_url import redacted_url
+    from app.state.conn import connect
 
     s = get_settings()
     console = Console()

@@ -15,7 +15,8 @@ import time
 
 import redis
 
-from app.state import conn as redis_conn, keys
+from app.redis_url import redacted_url
+from app.state import keys
 from app.state.health import HEALTHY, SUSPECT, HealthLedger
 from app.fleet.jobs import list_jobs, pool_queues
 from app.requests.models import ModelRegistry
@@ -23,11 +24,6 @@ from app.fleet.reconcile import unserved_reason
 from app.settings import VigilSettings
 
 GiB = 1 << 30
-
-
-def redacted_url(url: str) -> str:
-    """`scheme://host:port/db` without user or password (every entry of a sentinel URL)."""
-    return redis_conn.redacted_url(url)
 
 
 def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistry,
@@ -140,7 +136,7 @@ def run_status(as_json: bool = False, watch: float | None = None) -> int:
 
     from app.requests.models import get_registry
     from app.settings import get_settings
-    from app.state.store import connect
+    from app.state.conn import connect
 
     s = get_settings()
     client = connect(s)

@@ -15,101 +15,27 @@ The three clients get the same endpoint and credentials from here: kombu (the br
 A sentinel URL's credentials and database are read from its first entry, as kombu and Celery
 read them. Reserved characters in a user or password are percent-encoded (`@` as `%40`).
 
-Credentials never leave this module in text: `redacted_url` is the only form of the URL that
-logs, errors and `vigil status` show.
+The URL's text (its shapes, `redacted_url`) is app/redis_url.py's; this module builds the
+connections.
 """
 from __future__ import annotations
 
 import ssl
-from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-if TYPE_CHECKING:  # settings imports this module: no import cycle at run time
-    from app.settings import VigilSettings
+from app.redis_url import (credentials_and_db, is_sentinel, is_tls, redacted_url,
+                           sentinel_addresses)
+from app.settings import SettingsError, VigilSettings
 
-SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
-SENTINEL_SEPARATOR = ";"
-
-
-def redacted_url(url: str) -> str:
-    """The URL without user, password or query: `scheme://host:port/db` (each entry of a
-    sentinel URL alike, joined by `;`; `unix:///path` for a socket)."""
-    out = []
-    for chunk in url.split(SENTINEL_SEPARATOR):
-        try:
-            u = urlsplit(chunk.strip())
-            host = u.hostname or ""
-        except ValueError:  # e.g. an unclosed '[': show nothing of it rather than raise here
-            out.append("(unparseable)")
-            continue
-        try:
-            port = u.port
-        except ValueError:  # a malformed port is shown as nothing
-            port = None
-        out.append(f"{u.scheme}://{host}{':' + str(port) if port else ''}{u.path}")
-    return SENTINEL_SEPARATOR.join(out)
+# Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
+REDIS_POOL_HEADROOM = 16
 
 
-def is_sentinel(url: str) -> bool:
-    """True for a `sentinel://` URL (one or more `;`-separated sentinels)."""
-    return url.startswith("sentinel://")
-
-
-def is_tls(url: str) -> bool:
-    """True for a `rediss://` URL."""
-    return url.startswith("rediss://")
-
-
-def check_url(url: str) -> str:
-    """The URL if Vigil can use it; ValueError otherwise, whose message never quotes the URL
-    (it may hold a password)."""
-    if not url.startswith(SCHEMES):
-        raise ValueError("must start with redis://, rediss://, unix:// or sentinel://")
-    if is_sentinel(url):
-        for chunk in url.split(SENTINEL_SEPARATOR):
-            u = urlsplit(chunk.strip())
-            if u.scheme != "sentinel" or not u.hostname:
-                raise ValueError("a sentinel URL is sentinel://host:port entries joined by ';'")
-            _port(u)
-    elif not url.startswith("unix://"):
-        u = urlsplit(url)
-        if not u.hostname:
-            raise ValueError("names no host")
-        _port(u)
-    return url
-
-
-def _port(u) -> int | None:
-    try:
-        return u.port
-    except ValueError:
-        raise ValueError("has a port that is not a number from 0 to 65535") from None
-
-
-def sentinel_addresses(url: str) -> list[tuple[str, int]]:
-    """(host, port) of every sentinel in a `sentinel://` URL (26379 when none is given)."""
-    out = []
-    for chunk in url.split(SENTINEL_SEPARATOR):
-        u = urlsplit(chunk.strip())
-        out.append((u.hostname or "localhost", u.port or 26379))
-    return out
-
-
-def _credentials_and_db(url: str) -> tuple[str | None, str | None, int]:
-    """User, password (percent-decoded) and database of a sentinel URL's first entry."""
-    u = urlsplit(url.split(SENTINEL_SEPARATOR)[0].strip())
-    db = u.path.strip("/")
-    return (unquote(u.username) if u.username else None,
-            unquote(u.password) if u.password else None,
-            int(db) if db.isdigit() else 0)
-
-
-def tls_options(settings: "VigilSettings") -> dict | None:
+def tls_options(settings: VigilSettings) -> dict | None:
     """The TLS options of kombu's `broker_use_ssl` and Celery's `redis_backend_use_ssl` (the
     same keys redis-py's SSL connections take), or None for a plain connection.
 
@@ -128,7 +54,7 @@ def tls_options(settings: "VigilSettings") -> dict | None:
     return opts
 
 
-def sentinel_kwargs(settings: "VigilSettings") -> dict:
+def sentinel_kwargs(settings: VigilSettings) -> dict:
     """Connection options for the sentinels themselves: bounded timeouts, no retries, and their
     password.
 
@@ -145,7 +71,7 @@ def sentinel_kwargs(settings: "VigilSettings") -> dict:
     return kw
 
 
-def transport_options(settings: "VigilSettings") -> dict:
+def transport_options(settings: VigilSettings) -> dict:
     """What kombu's and Celery's transport options need besides Vigil's own: the master's name
     and the sentinels' options for a sentinel URL, nothing otherwise."""
     if not is_sentinel(settings.redis_url):
@@ -160,7 +86,7 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConne
     master that was failed over are dropped on release, as in SentinelConnectionPool."""
 
 
-def state_pool(settings: "VigilSettings", *, max_connections: int,
+def state_pool(settings: VigilSettings, *, max_connections: int,
                **connection_kwargs) -> redis.ConnectionPool:
     """The connection pool of Vigil's state client for any supported URL: a blocking pool of
     `max_connections`, TLS from `tls_options`, and for Sentinel one that asks the sentinels
@@ -168,7 +94,7 @@ def state_pool(settings: "VigilSettings", *, max_connections: int,
     health checks) apply to every Redis connection."""
     url = settings.redis_url
     if is_sentinel(url):
-        user, password, db = _credentials_and_db(url)
+        user, password, db = credentials_and_db(url)
         sentinel = Sentinel(sentinel_addresses(url), sentinel_kwargs=sentinel_kwargs(settings),
                             **{k: v for k, v in connection_kwargs.items()
                                if k.startswith("socket_")})
@@ -181,7 +107,7 @@ def state_pool(settings: "VigilSettings", *, max_connections: int,
         **(tls_options(settings) or {}), **connection_kwargs)
 
 
-def describe_failure(settings: "VigilSettings", err: BaseException) -> str | None:
+def describe_failure(settings: VigilSettings, err: BaseException) -> str | None:
     """A one-line diagnosis for an error that retrying will not cure: Redis refused the
     credentials, or the TLS handshake failed (certificate, CA, key). None for anything else
     (Redis down or starting, a failover in progress), which is worth waiting for. The text
@@ -197,15 +123,32 @@ def describe_failure(settings: "VigilSettings", err: BaseException) -> str | Non
     return None
 
 
-def preflight(settings: "VigilSettings", client: redis.Redis) -> None:
+def preflight(settings: VigilSettings, client: redis.Redis) -> None:
     """PING Redis once; raise SettingsError when it refuses the credentials or the TLS
     handshake fails (`describe_failure`), so a misconfigured process stops at once instead of
     retrying forever. An unreachable Redis passes: Celery waits for it at start."""
-    from app.settings import SettingsError
-
     try:
         client.ping()
     except (redis.ConnectionError, redis.TimeoutError) as e:
         why = describe_failure(settings, e)
         if why:
             raise SettingsError(f"invalid settings: VIGIL_REDIS_URL: {why}") from None
+
+
+def connect(settings: VigilSettings) -> redis.Redis:
+    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast).
+
+    The pool blocks (up to redis_timeout) instead of failing when every connection is busy:
+    redis-py's default pool raises "Too many connections" past 100, and a worker's whole batch
+    of task threads finishes in the same engine step.
+    """
+    # Any URL shape (password, TLS, Sentinel) goes through the one builder the broker and
+    # backend options come from.
+    pool = state_pool(
+        settings,
+        max_connections=settings.worker_concurrency + REDIS_POOL_HEADROOM,
+        socket_timeout=settings.redis_timeout,
+        socket_connect_timeout=settings.redis_timeout,
+        health_check_interval=30,
+    )
+    return redis.Redis(connection_pool=pool)

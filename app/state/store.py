@@ -15,7 +15,8 @@ from typing import Any, Iterator
 
 import redis
 
-from app.state import conn as redis_conn, keys
+from app.state import keys
+from app.state.conn import connect
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
 from app.state.lua import (
@@ -31,8 +32,6 @@ EXISTS = 0
 CREATED = 1
 CREATED_NEW_JOB_QUEUE = 2
 
-# Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.
-REDIS_POOL_HEADROOM = 16
 # Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
 OUTAGE_RETRY_FIRST_S = 0.1
 OUTAGE_RETRY_MAX_S = 2.0
@@ -66,25 +65,6 @@ class Begin:
     attempts: int = 0
     outcome: Outcome | None = None
     last_error: str = ""
-
-
-def connect(settings: VigilSettings) -> redis.Redis:
-    """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast).
-
-    The pool blocks (up to redis_timeout) instead of failing when every connection is busy:
-    redis-py's default pool raises "Too many connections" past 100, and a worker's whole batch
-    of task threads finishes in the same engine step.
-    """
-    # Any URL shape (password, TLS, Sentinel) goes through the one builder the broker and
-    # backend options come from (app/state/conn.py).
-    pool = redis_conn.state_pool(
-        settings,
-        max_connections=settings.worker_concurrency + REDIS_POOL_HEADROOM,
-        socket_timeout=settings.redis_timeout,
-        socket_connect_timeout=settings.redis_timeout,
-        health_check_interval=30,
-    )
-    return redis.Redis(connection_pool=pool)
 
 
 def shared_store() -> "RequestStore":
