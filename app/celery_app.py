@@ -8,8 +8,7 @@ from kombu.utils.objects import cached_property
 from app.state import conn as redis_conn
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
-
-HOUSEKEEPING_QUEUE = "vigil.housekeeping"
+from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 
 
 class VigilCelery(Celery):
@@ -33,11 +32,6 @@ class VigilCelery(Celery):
         from app.state.conn import connect
 
         return connect(self.vigil_settings or get_settings())
-
-
-def declared_queues(registry: ModelRegistry) -> list[str]:
-    """Every queue the app routes to: one per pool, plus housekeeping (beat tasks)."""
-    return [HOUSEKEEPING_QUEUE] + [registry.get(n).queue for n in registry.names()]
 
 
 def outage_retry_policy(s: VigilSettings) -> dict:
@@ -123,7 +117,7 @@ def create_app(settings: VigilSettings | None = None,
         # Explicit names and queues; a typo'd queue is an error, not a silently created queue
         # that nothing consumes.
         task_create_missing_queues=False,
-        task_queues=[Queue(q) for q in declared_queues(reg)],
+        task_queues=[Queue(q) for q in declared_queues(reg.names())],
         task_default_queue=HOUSEKEEPING_QUEUE,
         # Task events cost ~1 ms of worker CPU per request (bench/README.md), taken from the
         # engine on a saturated host. Flower turns them on in the workers while it runs (its

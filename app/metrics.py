@@ -183,10 +183,11 @@ class WorkerCollector:
 
     def _redis_state(self):
         from app.state import keys
+        from app.state.queues import pool_queues
 
         rt = self.rt
         try:
-            queues = [(p, q) for p in rt.registry.names() for q in _pool_queues(rt.client, p)]
+            queues = [(p, q) for p in rt.registry.names() for q in pool_queues(rt.client, p)]
             pipe = rt.client.pipeline(transaction=False)
             for _, q in queues:
                 pipe.llen(q)
@@ -204,12 +205,6 @@ class WorkerCollector:
         yield GaugeMetricFamily("vigil_requests_held", "Requests this worker holds: received, "
                                 "running, or released for a retry whose message it holds.",
                                 value=held)
-
-
-def _pool_queues(client, pool: str) -> list[str]:
-    from app.fleet.jobs import pool_queues  # the pool's own queue and one per job
-
-    return pool_queues(client, pool)
 
 
 _server_lock = threading.Lock()

@@ -12,7 +12,8 @@ from kombu.exceptions import OperationalError
 
 from app.celery_app import outage_retry_policy
 from app.errors import JOB_DELETED, REDIS_UNAVAILABLE, RequestError, TerminalError, TransientError
-from app.fleet.jobs import announce_queue, job_queue
+from app.fleet.jobs import announce_queue
+from app.state.queues import job_queue
 from app.requests.models import get_registry
 from app.settings import get_settings
 from app.state.store import (CREATED_NEW_JOB_QUEUE, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from app import app
-from app.celery_app import HOUSEKEEPING_QUEUE
+from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.health import HealthLedger
 from app.fleet.housekeeping import (enforce_quarantines, ensure_job_consumers, reap_workers,
                               republish_request, sweep_deadlines)

@@ -13,7 +13,7 @@ import pytest
 from app import app
 from app.local.embedded import wait_for
 from app.errors import RequestError
-from app.requests.models import queue_for
+from app.state.queues import pool_queue
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (DRILL_MODEL, RunningWorker,
@@ -21,7 +21,7 @@ from tests.conftest import (DRILL_MODEL, RunningWorker,
 
 pytestmark = pytest.mark.worker
 POISON = "POISON-PILL"
-DRILL_QUEUE = queue_for(DRILL_MODEL)
+DRILL_QUEUE = pool_queue(DRILL_MODEL)
 
 
 @pytest.fixture(scope="module")

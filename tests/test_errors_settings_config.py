@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from app.celery_app import HOUSEKEEPING_QUEUE, create_app, declared_queues
+from app.celery_app import create_app
+from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.errors import (RequestError, TerminalError, TransientError, WorkerFatalError,
                         error_from_record)
 from app.requests.models import get_registry
@@ -68,8 +69,8 @@ def test_celery_is_configured_for_json_late_acks_and_declared_queues_only():
     assert c.task_create_missing_queues is False
     assert c.broker_transport_options["visibility_timeout"] == s.visibility_timeout
     assert c.broker_transport_options["unacked_restore_throttle"] == 1
-    assert [q.name for q in c.task_queues] == declared_queues(get_registry())
-    assert HOUSEKEEPING_QUEUE in declared_queues(get_registry())
+    assert [q.name for q in c.task_queues] == declared_queues(get_registry().names())
+    assert HOUSEKEEPING_QUEUE in declared_queues(get_registry().names())
     assert c.task_track_started is False  # Vigil's record holds RUNNING; one less write per task
     assert c.worker_send_task_events is False  # Flower enables events while it runs
     assert create_app(load_settings(task_events=True)).conf.worker_send_task_events

@@ -7,7 +7,7 @@ import pytest
 from app.ops.cli import main
 from app.local.embedded import wait_for
 from app.errors import TerminalError
-from app.fleet.jobs import queue_name
+from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import UNSERVED_MODEL

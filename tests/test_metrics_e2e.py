@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.local.embedded import free_port, wait_for
 from app.errors import RequestError
-from app.requests.models import queue_for
+from app.state.queues import pool_queue
 from tasks.inference import generate
 from tests.conftest import DRILL_MODEL, RunningWorker
 
@@ -44,7 +44,7 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         w.wait_engine()
         client = redis_server.client()
         # Whatever an earlier test left in this pool's queue is served before the baseline.
-        wait_for(lambda: client.llen(queue_for(DRILL_MODEL)) == 0
+        wait_for(lambda: client.llen(pool_queue(DRILL_MODEL)) == 0
                  and int(w.entry()["in_flight"]) == 0, 120, 0.2, "an idle worker")
         before = scrape(port)
         ok = [generate.delay(model=DRILL_MODEL, prompt=f"count {i}", max_tokens=4)
@@ -69,7 +69,7 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         info = [k for k in after if k[0] == "vigil_worker_info"]
         assert len(info) == 1 and ("worker", "metrics@testhost") in info[0]
         assert get(after, "vigil_queue_depth", pool=DRILL_MODEL,
-                   queue=queue_for(DRILL_MODEL)) == 0
+                   queue=pool_queue(DRILL_MODEL)) == 0
         assert get(after, "process_resident_memory_bytes") > 0
     finally:
         w.stop()

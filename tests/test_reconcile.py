@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from app.state.health import HealthLedger
-from app.fleet.jobs import queue_name
+from app.state.queues import job_queue_name as queue_name
 from app.requests.models import ModelRegistry, ModelSpec
 from app.fleet.reconcile import reconcile_pools, unserved_reason
 from app.state.store import RequestStore

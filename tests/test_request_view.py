@@ -241,7 +241,7 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
 def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_db1):
     """Given a request of job eval-7 behind another of the same job, then its place is counted in
     the job's own queue (app/fleet/jobs.py), not the pool's."""
-    from app.fleet.jobs import job_queue
+    from app.state.queues import job_queue
 
     create(store, "r1", job="eval-7")
     for rid in ("ahead", "r1"):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app import app
-from app.celery_app import declared_queues
+from app.state.queues import declared_queues
 from app.local.embedded import free_port, vigil_env
 from app.errors import RequestError
 from app.requests.models import get_registry
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.redis
 
 
 def queue_state(r):
-    return ({q: r.llen(q) for q in declared_queues(get_registry())},
+    return ({q: r.llen(q) for q in declared_queues(get_registry().names())},
             sorted(r.scan_iter("vigil:req:*")))
 
 

@@ -64,7 +64,7 @@ def _on_worker_ready(sender=None, **_):
 def _consume_job_queues(consumer, rt) -> None:
     """Consume the job queues that already exist in this worker's pools (app/fleet/jobs.py); new ones
     are announced by the producer, and beat's reconcile repairs what was missed."""
-    from app.fleet.jobs import pool_queues
+    from app.state.queues import pool_queues
 
     if consumer is None or not hasattr(consumer, "add_task_queue"):
         return

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from app.errors import CANARY_FAILED, TransientError, WorkerFatalError
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.fleet.jobs import pool_queues
+from app.state.queues import pool_queues
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime

@@ -17,7 +17,7 @@ from app.settings import VigilSettings, get_settings
 from app.state.conn import connect
 from app.state.store import RequestStore
 from app.errors import WorkerFatalError
-from app.fleet.jobs import pool_queues
+from app.state.queues import pool_of, pool_queues
 from app.requests.models import ModelSpec
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_env_defaults
@@ -86,14 +86,11 @@ class WorkerRuntime:
     def pools(self) -> list[str]:
         """The pools this worker consumes now: from its consumer's queues once it runs (the
         reconcile adds and removes pools), else the ones it was started with."""
-        from app.requests.models import QUEUE_PREFIX
-
         try:
             queues = [q.name for q in self.consumer.task_consumer.queues]
         except AttributeError:  # not consuming yet
             return list(self.configured_pools)
-        pools = [q[len(QUEUE_PREFIX):] for q in queues
-                 if q.startswith(QUEUE_PREFIX) and ".job." not in q[len(QUEUE_PREFIX):]]
+        pools = [p for p in map(pool_of, queues) if p]
         # Possibly none: a drained or quarantined worker consumes no pool.
         return sorted(p for p in pools if p in self.registry)
 

@@ -196,7 +196,7 @@ def republish_request(request_id: str, record: dict, dispatch: int) -> None:
     header, which the worker reads as the dispatch number)."""
     from app import app
     from app.celery_app import outage_retry_policy
-    from app.fleet.jobs import DEFAULT_JOB, job_queue
+    from app.state.queues import DEFAULT_JOB, job_queue
     from app.settings import get_settings
     from app.requests.submit import EXPIRES_GRACE_S
 
@@ -276,7 +276,7 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
     right before each cancel, so a worker that passed its canary meanwhile is left alone.
     Returns how many consumers it cancelled; 0 without acting when another tick holds the lock."""
     from app.state.health import QUARANTINED, RESTARTING
-    from app.requests.models import QUEUE_PREFIX
+    from app.state.queues import is_pool_queue
 
     with _timed_lock(store, HEALTH_TICK_LOCK, lock_ttl_s, "health_tick") as held:
         if not held:
@@ -292,7 +292,7 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
                 except Exception as e:  # one unreachable worker must not stop the tick
                     log.warning("health tick: cannot ask %s for its queues: %s", name, e)
                     continue
-                pools = [q for q in queues or () if q.startswith(QUEUE_PREFIX)]
+                pools = [q for q in queues or () if is_pool_queue(q)]
                 if not pools or ledger.read(inst).state not in (QUARANTINED, RESTARTING):
                     continue
                 for q in pools:
@@ -319,7 +319,8 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
     (app/fleet/jobs.py): repairs an announcement that was lost or a worker that started between a
     job's first request and its own start. Lock-guarded; returns how many consumers it added."""
     from app.state.health import QUARANTINED, RESTARTING
-    from app.fleet.jobs import pool_queues, serving_workers
+    from app.fleet.jobs import serving_workers
+    from app.state.queues import pool_queues
     from app.state import keys
 
     with store.locked(RECONCILE_LOCK, lock_ttl_s) as held:

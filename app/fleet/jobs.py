@@ -34,33 +34,15 @@ import time
 from typing import Callable
 
 import redis
-from kombu import Queue
 
 from app.state import keys
 from app.errors import JOB_DELETED, TerminalError, TransientError, VigilError
-from app.requests.models import QUEUE_PREFIX
+from app.state.queues import DEFAULT_JOB, job_queue_name, pool_queues
 
 log = logging.getLogger("vigil.jobs")
 
-DEFAULT_JOB = "default"
 JOB_LOCK = "job:{}"
 CHUNK = 100
-
-
-def queue_name(pool: str, job: str) -> str:
-    """The Celery queue carrying `job`'s requests for `pool`."""
-    return f"{QUEUE_PREFIX}{pool}" if job == DEFAULT_JOB else f"{QUEUE_PREFIX}{pool}.job.{job}"
-
-
-def job_queue(pool: str, job: str) -> Queue:
-    """`queue_name` as a kombu Queue (job queues are not in the app's declared list)."""
-    return Queue(queue_name(pool, job))
-
-
-def pool_queues(client: redis.Redis, pool: str) -> list[str]:
-    """Every queue of `pool`: its own and one per job that has requests there."""
-    jobs = sorted(j.decode() for j in client.smembers(keys.pool_jobs(pool)))
-    return [queue_name(pool, DEFAULT_JOB)] + [queue_name(pool, j) for j in jobs]
 
 
 def serving_workers(client: redis.Redis, pool: str) -> list[str]:
@@ -83,7 +65,7 @@ def announce_queue(client: redis.Redis, pool: str, job: str) -> None:
 
     names = serving_workers(client, pool)
     if names:
-        app.control.add_consumer(queue_name(pool, job), destination=names, reply=False)
+        app.control.add_consumer(job_queue_name(pool, job), destination=names, reply=False)
 
 
 def create_job(client: redis.Redis, name: str, *, replicas: int = 1,
@@ -181,12 +163,12 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
         for pool in pools:
             if client.srem(keys.pool_jobs(pool), name):
                 names = serving_workers(client, pool)
-                q = queue_name(pool, name)
+                q = job_queue_name(pool, name)
                 # The queue, its messages, and kombu's binding records for it (one set per
                 # queue the job ever had: left behind, they would pile up job after job).
                 client.delete(q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}")
                 try:
-                    cancel(queue_name(pool, name), names)
+                    cancel(job_queue_name(pool, name), names)
                 except Exception as e:  # the queue is empty and gone; a consumer is harmless
                     log.warning("ending job %s: cancel_consumer failed: %s", name, e)
     log.warning("job %s ended (%s): failed %d open request(s)", name, reason, failed)

@@ -45,7 +45,6 @@ RUN_ID_KEY = keys.REDIS_RUN_ID
 AUDIT_LOCK = "message_audit"
 # kombu's Redis transport: messages delivered and not yet acked (delivery tag -> [message, ...]).
 UNACKED_KEY = "unacked"
-QUEUE_PATTERN = "vigil.pool.*"
 CHUNK = 1000
 RESTART_REASON = "redis_unavailable: its message was lost in a Redis restart"
 REAP_REASON = "worker_lost: its message was taken by a worker that died"
@@ -67,11 +66,11 @@ def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
     """Request ids with a message in a queue of `pools` (all pools if None; a list of JSON
     messages whose headers.id is the request id), and with `unacked`, also in kombu's unacked
     hash (fetched by a consumer, not yet acked)."""
-    from app.fleet.jobs import pool_queues
+    from app.state.queues import POOL_QUEUE_GLOB, pool_queues
     from app.ops.request_view import message_id
 
     if pools is None:
-        queues = list(store.r.scan_iter(match=QUEUE_PATTERN, count=CHUNK, _type="list"))
+        queues = list(store.r.scan_iter(match=POOL_QUEUE_GLOB, count=CHUNK, _type="list"))
     else:
         queues = [q for p in pools for q in pool_queues(store.r, p)]
     ids: set[str] = set()

@@ -28,7 +28,7 @@ from typing import Callable
 
 from app.state import keys
 from app.state.health import HEALTHY, SUSPECT
-from app.fleet.jobs import pool_queues
+from app.state.queues import pool_queues
 from app.requests.models import ModelRegistry
 
 log = logging.getLogger("vigil.reconcile")

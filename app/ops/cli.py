@@ -21,8 +21,7 @@ import sys
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     """The `celery worker` command line for `vigil worker` (pure, for tests)."""
     from app import app
-    from app.celery_app import HOUSEKEEPING_QUEUE
-    from app.requests.models import queue_for
+    from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
     from app.settings import get_settings
 
     if args.gpu is not None:
@@ -30,7 +29,7 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     else:
         name = args.name or "cpu@%h"
     pools = [p for p in (args.pools or "").split(",") if p]
-    queues = [HOUSEKEEPING_QUEUE] + [queue_for(p) for p in pools] if pools else [
+    queues = [HOUSEKEEPING_QUEUE] + [pool_queue(p) for p in pools] if pools else [
         q.name for q in app.conf.task_queues]
     return [
         sys.executable, "-m", "celery", "-A", "app", "worker",

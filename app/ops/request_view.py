@@ -35,6 +35,7 @@ from app.errors import TransientError, error_from_record
 from app.state.health import QUARANTINED, RESTARTING
 from app.requests.models import ModelRegistry
 from app.settings import VigilSettings
+from app.state.queues import DEFAULT_JOB, job_queue_name
 from app.state.store import RequestStore
 
 # The most queue entries a position lookup reads, and how many per LRANGE.
@@ -60,13 +61,6 @@ def queue_position(client: redis.Redis, queue: str, request_id: str, *, limit: i
             break
         scanned += n
     return None, length
-
-
-def request_queue(pool: str, job: str) -> str:
-    """The Celery queue a request of `job` for `pool` is published to (app/fleet/jobs.py)."""
-    from app.fleet.jobs import queue_name
-
-    return queue_name(pool, job)
 
 
 def message_id(raw: bytes) -> str | None:
@@ -133,7 +127,7 @@ def _waiting(request_id: str, rec: dict, client: redis.Redis, settings: VigilSet
 
     snap = collect(client, settings, registry, now)
     pool = rec.get("pool") or rec.get("model", "")
-    queue = request_queue(pool, rec.get("job") or "default")
+    queue = job_queue_name(pool, rec.get("job") or DEFAULT_JOB)
     status = rec.get("status", keys.PENDING)
     attempts = int(rec.get("attempts") or 0)
     max_attempts = settings.max_attempts

@@ -18,7 +18,8 @@ import redis
 from app.redis_url import redacted_url
 from app.state import keys
 from app.state.health import HEALTHY, SUSPECT, HealthLedger
-from app.fleet.jobs import list_jobs, pool_queues
+from app.fleet.jobs import list_jobs
+from app.state.queues import pool_queues
 from app.requests.models import ModelRegistry
 from app.fleet.reconcile import unserved_reason
 from app.settings import VigilSettings

@@ -115,7 +115,8 @@ class VigilAsyncResult(AsyncResult):
 
 def _renew_lease(client, job: str) -> None:
     """Renew `job`'s lease if this process has not done so for LEASE_TOUCH_S."""
-    from app.fleet.jobs import DEFAULT_JOB, touch
+    from app.fleet.jobs import touch
+    from app.state.queues import DEFAULT_JOB
 
     if job == DEFAULT_JOB:
         return

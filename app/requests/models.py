@@ -1,6 +1,6 @@
 """The model registry: name -> where the weights are, engine args, memory needed.
 
-A pool is a registered model; each pool has one Celery queue (`queue_for`). The registry is
+A pool is a registered model; each pool has its own Celery queue (app/state/queues.py). The registry is
 `BUILTIN_MODELS` plus the entries of the JSON file named by `VIGIL_MODELS_FILE`:
 
     {"models": [{"name": "llama-8b", "path": "/models/llama-3-8b", "max_model_len": 8192,
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import MODEL_NOT_FOUND, RequestError
 from app.settings import SettingsError, VigilSettings, get_settings
+from app.state.queues import pool_queue
 
-QUEUE_PREFIX = "vigil.pool."
 TINY_LLAMA = "tiny-llama"
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -54,12 +54,8 @@ class ModelSpec(BaseModel):
 
     @property
     def queue(self) -> str:
-        return queue_for(self.name)
-
-
-def queue_for(model: str) -> str:
-    """The Celery queue that carries a pool's requests."""
-    return QUEUE_PREFIX + model
+        """The pool's own queue (its default-job requests)."""
+        return pool_queue(self.name)
 
 
 def _builtins(settings: VigilSettings) -> list[ModelSpec]:

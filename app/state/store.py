@@ -19,6 +19,7 @@ from app.state import keys
 from app.state.conn import connect
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.settings import VigilSettings
+from app.state.queues import DEFAULT_JOB
 from app.state.lua import (
     BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK)
 
@@ -131,8 +132,6 @@ class RequestStore:
         or OVERLOADED_JOB / OVERLOADED_POOL: the job already has `max_per_job`, or the pool
         `max_per_pool`, open requests (0: no cap). Every refusal writes nothing; the count and
         the write are one script, so concurrent producers cannot overshoot a cap."""
-        from app.fleet.jobs import DEFAULT_JOB
-
         job = str(fields.get("job", DEFAULT_JOB))
         pool = str(fields.get("pool", fields.get("model", "")))
         now = time.time() if now is None else now
