@@ -18,6 +18,7 @@ from app.fleet.housekeeping import reap_workers, sweep_deadlines
 from app.state.conn import connect
 from app.state.store import RequestStore
 from tests.test_store_and_service import KW, Scripted, create
+from workers import metrics_server
 from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.service import RetryLater, StaleDelivery, serve
@@ -132,7 +133,7 @@ def test_the_collector_reads_engine_health_and_queues_when_scraped(runtime):
     rt = runtime()
     rt.client.lpush("vigil.pool.tiny-llama", "m1", "m2")
     rt.store.hold("x", rt.instance_id)
-    c = metrics.WorkerCollector(rt)
+    c = metrics_server.WorkerCollector(rt)
     s = scrape(c)
     assert s[("vigil_worker_info", ("engine_kind", "instant"), ("instance_id",
               str(rt.instance_id)), ("worker", "w-test"))] == 1
@@ -156,5 +157,5 @@ def test_a_metrics_port_in_use_is_logged_not_fatal(runtime, caplog):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        assert metrics.serve(rt, port, "127.0.0.1") is None
+        assert metrics_server.serve(rt, port, "127.0.0.1") is None
     assert "cannot listen on 127.0.0.1:%d" % port in caplog.text

@@ -20,7 +20,7 @@ from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, error_f
 from app import metrics
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
-from workers import runtime
+from workers import metrics_server, runtime
 
 log = logging.getLogger("vigil.worker")
 _hand_back_thread: threading.Thread | None = None
@@ -37,7 +37,7 @@ def _on_worker_init(sender=None, **_):
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker")
                          .start())
     if s.metrics_port:  # each worker process serves its own /metrics (docs/operations.md)
-        metrics.serve(rt, s.metrics_port, s.metrics_address)
+        metrics_server.serve(rt, s.metrics_port, s.metrics_address)
 
 
 @worker_ready.connect
@@ -142,5 +142,5 @@ def _on_worker_shutting_down(sender=None, **_):
 def _on_worker_shutdown(sender=None, **_):
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
-    metrics.stop()
+    metrics_server.stop()
     runtime.uninstall()

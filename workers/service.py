@@ -145,7 +145,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     }
     won, stored = rt.store.finish(request_id, rt.instance_id, time.time(), result=result)
     if won:
-        metrics.request_ended(pool, stored)
+        metrics.request_ended(pool, stored.status, stored.error)
     else:
         metrics.dropped(pool, "duplicate_result")
         log.warning("request %s already had a result; this attempt's result was dropped",
@@ -176,7 +176,7 @@ def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dic
     won, stored = rt.store.finish(request_id, rt.instance_id, time.time(),
                                   error_kind=type(err).__name__, error=str(err))
     if won:
-        metrics.request_ended(pool, stored)
+        metrics.request_ended(pool, stored.status, stored.error)
     else:
         metrics.dropped(pool, "duplicate_result")
     return _outcome(stored)
