@@ -42,7 +42,7 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
         with console.status("building tiny-llama (random weights, local tokenizer)..."):
             os.environ["VIGIL_CACHE_DIR"] = cache
             from app.requests.models import TINY_LLAMA, get_registry
-            from workers.engine.kinds import ensure_model_files
+            from app.local.tiny_model import ensure_model_files
             model_dir = ensure_model_files(get_registry().get(TINY_LLAMA))
         console.print(f"[green]tiny-llama[/] ready in {model_dir}")
         rds = EmbeddedRedis().start()

@@ -14,9 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
-VOCAB_SIZE = 2048
-MAX_POSITIONS = 512
+from app.errors import MODEL_NOT_FOUND, RequestError
+from app.requests.models import (TINY_LLAMA, TINY_MAX_POSITIONS as MAX_POSITIONS,
+                                 TINY_VERSION, TINY_VOCAB_SIZE as VOCAB_SIZE, ModelSpec)
+
 _MARKER = "vigil-tiny.json"
 _WORDS = (
     "the a an one two three red blue green small large quick slow cat dog bird fish tree river "
@@ -130,3 +131,22 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def build_if_local(spec: ModelSpec) -> None:
+    """Build a model whose registry entry names a local recipe (`builder`), unless a current
+    build is already at its path; nothing for any other model."""
+    if spec.builder == TINY_LLAMA:
+        ensure_tiny_llama(spec.path)
+
+
+def ensure_model_files(spec: ModelSpec) -> str:
+    """The local path of the model's weights, building a locally-built model on first use.
+
+    Raises RequestError(model_not_found) at once, naming the path, when a registered path is
+    missing (vLLM would say the same less plainly, as an HFValidationError).
+    """
+    build_if_local(spec)
+    if spec.path and not os.path.exists(spec.path):
+        raise RequestError.of(MODEL_NOT_FOUND, f"model {spec.name}: no weights at {spec.path}")
+    return spec.path or spec.name

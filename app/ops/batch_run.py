@@ -303,10 +303,11 @@ def _store_poll() -> Poll:
 
 
 def _chat_templates() -> batch.RenderChat:
+    from app.local.tiny_model import build_if_local
     from app.requests.chat import ChatTemplates
     from app.requests.models import get_registry
 
-    return ChatTemplates(get_registry())
+    return ChatTemplates(get_registry(), build_if_local)
 
 
 class _progress:

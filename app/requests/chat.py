@@ -9,17 +9,22 @@ Needs transformers (the `cpu` or `gpu` extra).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from app.errors import INVALID_REQUEST, RequestError
 from app.requests.models import ModelRegistry, ModelSpec
 
 
 class ChatTemplates:
     """Renders chat messages for the models of `registry`; callable as `render_chat` in
-    app/ops/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template, fails
-    every chat line for it with the same RequestError(invalid_request), found once."""
+    app/ops/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template,
+    fails every chat line for it with the same RequestError(invalid_request), found once.
+    `build_local(spec)` builds a locally built model's files first (app/local/tiny_model.py)."""
 
-    def __init__(self, registry: ModelRegistry):
+    def __init__(self, registry: ModelRegistry,
+                 build_local: Callable[[ModelSpec], object] = lambda spec: None):
         self._registry = registry
+        self._build_local = build_local
         self._tokenizers: dict[str, object] = {}
         self._broken: dict[str, RequestError] = {}
 
@@ -46,14 +51,14 @@ class ChatTemplates:
             raise self._broken[spec.name]
         if spec.name not in self._tokenizers:
             try:
-                self._tokenizers[spec.name] = _load(spec)
+                self._tokenizers[spec.name] = _load(spec, self._build_local)
             except RequestError as e:
                 self._broken[spec.name] = e
                 raise
         return self._tokenizers[spec.name]
 
 
-def _load(spec: ModelSpec):
+def _load(spec: ModelSpec, build_local: Callable[[ModelSpec], object]):
     def refuse(why: str) -> RequestError:
         return RequestError.of(INVALID_REQUEST, f"model {spec.name} cannot render chat messages: "
                                f"{why}; send a rendered prompt to /v1/completions instead")
@@ -64,10 +69,7 @@ def _load(spec: ModelSpec):
         from transformers import AutoTokenizer
     except ImportError:
         raise refuse("transformers is not installed (install the cpu or gpu extra)") from None
-    if spec.builder == "tiny-llama":
-        from app.local.tiny_model import ensure_tiny_llama
-
-        ensure_tiny_llama(spec.path)
+    build_local(spec)
     try:
         tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     except (OSError, ValueError) as e:  # missing files, or a config transformers cannot read

@@ -25,6 +25,11 @@ from app.settings import SettingsError, VigilSettings, get_settings
 from app.state.queues import pool_queue
 
 TINY_LLAMA = "tiny-llama"
+# The built-in model's recipe (app/local/tiny_model.py builds it): bump TINY_VERSION when the
+# recipe changes, so cached builds are rebuilt.
+TINY_VERSION = 1
+TINY_VOCAB_SIZE = 2048
+TINY_MAX_POSITIONS = 512
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
@@ -59,22 +64,20 @@ class ModelSpec(BaseModel):
 
 
 def _builtins(settings: VigilSettings) -> list[ModelSpec]:
-    from app.local.tiny_model import MAX_POSITIONS, TINY_VERSION, VOCAB_SIZE
-
     return [
         ModelSpec(
             name=TINY_LLAMA,
             path=str(settings.cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
             builder="tiny-llama",
-            max_model_len=MAX_POSITIONS,
-            vocab_size=VOCAB_SIZE,
+            max_model_len=TINY_MAX_POSITIONS,
+            vocab_size=TINY_VOCAB_SIZE,
             # measured: ~1.8 GB of RSS in the engine's processes besides a 1 GiB KV cache
             memory_gib=2.0,
             kv_cache_gib=1.0,
             kv_cache_floor_gib=0.25,
             # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
             # tiny model nothing.
-            engine_args={"max_model_len": MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0,
                          # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
                          "dtype": "float32"},
             max_loras=2,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psutil
 
 from app.requests.adapters import AdapterRef
-from app.errors import MODEL_NOT_FOUND, RequestError
+from app.local.tiny_model import ensure_model_files
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
@@ -44,21 +44,6 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def ensure_model_files(spec: ModelSpec) -> str:
-    """The local path of the model's weights, building a locally-built model on first use.
-
-    Raises RequestError(model_not_found) at once, naming the path, when a registered path is
-    missing (vLLM would say the same less plainly, as an HFValidationError).
-    """
-    if spec.builder == "tiny-llama":
-        from app.local.tiny_model import ensure_tiny_llama
-
-        ensure_tiny_llama(spec.path)
-    if spec.path and not os.path.exists(spec.path):
-        raise RequestError.of(MODEL_NOT_FOUND, f"model {spec.name}: no weights at {spec.path}")
-    return spec.path or spec.name
 
 
 class VllmEngine:
