@@ -308,6 +308,13 @@ class VigilSettings(BaseSettings):
         return self.job_lease if self.job_lease is not None else self.request_deadline
 
     @property
+    def live_window(self) -> float:
+        """Seconds since its last heartbeat within which a worker counts as alive (a copy of
+        what it runs is not run again, `vigil status` shows it live, the reconcile may pick it):
+        the reap timeout, or three heartbeat intervals when the reaper is off."""
+        return self.worker_reap_timeout or 3 * self.heartbeat_interval
+
+    @property
     def failure_window(self) -> float:
         """Seconds a failure counts in the health ledger: `health_window`, stretched to at least
         failure_threshold x request_timeout so a trickle of one timeout per request timeout

@@ -104,7 +104,7 @@ def reconcile() -> dict:
         if not held:
             return {}
         done = reconcile_pools(store, reg, time.time(), _control,
-                               live_window=s.worker_reap_timeout or 3 * s.heartbeat_interval,
+                               live_window=s.live_window,
                                concurrency=s.reconcile_concurrency)
     done["job_consumers_added"] = ensure_job_consumers(store, reg.names(), _active_queues, _add)
     return done

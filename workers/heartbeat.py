@@ -19,7 +19,9 @@ from typing import Callable
 
 import redis
 
-from app.state import keys
+from app.errors import TransientError
+from app.state.conn import server_run_id
+from app.state.registry import WorkerRegistry
 
 log = logging.getLogger("vigil.heartbeat")
 MIN_GAP_S = 0.2
@@ -34,6 +36,7 @@ class Heartbeat:
         """`on_redis_back` runs (in its own thread) after a write succeeds following a failed
         one, or when Redis' run_id changed since the last write: Redis was away or restarted."""
         self.r = client
+        self.registry = WorkerRegistry(client)
         self.instance_id = instance_id
         self.name = name
         self.interval = interval
@@ -73,11 +76,7 @@ class Heartbeat:
             "pid": os.getpid(), "started_at": self.started_at, "last_seen": now,
             "has_pinged": int(self.has_pinged), **self._fields(),
         }
-        entry = {k: ("" if v is None else v) for k, v in entry.items()}
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.worker(self.instance_id), mapping=entry)
-        pipe.zadd(keys.WORKERS, {str(self.instance_id): now})
-        pipe.execute()
+        self.registry.write(self.instance_id, entry, now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -88,13 +87,13 @@ class Heartbeat:
             try:
                 self.beat()
                 self._watch_redis()
-            except redis.RedisError as e:  # Redis blips must not kill the heartbeat
+            except (redis.RedisError, TransientError) as e:  # blips must not kill the heartbeat
                 log.warning("heartbeat failed: %s", e)
                 self._failed = True
             self._stop.wait(MIN_GAP_S)
 
     def _watch_redis(self) -> None:
-        run_id = str(self.r.info("server")["run_id"])
+        run_id = server_run_id(self.r)
         restarted = self._run_id is not None and run_id != self._run_id
         back = self._failed or restarted
         self._run_id, self._failed = run_id, False
@@ -111,10 +110,6 @@ class Heartbeat:
             self._thread.join(timeout=5)
         if unregister:
             try:
-                pipe = self.r.pipeline(transaction=True)
-                pipe.delete(keys.worker(self.instance_id), keys.inflight(self.instance_id),
-                            keys.health(self.instance_id))
-                pipe.zrem(keys.WORKERS, str(self.instance_id))
-                pipe.execute()
-            except redis.RedisError as e:
+                self.registry.drop(self.instance_id)
+            except TransientError as e:
                 log.warning("could not unregister worker %s: %s", self.name, e)

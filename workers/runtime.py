@@ -198,7 +198,7 @@ class WorkerRuntime:
         self.heartbeat.stop(unregister=False)
         done = self.hand_back_held()
         aborted = self._aborted
-        self.store.drop_worker(self.instance_id)
+        self.store.workers.drop(self.instance_id)
         log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
                     "failed %d out of attempts or time", self.name, done[0], aborted, done[1])
         return done

@@ -77,7 +77,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         metrics.dropped(pool, "given_back")
         raise GiveBack(request_id)
     # A worker seen within the reap window is alive: a copy of what it runs is not run again.
-    live = s.worker_reap_timeout or 3 * s.heartbeat_interval
+    live = s.live_window
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live)
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))

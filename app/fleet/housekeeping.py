@@ -128,9 +128,8 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
         republished: set[str] = set()
         for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
                                          max_reaps, redis_started_at):
-            name = store.worker_name(inst) or f"instance {inst}"
-            pools = store.r.hget(keys.worker(inst), "pools")
-            reaped_pools.update(p for p in (pools or b"").decode().split(",") if p)
+            name = store.workers.name(inst) or f"instance {inst}"
+            reaped_pools.update(store.workers.pools(inst))
             requeued = failed = 0
             for rid in store.inflight_ids(inst):
                 try:
@@ -142,7 +141,7 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
                 failed += outcome == "failed"
                 if outcome == "requeued":
                     republished.add(rid)
-            store.drop_worker(inst)
+            store.workers.drop(inst)
             metrics.REAPED_WORKERS.inc()
             metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
             metrics.REAPED_REQUESTS.labels("failed").inc(failed)
@@ -177,7 +176,7 @@ def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: fl
     grace = max(grace, reap_timeout)
     skipped = yielded = 0
     while yielded < max_reaps:
-        rows = store.silent_workers(now - reap_timeout, chunk, start=skipped)
+        rows = store.workers.silent(now - reap_timeout, chunk, start=skipped)
         if not rows:
             return
         for inst, last_seen, pinged in rows:
@@ -283,9 +282,9 @@ def enforce_quarantines(ledger, store: RequestStore, now: float, active_queues: 
             return 0
         cancelled = 0
         try:
-            for inst in ledger.quarantined():
-                name = store.worker_name(inst)
-                if not name:
+            for entry in store.workers.entries():
+                inst, name = entry.instance, entry.name
+                if not name or entry.health_state not in (QUARANTINED, RESTARTING):
                     continue
                 try:
                     queues = active_queues(name)
@@ -319,25 +318,19 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
     (app/fleet/jobs.py): repairs an announcement that was lost or a worker that started between a
     job's first request and its own start. Lock-guarded; returns how many consumers it added."""
     from app.state.health import QUARANTINED, RESTARTING
-    from app.fleet.jobs import serving_workers
     from app.state.queues import pool_queues
-    from app.state import keys
 
     with store.locked(RECONCILE_LOCK, lock_ttl_s) as held:
         if not held:
             return 0
         added = 0
-        instance_of = {store.worker_name(i.decode()): i.decode()
-                       for i in store.r.zrange(keys.WORKERS, 0, -1)}
+        workers = store.workers.entries()
         for pool in pools:
             wanted = pool_queues(store.r, pool)
             if len(wanted) == 1:
                 continue  # no job queues: the pool's own queue is on every worker's -Q
-            for name in serving_workers(store.r, pool):
-                inst = instance_of.get(name)
-                state = store.r.hget(keys.health(inst), "state") if inst else None
-                if state and state.decode() in (QUARANTINED, RESTARTING):
-                    continue
+            for name in [w.name for w in workers if w.name and pool in w.pools
+                         and w.health_state not in (QUARANTINED, RESTARTING)]:
                 try:
                     have = active_queues(name)
                 except Exception as e:

@@ -36,8 +36,9 @@ from typing import Callable
 import redis
 
 from app.state import keys
+from app.state.registry import WorkerRegistry
 from app.errors import JOB_DELETED, TerminalError, TransientError, VigilError
-from app.state.queues import DEFAULT_JOB, job_queue_name, pool_queues
+from app.state.queues import DEFAULT_JOB, job_queue_name
 
 log = logging.getLogger("vigil.jobs")
 
@@ -45,25 +46,12 @@ JOB_LOCK = "job:{}"
 CHUNK = 100
 
 
-def serving_workers(client: redis.Redis, pool: str) -> list[str]:
-    """Node names of registered workers whose pools include `pool`."""
-    ids = [i.decode() for i in client.zrange(keys.WORKERS, 0, -1)]
-    pipe = client.pipeline(transaction=False)
-    for i in ids:
-        pipe.hmget(keys.worker(i), "name", "pools")
-    out = []
-    for name, pools in pipe.execute():
-        if name and pools is not None and pool in pools.decode().split(","):
-            out.append(name.decode())
-    return out
-
-
 def announce_queue(client: redis.Redis, pool: str, job: str) -> None:
     """Tell the pool's live workers to consume a job's new queue (best effort: beat's reconcile
     repairs a lost broadcast)."""
     from app import app
 
-    names = serving_workers(client, pool)
+    names = WorkerRegistry(client).serving(pool)
     if names:
         app.control.add_consumer(job_queue_name(pool, job), destination=names, reply=False)
 
@@ -162,7 +150,7 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                         log.warning("ending job %s: could not notify %s: %s", name, rid, e)
         for pool in pools:
             if client.srem(keys.pool_jobs(pool), name):
-                names = serving_workers(client, pool)
+                names = store.workers.serving(pool)
                 q = job_queue_name(pool, name)
                 # The queue, its messages, and kombu's binding records for it (one set per
                 # queue the job ever had: left behind, they would pile up job after job).

@@ -37,6 +37,7 @@ import time
 from typing import Callable
 
 from app.state import keys
+from app.state.conn import server_run
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.message_audit")
@@ -57,8 +58,7 @@ Republish = Callable[[str, dict, int], None]
 def redis_start(store: RequestStore) -> tuple[str, float]:
     """The running Redis server's run_id (a new one at every start) and when it started (unix
     seconds, to the second)."""
-    info = store._call(store.r.info, "server")
-    return str(info["run_id"]), time.time() - float(info["uptime_in_seconds"])
+    return store._call(server_run, store.r)
 
 
 def queued_ids(store: RequestStore, pools: list[str] | None = None, *,

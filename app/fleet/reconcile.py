@@ -23,11 +23,11 @@ lengths) and acting only through Celery's `add_consumer` / `cancel_consumer`:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 from app.state import keys
 from app.state.health import HEALTHY, SUSPECT
+from app.state.registry import WorkerEntry
 from app.state.queues import pool_queues
 from app.requests.models import ModelRegistry
 
@@ -41,45 +41,9 @@ POOL_STATE_TTL_S = 3600
 Control = Callable[[str, str, bool], None]  # (worker name, queue, add=True / cancel=False)
 
 
-@dataclass
-class WorkerView:
-    """What the reconcile knows of a worker (from its registry entry and ledger)."""
-
-    instance: str
-    name: str
-    live: bool
-    state: str
-    pools: list[str]
-    configured: list[str]
-    model: str
-    in_flight: int
-    free: int | None
-
-
 def pool_state_key(pool: str) -> str:
     """Why a pool is unserved (hash: reason, at), written by the reconcile."""
     return f"{keys.PREFIX}poolstate:{pool}"
-
-
-def read_workers(store, now: float, live_window: float) -> list[WorkerView]:
-    """Every registered worker as the reconcile sees it."""
-    out = []
-    for inst, seen in store.r.zrange(keys.WORKERS, 0, -1, withscores=True):
-        inst = inst.decode()
-        e = {k.decode(): v.decode() for k, v in store.r.hgetall(keys.worker(inst)).items()}
-        st = store.r.hget(keys.health(inst), "state")
-        free = e.get("device_free_bytes")
-        # Only a worker that finished starting (has_pinged) can act on a control broadcast:
-        # before its consumer is up, an add_consumer sent to it is lost.
-        live = seen >= now - live_window and e.get("has_pinged", "1") == "1"
-        out.append(WorkerView(
-            inst, e.get("name", ""), live,
-            st.decode() if st else HEALTHY,
-            [p for p in e.get("pools", "").split(",") if p],
-            [p for p in e.get("configured_pools", e.get("pools", "")).split(",") if p],
-            e.get("model", ""), int(e.get("in_flight", 0) or 0),
-            int(free) if free not in (None, "") else None))
-    return out
 
 
 def need_bytes(registry: ModelRegistry, model: str) -> int:
@@ -88,13 +52,13 @@ def need_bytes(registry: ModelRegistry, model: str) -> int:
     return int((spec.memory_gib + spec.kv_cache_floor_gib) * GiB)
 
 
-def fits(w: WorkerView, registry: ModelRegistry, model: str) -> bool:
+def fits(w: WorkerEntry, registry: ModelRegistry, model: str) -> bool:
     """True when the worker's last heartbeat says `model` fits (its current engine's memory
     counts as free: switching evicts it). Unknown memory never fits."""
-    if w.free is None:
+    if w.free_bytes is None:
         return False
     held = need_bytes(registry, w.model) if w.model and w.model in registry else 0
-    return w.free + held >= need_bytes(registry, model)
+    return w.free_bytes + held >= need_bytes(registry, model)
 
 
 def replicas_wanted(store, pool: str) -> int:
@@ -111,7 +75,10 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                     live_window: float, concurrency: int = RECONCILE_CONCURRENCY) -> dict:
     """One reconcile pass (see the module docstring). Returns what it did:
     {"assigned": [(pool, worker)], "unserved": {pool: reason}, "released": [(pool, worker)]}."""
-    workers = [w for w in read_workers(store, now, live_window) if w.live and w.name]
+    # Only a worker that finished starting (has_pinged) can act on a control broadcast: before
+    # its consumer is up, an add_consumer sent to it is lost.
+    workers = [w for w in store.workers.entries()
+               if w.live(now, live_window) and w.has_pinged and w.name]
     waiting = {p: sum(store.r.llen(q) for q in pool_queues(store.r, p))
                for p in registry.names()}
     done: dict = {"assigned": [], "unserved": {}, "released": []}
@@ -121,15 +88,15 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
         if not waiting[pool]:
             store.r.delete(pool_state_key(pool))
             continue
-        serving = [w for w in workers if pool in w.pools and w.state in (HEALTHY, SUSPECT)]
+        serving = [w for w in workers if pool in w.pools and w.health_state in (HEALTHY, SUSPECT)]
         want = replicas_wanted(store, pool)
         if len(serving) >= want:
             store.r.delete(pool_state_key(pool))
             continue
-        candidates = [w for w in workers if pool not in w.pools and w.state == HEALTHY
+        candidates = [w for w in workers if pool not in w.pools and w.health_state == HEALTHY
                       and fits(w, registry, pool)]
         if not candidates:
-            best = max((w.free or 0 for w in workers), default=0)
+            best = max((w.free_bytes or 0 for w in workers), default=0)
             reason = (f"pool {pool}: no live healthy worker can take it: it needs "
                       f"{need_bytes(registry, pool) / GiB:.1f} GiB free, the most any worker "
                       f"reports is {best / GiB:.1f} GiB" if workers else
@@ -150,7 +117,7 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                         pool, waiting[pool], w.name)
         store.r.delete(pool_state_key(pool))
     for w in workers:  # lent workers go back when their borrowed pool is idle
-        for pool in [p for p in w.pools if p not in w.configured]:
+        for pool in [p for p in w.pools if p not in w.configured_pools]:
             if not waiting.get(pool) and w.model != pool:
                 for q in pool_queues(store.r, pool):
                     control(w.name, q, False)

@@ -20,6 +20,7 @@ from app.state import keys
 from app.state.health import HEALTHY, SUSPECT, HealthLedger
 from app.fleet.jobs import list_jobs
 from app.state.queues import pool_queues
+from app.state.registry import WorkerRegistry
 from app.requests.models import ModelRegistry
 from app.fleet.reconcile import unserved_reason
 from app.settings import VigilSettings
@@ -33,25 +34,17 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
     now = time.time() if now is None else now
     ledger = HealthLedger(client, window=settings.failure_window,
                           threshold=settings.failure_threshold)
-    live_after = now - (settings.worker_reap_timeout or 3 * settings.heartbeat_interval)
     workers = []
-    for inst, seen in client.zrange(keys.WORKERS, 0, -1, withscores=True):
-        inst = inst.decode()
-        e = {k.decode(): v.decode() for k, v in client.hgetall(keys.worker(inst)).items()}
-        h = ledger.read(inst)
-
-        def num(name, cast=float):
-            return cast(e[name]) if e.get(name) not in (None, "") else None
-
+    for e in WorkerRegistry(client).entries():
+        h = ledger.read(e.instance)
         workers.append({
-            "name": e.get("name", "?"), "instance_id": inst, "state": h.state,
+            "name": e.name or "?", "instance_id": e.instance, "state": h.state,
             "streak": h.streak, "last_failure": h.last_failure_reason,
-            "quarantines": h.quarantines, "live": seen >= live_after,
-            "last_seen_s": round(now - seen, 1), "pools": [p for p in e.get("pools", "").split(",") if p],
-            "model": e.get("model", ""), "engine_state": e.get("engine_state", ""),
-            "in_flight": num("in_flight", int) or 0, "engine_restarts": num("engine_restarts", int),
-            "device": e.get("device", ""), "free_bytes": num("device_free_bytes", int),
-            "total_bytes": num("device_total_bytes", int),
+            "quarantines": h.quarantines, "live": e.live(now, settings.live_window),
+            "last_seen_s": round(now - e.last_seen, 1), "pools": e.pools,
+            "model": e.model, "engine_state": e.engine_state, "in_flight": e.in_flight,
+            "engine_restarts": e.engine_restarts, "device": e.device,
+            "free_bytes": e.free_bytes, "total_bytes": e.total_bytes,
         })
     pools = []
     for name in registry.names():

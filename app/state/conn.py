@@ -21,6 +21,7 @@ connections.
 from __future__ import annotations
 
 import ssl
+import time
 
 import redis
 from redis.backoff import NoBackoff
@@ -152,3 +153,15 @@ def connect(settings: VigilSettings) -> redis.Redis:
         health_check_interval=30,
     )
     return redis.Redis(connection_pool=pool)
+
+
+def server_run_id(client: redis.Redis) -> str:
+    """The running Redis server's run_id: a new one at every start. Raises redis' own errors."""
+    return str(client.info("server")["run_id"])
+
+
+def server_run(client: redis.Redis) -> tuple[str, float]:
+    """The running Redis server's run_id (a new one at every start) and when it started (unix
+    seconds, to the second). Raises redis' own errors (callers retry or wrap them)."""
+    info = client.info("server")
+    return str(info["run_id"]), time.time() - float(info["uptime_in_seconds"])

@@ -167,17 +167,6 @@ class HealthLedger:
                       num("last_success_at"), int(f.get("quarantines", 0) or 0),
                       int(f.get("canary_failures", 0) or 0))
 
-    def quarantined(self, limit: int = 1000) -> list[str]:
-        """Instance ids of registered workers whose ledger says QUARANTINED or RESTARTING."""
-        ids = [i.decode() for i in self._call(self.r.zrange, keys.WORKERS, 0, limit - 1)]
-        if not ids:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for i in ids:
-            pipe.hget(keys.health(i), "state")
-        states = self._call(pipe.execute)
-        return [i for i, s in zip(ids, states) if s and s.decode() in (QUARANTINED, RESTARTING)]
-
     def forget(self, instance: int | str) -> None:
         """Drop a worker's ledger (clean stop, reaped)."""
         self._call(self.r.delete, keys.health(instance))

@@ -6,7 +6,6 @@ updated, and two writers of a result cannot both win.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from contextlib import contextmanager
@@ -16,12 +15,11 @@ from typing import Any, Iterator
 import redis
 
 from app.state import keys
+from app.state.calls import Calls
 from app.state.conn import connect
-from app.errors import REDIS_UNAVAILABLE, TransientError
-from app.settings import VigilSettings
+from app.state.lua import BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB
-from app.state.lua import (
-    BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK)
+from app.state.registry import WorkerRegistry
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
@@ -32,12 +30,6 @@ OVERLOADED_POOL = -3
 EXISTS = 0
 CREATED = 1
 CREATED_NEW_JOB_QUEUE = 2
-
-# Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
-OUTAGE_RETRY_FIRST_S = 0.1
-OUTAGE_RETRY_MAX_S = 2.0
-
-log = logging.getLogger("vigil.store")
 
 
 @dataclass(frozen=True)
@@ -93,36 +85,15 @@ class RequestStore:
         self.r = client
         self.result_ttl = result_ttl
         self.outage_grace = outage_grace
-        self._clock, self._sleep = clock, sleep
+        self._call = Calls(client, outage_grace, clock=clock, sleep=sleep)
+        # Who is alive (registry entries), under the same outage policy.
+        self.workers = WorkerRegistry(client, self._call)
         self._create = client.register_script(CREATE)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)
         self._release = client.register_script(RELEASE)
         self._unlock = client.register_script(UNLOCK)
         self._requeue = client.register_script(REQUEUE)
-
-    def _call(self, fn, *a, **kw):
-        give_up, pause = None, OUTAGE_RETRY_FIRST_S
-        while True:
-            try:
-                return fn(*a, **kw)
-            except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
-                raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
-                                        f"VIGIL_REDIS_URL ({e})") from None
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # (BusyLoadingError, a restarted Redis still reading its AOF, is one of these.)
-                now = self._clock()
-                if give_up is None:
-                    give_up = now + self.outage_grace
-                    if self.outage_grace > 0:
-                        log.warning("cannot reach Redis (%s); retrying for up to %.0f s", e,
-                                    self.outage_grace)
-                if now >= give_up:
-                    raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
-                # A script whose reply was lost may have run: every script is written so that
-                # running it again is harmless (it finds its own change and reports it).
-                self._sleep(min(pause, give_up - now))
-                pause = min(pause * 2, OUTAGE_RETRY_MAX_S)
 
     def create(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
                max_per_job: int = 0, max_per_pool: int = 0) -> int:
@@ -179,36 +150,9 @@ class RequestStore:
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
                                args=args))
 
-    def silent_workers(self, before: float, limit: int = 100, start: int = 0
-                       ) -> list[tuple[str, float, bool]]:
-        """Up to `limit` workers whose last heartbeat is older than `before`, least recently
-        seen first, skipping the first `start`: (instance id, last_seen, has_pinged). An entry
-        whose hash is gone or predates has_pinged counts as pinged (judged by the reap timeout).
-        Two round trips whatever `limit`."""
-        rows = self._call(self.r.zrangebyscore, keys.WORKERS, "-inf", before, start=start,
-                          num=limit, withscores=True)
-        pipe = self.r.pipeline(transaction=False)
-        for inst, _ in rows:
-            pipe.hget(keys.worker(inst.decode()), "has_pinged")
-        flags = self._call(pipe.execute) if rows else []
-        return [(inst.decode(), float(seen), flag != b"0")
-                for (inst, seen), flag in zip(rows, flags)]
-
     def inflight_ids(self, instance: int | str) -> list[str]:
         """A worker instance's in-flight request ids (bounded by its concurrency)."""
         return [r.decode() for r in self._call(self.r.smembers, keys.inflight(instance))]
-
-    def worker_name(self, instance: int | str) -> str:
-        """The Celery node name a worker instance registered with ('' if unknown)."""
-        name = self._call(self.r.hget, keys.worker(instance), "name")
-        return name.decode() if name else ""
-
-    def drop_worker(self, instance: int | str) -> None:
-        """Remove a worker instance's registry entry, in-flight set and health ledger."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(keys.worker(instance), keys.inflight(instance), keys.health(instance))
-        pipe.zrem(keys.WORKERS, str(instance))
-        self._call(pipe.execute)
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         """Take the named lock for `ttl_s` unless someone else holds it."""

@@ -1,0 +1,67 @@
+"""Calls to Redis that fail one way: `TransientError(redis_unavailable)`, never a bare redis
+exception, optionally riding out an outage first.
+
+Every reader and writer in app/state/ goes through one `Calls` per client. With `outage_grace` > 0
+(workers), a call that cannot reach Redis is retried with doubling pauses for up to that many
+seconds (a Redis restart, a failover, a restarted Redis still reading its AOF) before it raises:
+a finished generation is not thrown away for a restart. Every Lua script is written so that
+running it again after a lost reply is harmless (it finds its own change and reports it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import redis
+
+from app.errors import REDIS_UNAVAILABLE, TransientError
+
+# Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
+OUTAGE_RETRY_FIRST_S = 0.1
+OUTAGE_RETRY_MAX_S = 2.0
+
+log = logging.getLogger("vigil.store")
+
+
+class Calls:
+    """Runs Redis calls for one client under one outage policy (module docstring)."""
+
+    def __init__(self, client: redis.Redis, outage_grace: float = 0.0, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.client = client
+        self.outage_grace = outage_grace
+        self._clock, self._sleep = clock, sleep
+
+    def __call__(self, fn, *a, **kw):
+        """`fn(*a, **kw)`; TransientError(redis_unavailable) when Redis cannot be reached (after
+        `outage_grace` seconds of retries) or refuses the credentials."""
+        give_up, pause = None, OUTAGE_RETRY_FIRST_S
+        while True:
+            try:
+                return fn(*a, **kw)
+            except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
+                raise TransientError.of(REDIS_UNAVAILABLE, "Redis refused the credentials of "
+                                        f"VIGIL_REDIS_URL ({e})") from None
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # (BusyLoadingError, a restarted Redis still reading its AOF, is one of these.)
+                now = self._clock()
+                if give_up is None:
+                    give_up = now + self.outage_grace
+                    if self.outage_grace > 0:
+                        log.warning("cannot reach Redis (%s); retrying for up to %.0f s", e,
+                                    self.outage_grace)
+                if now >= give_up:
+                    raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
+                self._sleep(min(pause, give_up - now))
+                pause = min(pause * 2, OUTAGE_RETRY_MAX_S)
+
+    def pipeline(self, transaction: bool = False):
+        """A pipeline on this client (run it with `self(pipe.execute)`)."""
+        return self.client.pipeline(transaction=transaction)
+
+
+def decoded(raw: dict) -> dict[str, str]:
+    """A Redis hash reply as str -> str."""
+    return {k.decode(): v.decode() for k, v in raw.items()}
