@@ -1,20 +1,28 @@
-"""The Celery application, configured from VigilSettings. Every setting says why it is set."""
+"""The Celery application, configured from VigilSettings. Every setting says why it is set.
+
+The top of app/: it composes the app from every floor below (settings, Redis connections, the
+registry's queues, the explanation of a wait), and nothing in app/ imports it; code that needs
+the app reaches it through `from app import app` inside a function (app/__init__.py builds it on
+first access).
+"""
 from __future__ import annotations
 
 from celery import Celery
 from kombu import Queue
 from kombu.utils.objects import cached_property
 
-from app.state import conn as redis_conn
+from app.fleet import waiting
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
+from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
+from app.state.store import RequestStore
 
 
 class VigilCelery(Celery):
     """Celery, except that the results it hands out (`generate.delay(...)`, `app.AsyncResult(id)`)
     are VigilAsyncResult: `info` of an unfinished request says where it waits and why
-    (app/ops/request_view.py)."""
+    (`vigil_why_waiting`, app/fleet/waiting.py)."""
 
     # What create_app built this app from (results read Vigil's state through them).
     vigil_settings: VigilSettings | None = None
@@ -29,9 +37,18 @@ class VigilCelery(Celery):
     @cached_property
     def vigil_redis(self):
         """A client for Vigil's state in this app's Redis, built on first use."""
-        from app.state.conn import connect
+        return redis_conn.connect(self.vigil_settings or get_settings())
 
-        return connect(self.vigil_settings or get_settings())
+    @cached_property
+    def vigil_store(self) -> RequestStore:
+        """Vigil's request records in this app's Redis (results look at them while waiting)."""
+        return RequestStore(self.vigil_redis, (self.vigil_settings or get_settings()).result_ttl)
+
+    def vigil_why_waiting(self, request_id: str) -> dict | None:
+        """Why an open request waits (app/fleet/waiting.py), read with this app's settings,
+        registry and Redis client; None once it has ended or without a record."""
+        return waiting.why_waiting(request_id, client=self.vigil_redis,
+                                   settings=self.vigil_settings, registry=self.vigil_registry)
 
 
 def outage_retry_policy(s: VigilSettings) -> dict:

@@ -42,13 +42,11 @@ def reap(reap_timeout: float | None = None, registration_grace: float | None = N
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
     grace = (s.worker_registration_grace if registration_grace is None
              else float(registration_grace))
-    from app.fleet.message_audit import redis_start
-
     store = shared_store()
     return len(reap_workers(store, time.time(), republish_request,
                             _tell_backend,
                             reap_timeout=timeout, max_attempts=s.max_attempts,
-                            registration_grace=grace, redis_started_at=redis_start(store)[1]))
+                            registration_grace=grace, redis_started_at=store.redis_run()[1]))
 
 
 def _active_queues(name: str) -> list[str] | None:

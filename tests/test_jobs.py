@@ -8,7 +8,8 @@ import redis
 
 from app.state import keys
 from app.fleet.housekeeping import ensure_job_consumers
-from app.fleet.jobs import create_job, end_job, expire_jobs, list_jobs
+from app.fleet.jobs import end_job, expire_jobs
+from app.state.jobs import create_job, list_jobs
 from app.state.queues import DEFAULT_JOB, job_queue_name as queue_name, pool_queues
 from app.requests.schemas import GenerateRequest
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore

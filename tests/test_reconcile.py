@@ -9,7 +9,8 @@ import redis
 from app.state.health import HealthLedger
 from app.state.queues import job_queue_name as queue_name
 from app.requests.models import ModelRegistry, ModelSpec
-from app.fleet.reconcile import reconcile_pools, unserved_reason
+from app.fleet.reconcile import reconcile_pools
+from app.state.jobs import unserved_reason
 from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 

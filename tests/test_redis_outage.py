@@ -18,7 +18,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
 from app.fleet.housekeeping import reap_workers
-from app.fleet.message_audit import RUN_ID_KEY, audit_after_restart, redis_start
+from app.fleet.message_audit import audit_after_restart
 from app.state.conn import connect
 from app.state.store import RequestStore
 from tests.conftest import wait_until
@@ -153,8 +153,8 @@ def test_after_a_restart_only_requests_whose_message_is_gone_are_published_again
     second audit (same Redis run) does nothing."""
     # Redis reports its uptime in whole seconds: let it be up long enough for "after" to be
     # unmistakably after its start.
-    wait_until(lambda: time.time() - redis_start(store)[1] >= 2, 5)
-    _, started = redis_start(store)
+    wait_until(lambda: time.time() - store.redis_run()[1] >= 2, 5)
+    _, started = store.redis_run()
     before = started - 30
     for rid in ("lost", "queued", "fetched", "held", "running"):
         create(store, rid, now=before)
@@ -170,7 +170,7 @@ def test_after_a_restart_only_requests_whose_message_is_gone_are_published_again
         rec = store.get("lost")
         assert rec["status"] == "PENDING" and rec["dispatch"] == "1"
         assert rec["last_error"].startswith("redis_unavailable")
-        assert store.r.get(RUN_ID_KEY) is not None
+        assert store.r.get(keys.REDIS_RUN_ID) is not None
         assert audit_after_restart(store, time.time(), published) is None
         assert len(published) == 2
     finally:
@@ -308,7 +308,7 @@ def test_waiting_in_get_renews_the_job_lease(monkeypatch):
     (so beat does not take the job for abandoned)."""
     from app import app
     from app.requests import async_result
-    from app.fleet.jobs import create_job
+    from app.state.jobs import create_job
 
     monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
     monkeypatch.setattr(async_result, "_touched", {})

@@ -18,7 +18,9 @@ from app.local.embedded import vigil_env
 from app.errors import TransientError
 from app.state.health import HealthLedger
 from app.requests.models import get_registry
-from app.ops.request_view import SCAN_LIMIT, describe, queue_position, why_waiting
+from app.fleet.waiting import SCAN_LIMIT, why_waiting
+from app.ops.request_view import describe
+from app.state.broker import position as queue_position
 from app.requests.schemas import parse_request
 from app.state.conn import connect
 from app.state.store import RequestStore
@@ -151,10 +153,10 @@ def test_the_queue_scan_is_chunked_bounded_and_matches_the_header_id_only(store)
     msgs[4] = {"headers": {"id": "target"}, "body": ""}
     for m in msgs:  # m0 published first: it is delivered first
         store.r.lpush("q", json.dumps(m))
-    assert queue_position(store.r, "q", "target", chunk=2) == (5, 7)
+    assert queue_position(store.r, "q", "target", limit=SCAN_LIMIT, chunk=2) == (5, 7)
     assert queue_position(store.r, "q", "target", limit=4, chunk=2) == (None, 7)
-    assert queue_position(store.r, "q", "nobody", chunk=3) == (None, 7)
-    assert queue_position(store.r, "empty", "target") == (None, 0)
+    assert queue_position(store.r, "q", "nobody", limit=SCAN_LIMIT, chunk=3) == (None, 7)
+    assert queue_position(store.r, "empty", "target", limit=SCAN_LIMIT) == (None, 0)
     assert SCAN_LIMIT == 10_000
 
 

@@ -13,7 +13,7 @@ from app.local.embedded import vigil_env
 from app.state.health import HealthLedger
 from app.requests.models import get_registry
 from app.settings import load_settings
-from app.ops.status import collect
+from app.fleet.snapshot import collect
 from app.redis_url import redacted_url
 from workers.heartbeat import Heartbeat
 

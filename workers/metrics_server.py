@@ -20,7 +20,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from app.metrics import REGISTRY
-from app.state import keys
+from app.state import broker
 from app.state.queues import pool_queues
 
 if TYPE_CHECKING:
@@ -102,11 +102,8 @@ class WorkerCollector:
         rt = self.rt
         try:
             queues = [(p, q) for p in rt.registry.names() for q in pool_queues(rt.client, p)]
-            pipe = rt.client.pipeline(transaction=False)
-            for _, q in queues:
-                pipe.llen(q)
-            pipe.scard(keys.inflight(rt.instance_id))
-            *depths, held = pipe.execute()
+            depths = broker.depths(rt.client, [q for _, q in queues])
+            held = rt.store.held_count(rt.instance_id)
         except Exception as e:  # a scrape must still return the local metrics
             log.warning("metrics: cannot read queue depths from Redis: %s", e)
             return

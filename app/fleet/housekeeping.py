@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from app import metrics
-from app.state import keys
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError, TransientError,
                         VigilError)
 from app.settings import DEFAULT_WORKER_REGISTRATION_GRACE_S
@@ -162,10 +161,9 @@ def reap_workers(store: RequestStore, now: float, republish: Republish, on_faile
 def _pool_of(store: RequestStore, request_id: str) -> str:
     """A record's pool, for metrics labels ('' when it cannot be read)."""
     try:
-        pool = store.r.hget(keys.request(request_id), "pool")
+        return store.pool_of(request_id)
     except Exception:  # a metrics label is not worth failing a sweep over
         return ""
-    return pool.decode() if pool else ""
 
 
 def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: float,
@@ -349,11 +347,11 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
 
 def _unserved_because(store: RequestStore, request_id: str) -> str:
     """'; <the reconcile's reason>' when the request's pool had no worker that could take it."""
-    from app.fleet.reconcile import unserved_reason
+    from app.state.jobs import unserved_reason
 
     try:
-        pool = store.r.hget(keys.request(request_id), "pool")
-        reason = unserved_reason(store.r, pool.decode()) if pool else ""
+        pool = store.pool_of(request_id)
+        reason = unserved_reason(store.r, pool) if pool else ""
     except Exception:  # the reason is a courtesy; the failure itself must go through
         return ""
     return f"; {reason}" if reason else ""

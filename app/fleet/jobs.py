@@ -1,12 +1,10 @@
 """Jobs: named submitter sessions, each with its own queue per pool, so a pool serves jobs
 round-robin instead of first come, first served (DESIGN.md section 6).
 
-    from app.fleet import jobs
-    jobs.create_job("eval-7", replicas=2)       # or just submit with job="eval-7"
+    vigil job create eval-7 [--replicas N] [--lease S]   # or just submit with job="eval-7"
     generate.delay(model="tiny-llama", prompt="...", job="eval-7")
-    jobs.delete_job("eval-7")                   # its pending requests fail job_deleted
-
-    vigil job create eval-7 [--replicas N] [--lease S] | vigil job list | vigil job delete eval-7
+    vigil job list
+    vigil job delete eval-7                              # its open requests fail job_deleted
 
 **Fairness.** A request of job J for pool P is published to the queue `vigil.pool.P.job.J`
 (the `default` job uses the pool's own queue `vigil.pool.P`). Every worker serving P consumes all
@@ -20,7 +18,7 @@ tells the pool's live workers to consume the new queue (Celery `add_consumer`); 
 starting later consumes every job queue of its pools at start; beat's reconcile repairs any
 broadcast that got lost.
 
-**Ending a job.** `delete_job` marks the job deleted (a tombstone until the request deadline:
+**Ending a job.** `end_job` (`vigil job delete`) marks the job deleted (a tombstone until the request deadline:
 later submits to it fail `job_deleted`), fails every request still open with `job_deleted`,
 drops its queues and their messages, and tells workers to stop consuming them, all under the
 job's lock. A job whose lease lapsed (no submit or `touch` for `job_lease`, the request
@@ -30,12 +28,11 @@ occupying GPUs.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import redis
 
-from app.state import keys
+from app.state import broker, jobs as job_state
 from app.state.registry import WorkerRegistry
 from app.errors import JOB_DELETED, TerminalError, TransientError, VigilError
 from app.state.queues import DEFAULT_JOB, job_queue_name
@@ -54,46 +51,6 @@ def announce_queue(client: redis.Redis, pool: str, job: str) -> None:
     names = WorkerRegistry(client).serving(pool)
     if names:
         app.control.add_consumer(job_queue_name(pool, job), destination=names, reply=False)
-
-
-def create_job(client: redis.Redis, name: str, *, replicas: int = 1,
-               lease_s: float | None = None, now: float | None = None) -> None:
-    """Create (or update) a job. Submitting with `job=name` creates it implicitly."""
-    now = time.time() if now is None else now
-    if client.hget(keys.job(name), "state") == b"deleted":
-        raise TerminalError.of(JOB_DELETED, f"job {name!r} was deleted; use a new name")
-    pipe = client.pipeline(transaction=True)
-    pipe.hsetnx(keys.job(name), "created_at", now)
-    fields = {"name": name, "last_active": now, "replicas": replicas}
-    if lease_s is not None:
-        fields["lease_s"] = lease_s
-    pipe.hset(keys.job(name), mapping=fields)
-    pipe.zadd(keys.JOBS, {name: now})
-    pipe.execute()
-
-
-def touch(client: redis.Redis, name: str, now: float | None = None) -> None:
-    """Renew a job's lease (a poller that submits nothing calls this)."""
-    now = time.time() if now is None else now
-    if client.zscore(keys.JOBS, name) is not None:
-        pipe = client.pipeline(transaction=True)
-        pipe.hset(keys.job(name), "last_active", now)
-        pipe.zadd(keys.JOBS, {name: now})
-        pipe.execute()
-
-
-def list_jobs(client: redis.Redis) -> list[dict]:
-    """Every live job with its pending count and pools."""
-    out = []
-    for name, last in client.zrange(keys.JOBS, 0, -1, withscores=True):
-        name = name.decode()
-        raw = {k.decode(): v.decode() for k, v in client.hgetall(keys.job(name)).items()}
-        out.append({"name": name, "last_active": last,
-                    "pending": client.scard(keys.job_requests(name)),
-                    "replicas": int(raw.get("replicas", 1) or 1),
-                    "lease_s": float(raw["lease_s"]) if raw.get("lease_s") else None,
-                    "created_at": float(raw.get("created_at", last))})
-    return out
 
 
 Cancel = Callable[[str, list[str]], None]  # (queue, worker names)
@@ -118,15 +75,10 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
         if not held:
             return -1
         failed = 0
-        pipe = client.pipeline(transaction=True)
-        pipe.hset(keys.job(name), mapping={"state": "deleted", "deleted_at": now,
-                                           "reason": reason})
-        pipe.expire(keys.job(name), int(max(60, tombstone_s)))
-        pipe.zrem(keys.JOBS, name)
-        pipe.execute()
+        job_state.tombstone(client, name, now, reason, tombstone_s)
         err = TerminalError.of(JOB_DELETED, reason)
         while True:
-            ids = [i.decode() for i in client.srandmember(keys.job_requests(name), CHUNK)]
+            ids = job_state.open_request_ids(client, name, CHUNK)
             if not ids:
                 break
             if abort is not None:
@@ -141,7 +93,7 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                 except TransientError as e:
                     log.warning("ending job %s stopped early: %s", name, e)
                     return failed
-                client.srem(keys.job_requests(name), rid)  # a record that expired meanwhile
+                job_state.forget_request(client, name, rid)  # a record that expired meanwhile
                 if won:
                     failed += 1
                     try:
@@ -149,12 +101,9 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                     except Exception as e:  # one bad item must not stop the rest
                         log.warning("ending job %s: could not notify %s: %s", name, rid, e)
         for pool in pools:
-            if client.srem(keys.pool_jobs(pool), name):
+            if job_state.leave_pool(client, pool, name):
                 names = store.workers.serving(pool)
-                q = job_queue_name(pool, name)
-                # The queue, its messages, and kombu's binding records for it (one set per
-                # queue the job ever had: left behind, they would pile up job after job).
-                client.delete(q, f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}")
+                broker.delete_queue(client, job_queue_name(pool, name))
                 try:
                     cancel(job_queue_name(pool, name), names)
                 except Exception as e:  # the queue is empty and gone; a consumer is harmless
@@ -172,16 +121,10 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
         if not held:
             return 0
         ended = 0
-        oldest = now - default_lease_s
-        for name, last in store.r.zrangebyscore(keys.JOBS, "-inf", now, withscores=True,
-                                                start=0, num=1000):
-            name = name.decode()
+        for name, last in job_state.lapsed_jobs(store.r, now, default_lease_s):
             if name == DEFAULT_JOB:
                 continue
-            lease = store.r.hget(keys.job(name), "lease_s")
-            limit = now - float(lease) if lease else oldest
-            if last < limit:
-                if end(name, f"job {name!r} abandoned: no submit or poll for "
-                       f"{now - last:.0f} s (its lease)") >= 0:
-                    ended += 1
+            if end(name, f"job {name!r} abandoned: no submit or poll for "
+                   f"{now - last:.0f} s (its lease)") >= 0:
+                ended += 1
     return ended

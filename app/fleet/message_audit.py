@@ -31,22 +31,17 @@ consumer a millisecond from reporting its fetch) costs one delivery, never a sec
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Callable
 
-from app.state import keys
-from app.state.conn import server_run
+from app.state import broker, keys
+from app.state.queues import pool_queues
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.message_audit")
 
-RUN_ID_KEY = keys.REDIS_RUN_ID
 AUDIT_LOCK = "message_audit"
-# kombu's Redis transport: messages delivered and not yet acked (delivery tag -> [message, ...]).
-UNACKED_KEY = "unacked"
-CHUNK = 1000
 RESTART_REASON = "redis_unavailable: its message was lost in a Redis restart"
 REAP_REASON = "worker_lost: its message was taken by a worker that died"
 # A record this young may be a submit between its record and its publish: not an orphan yet.
@@ -55,46 +50,11 @@ MIN_AGE_S = 5.0
 Republish = Callable[[str, dict, int], None]
 
 
-def redis_start(store: RequestStore) -> tuple[str, float]:
-    """The running Redis server's run_id (a new one at every start) and when it started (unix
-    seconds, to the second)."""
-    return store._call(server_run, store.r)
-
-
-def queued_ids(store: RequestStore, pools: list[str] | None = None, *,
-               unacked: bool = False) -> set[str]:
-    """Request ids with a message in a queue of `pools` (all pools if None; a list of JSON
-    messages whose headers.id is the request id), and with `unacked`, also in kombu's unacked
-    hash (fetched by a consumer, not yet acked)."""
-    from app.state.queues import POOL_QUEUE_GLOB, pool_queues
-    from app.ops.request_view import message_id
-
-    if pools is None:
-        queues = list(store.r.scan_iter(match=POOL_QUEUE_GLOB, count=CHUNK, _type="list"))
-    else:
-        queues = [q for p in pools for q in pool_queues(store.r, p)]
-    ids: set[str] = set()
-    for q in queues:
-        start = 0
-        while True:
-            items = store._call(store.r.lrange, q, start, start + CHUNK - 1)
-            ids.update(i for i in map(message_id, items) if i)
-            if len(items) < CHUNK:
-                break
-            start += CHUNK
-    for _, raw in store.r.hscan_iter(UNACKED_KEY, count=CHUNK) if unacked else ():
-        try:
-            ids.add(json.loads(raw)[0]["headers"]["id"])
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue
-    return ids
-
-
-def _held_ids(store: RequestStore) -> set[str]:
-    held: set[str] = set()
-    for key in store.r.scan_iter(match=keys.inflight("*"), count=CHUNK):
-        held.update(m.decode() for m in store._call(store.r.smembers, key))
-    return held
+def queued_ids(store: RequestStore, pools: list[str] | None = None) -> set[str]:
+    """Request ids with a message waiting in a queue of `pools` (every pool queue if None)."""
+    queues = (broker.all_pool_queues(store.r) if pools is None
+              else [q for p in pools for q in pool_queues(store.r, p)])
+    return store._call(broker.queued_ids, store.r, queues)
 
 
 def republish_lost(store: RequestStore, now: float, republish: Republish, *,
@@ -108,13 +68,9 @@ def republish_lost(store: RequestStore, now: float, republish: Republish, *,
     # worker's set, so one that moves during the reads is seen in one or the other, except in
     # the instant between its fetch and Celery's report of it (a needless republish there costs
     # a stale delivery, never a second run).
-    if pools is None:
-        open_ids = [m.decode() for m in store._call(store.r.zrange, keys.DEADLINES, 0, -1)]
-    else:
-        open_ids = sorted({m.decode() for p in pools
-                           for m in store._call(store.r.smembers, keys.pool_requests(p))})
+    open_ids = store.open_ids(pools)
     queued = queued_ids(store, pools)
-    holding = _held_ids(store)
+    holding = store.held_ids()
     published = 0
     for rid in open_ids:
         if rid in holding or rid in queued or rid in skip:
@@ -138,9 +94,9 @@ def audit_after_restart(store: RequestStore, now: float, republish: Republish, *
     published twice, which costs a delivery, never a second run). Returns how many were
     published again; None when Redis did not restart since the last audit, or another audit
     runs. The run_id is recorded only after a complete audit, so one that fails is redone."""
-    run_id, started = redis_start(store)
-    seen = store._call(store.r.get, RUN_ID_KEY)
-    if seen is not None and seen.decode() == run_id:
+    run_id, started = store.redis_run()
+    seen = store.audited_run_id()
+    if seen == run_id:
         return None
     with store.locked(AUDIT_LOCK, lock_ttl_s) as held:
         if not held:
@@ -148,7 +104,7 @@ def audit_after_restart(store: RequestStore, now: float, republish: Republish, *
         timer = time.monotonic()
         published = republish_lost(store, now, republish, created_before=started,
                                    reason=RESTART_REASON)
-        store._call(store.r.set, RUN_ID_KEY, run_id)
+        store.mark_audited(run_id)
     if published or seen is not None:
         log.warning("Redis restarted (run_id %s): %d open request(s) had lost their message and "
                     "were published again (%.1f s)", run_id[:12], published,

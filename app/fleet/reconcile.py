@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from app.state import keys
+from app.state import broker, jobs as job_state
 from app.state.health import HEALTHY, SUSPECT
 from app.state.registry import WorkerEntry
 from app.state.queues import pool_queues
@@ -34,16 +34,8 @@ from app.requests.models import ModelRegistry
 log = logging.getLogger("vigil.reconcile")
 GiB = 1 << 30
 RECONCILE_CONCURRENCY = 4
-# A pool's recorded reason outlives the pass that wrote it by this much (it is rewritten or
-# deleted by every pass; this only bounds it if beat stops).
-POOL_STATE_TTL_S = 3600
 
 Control = Callable[[str, str, bool], None]  # (worker name, queue, add=True / cancel=False)
-
-
-def pool_state_key(pool: str) -> str:
-    """Why a pool is unserved (hash: reason, at), written by the reconcile."""
-    return f"{keys.PREFIX}poolstate:{pool}"
 
 
 def need_bytes(registry: ModelRegistry, model: str) -> int:
@@ -61,16 +53,6 @@ def fits(w: WorkerEntry, registry: ModelRegistry, model: str) -> bool:
     return w.free_bytes + held >= need_bytes(registry, model)
 
 
-def replicas_wanted(store, pool: str) -> int:
-    """The most workers any live job with a queue in `pool` asks for (at least 1)."""
-    want = 1
-    for job in store.r.smembers(keys.pool_jobs(pool)):
-        r = store.r.hget(keys.job(job.decode()), "replicas")
-        if r:
-            want = max(want, int(r))
-    return want
-
-
 def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control, *,
                     live_window: float, concurrency: int = RECONCILE_CONCURRENCY) -> dict:
     """One reconcile pass (see the module docstring). Returns what it did:
@@ -79,19 +61,19 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
     # its consumer is up, an add_consumer sent to it is lost.
     workers = [w for w in store.workers.entries()
                if w.live(now, live_window) and w.has_pinged and w.name]
-    waiting = {p: sum(store.r.llen(q) for q in pool_queues(store.r, p))
+    waiting = {p: sum(broker.depths(store.r, pool_queues(store.r, p)))
                for p in registry.names()}
     done: dict = {"assigned": [], "unserved": {}, "released": []}
     for pool in registry.names():
         if len(done["assigned"]) >= concurrency:
             break
         if not waiting[pool]:
-            store.r.delete(pool_state_key(pool))
+            job_state.clear_unserved(store.r, pool)
             continue
         serving = [w for w in workers if pool in w.pools and w.health_state in (HEALTHY, SUSPECT)]
-        want = replicas_wanted(store, pool)
+        want = job_state.replicas_wanted(store.r, pool)
         if len(serving) >= want:
-            store.r.delete(pool_state_key(pool))
+            job_state.clear_unserved(store.r, pool)
             continue
         candidates = [w for w in workers if pool not in w.pools and w.health_state == HEALTHY
                       and fits(w, registry, pool)]
@@ -101,10 +83,7 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                       f"{need_bytes(registry, pool) / GiB:.1f} GiB free, the most any worker "
                       f"reports is {best / GiB:.1f} GiB" if workers else
                       f"pool {pool}: no live worker at all")
-            pipe = store.r.pipeline(transaction=True)
-            pipe.hset(pool_state_key(pool), mapping={"reason": reason, "at": now})
-            pipe.expire(pool_state_key(pool), POOL_STATE_TTL_S)  # stale once passes stop
-            pipe.execute()
+            job_state.set_unserved(store.r, pool, reason, now)
             done["unserved"][pool] = reason
             continue
         for w in sorted(candidates, key=lambda w: (sum(waiting.get(p, 0) for p in w.pools),
@@ -115,7 +94,7 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
             done["assigned"].append((pool, w.name))
             log.warning("reconcile: pool %s had %d waiting and no worker; assigned %s",
                         pool, waiting[pool], w.name)
-        store.r.delete(pool_state_key(pool))
+        job_state.clear_unserved(store.r, pool)
     for w in workers:  # lent workers go back when their borrowed pool is idle
         for pool in [p for p in w.pools if p not in w.configured_pools]:
             if not waiting.get(pool) and w.model != pool:
@@ -123,10 +102,3 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                     control(w.name, q, False)
                 done["released"].append((pool, w.name))
     return done
-
-
-def unserved_reason(client, pool: str) -> str:
-    """The reconcile's last word on why `pool` has no worker ('' if none)."""
-    r = client.hget(pool_state_key(pool), "reason")
-    return r.decode() if r else ""
-

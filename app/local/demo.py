@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 import requests
 
+from app.state.registry import WorkerRegistry
 from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_process, start_worker,
                                 stop_process, vigil_env, wait_for)
 
@@ -97,7 +98,4 @@ def _wait_flower(port: int, auth: tuple[str, str]) -> bool:
 def _engine_ready(client: redis.Redis, worker: subprocess.Popen) -> bool:
     if worker.poll() is not None:
         raise RuntimeError(f"the worker exited with code {worker.returncode}")
-    for key in client.scan_iter("vigil:worker:*"):
-        if int(client.hget(key, "engine_loads") or 0) >= 1:
-            return True
-    return False
+    return any(e.engine_loads >= 1 for e in WorkerRegistry(client).entries())

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from app.ops import batch_file as batch
-from app.errors import INVALID_REQUEST, RequestError, error_from_record
-from app.state.keys import TERMINAL, request as record_key
+from app.errors import INVALID_REQUEST, REQUEST_LOST, RequestError, error_from_record
+from app.state.store import RequestStore
 
 DEFAULT_WINDOW = 512
 POLL_INTERVAL_S = 0.2
@@ -226,34 +226,22 @@ def celery_submit(request_id: str, kwargs: dict) -> None:
     generate.apply_async(kwargs=kwargs, task_id=request_id)
 
 
-def record_poll(store) -> Poll:
+def record_poll(store: RequestStore) -> Poll:
     """A `poll` reading the request records (the source of truth the task itself returns) in one
     Redis round trip per call. A record that is gone (deleted, or expired a day after it ended)
     is reported as an error with code `request_lost` (as `r.get()` does): rerun to submit it
-    again."""
-    import redis
-
-    from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TransientError
-
+    again. Raises TransientError(redis_unavailable) when Redis cannot be reached."""
     def poll(ids: list[str]):
-        pipe = store.r.pipeline(transaction=False)
-        for rid in ids:
-            pipe.hmget(record_key(rid), "status", "result", "error_kind", "error")
-        try:
-            rows = pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
         ended = {}
-        for rid, (status, result, kind, error) in zip(ids, rows):
-            status = status.decode() if status else None
-            if status is None:
+        for rid, outcome in store.ended(ids).items():
+            if outcome is None:
                 ended[rid] = (None, (REQUEST_LOST, "the request's record is gone from Redis "
                                      "(lost in a Redis crash, deleted or expired); rerun to "
                                      "submit it again"))
-            elif status in TERMINAL and result:
-                ended[rid] = (json.loads(result), None)
-            elif status in TERMINAL:
-                e = error_from_record((kind or b"").decode(), (error or b"").decode())
+            elif outcome.result is not None:
+                ended[rid] = (outcome.result, None)
+            else:
+                e = error_from_record(outcome.error_kind, outcome.error)
                 ended[rid] = (None, (e.code, e.detail))
         return ended
 

@@ -125,6 +125,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
     import json
 
     from app.fleet import jobs
+    from app.state import jobs as job_state
     from app.errors import VigilError
     from app.settings import get_settings
     from app.state.conn import connect
@@ -132,10 +133,10 @@ def _cmd_job(args: argparse.Namespace) -> int:
     client = connect(get_settings())
     try:
         if args.job_cmd == "create":
-            jobs.create_job(client, args.name, replicas=args.replicas, lease_s=args.lease)
+            job_state.create_job(client, args.name, replicas=args.replicas, lease_s=args.lease)
             print(f"job {args.name} ready")
         elif args.job_cmd == "list":
-            rows = jobs.list_jobs(client)
+            rows = job_state.list_jobs(client)
             if args.json:
                 print(json.dumps(rows))
             else:

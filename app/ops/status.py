@@ -1,12 +1,10 @@
-"""`vigil status`: the fleet as Redis sees it: workers (health state, streak, in flight, memory),
-pools (waiting, oldest wait, running, who serves them, why not) and jobs.
+"""`vigil status`: the fleet as Redis sees it (app/fleet/snapshot.py), as tables or JSON.
 
     vigil status            # tables
     vigil status --json     # one JSON object, for scripts
     vigil status --watch 2  # refresh every 2 s until Ctrl-C
 
-Read-only: it reads the registry entries, health ledgers and queue lengths; it never acts.
-Credentials never appear: Redis is shown as host:port/db only.
+Read-only; credentials never appear: Redis is shown as host:port/db only.
 """
 from __future__ import annotations
 
@@ -15,74 +13,10 @@ import time
 
 import redis
 
+from app.fleet.snapshot import collect
 from app.redis_url import redacted_url
-from app.state import keys
-from app.state.health import HEALTHY, SUSPECT, HealthLedger
-from app.fleet.jobs import list_jobs
-from app.state.queues import pool_queues
-from app.state.registry import WorkerRegistry
-from app.requests.models import ModelRegistry
-from app.fleet.reconcile import unserved_reason
-from app.settings import VigilSettings
 
 GiB = 1 << 30
-
-
-def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistry,
-            now: float | None = None) -> dict:
-    """A snapshot of workers and pools (plain data, JSON-ready)."""
-    now = time.time() if now is None else now
-    ledger = HealthLedger(client, window=settings.failure_window,
-                          threshold=settings.failure_threshold)
-    workers = []
-    for e in WorkerRegistry(client).entries():
-        h = ledger.read(e.instance)
-        workers.append({
-            "name": e.name or "?", "instance_id": e.instance, "state": h.state,
-            "streak": h.streak, "last_failure": h.last_failure_reason,
-            "quarantines": h.quarantines, "live": e.live(now, settings.live_window),
-            "last_seen_s": round(now - e.last_seen, 1), "pools": e.pools,
-            "model": e.model, "engine_state": e.engine_state, "in_flight": e.in_flight,
-            "engine_restarts": e.engine_restarts, "device": e.device,
-            "free_bytes": e.free_bytes, "total_bytes": e.total_bytes,
-        })
-    pools = []
-    for name in registry.names():
-        serving = [w for w in workers if w["live"] and name in w["pools"]]
-        healthy = [w for w in serving if w["state"] in (HEALTHY, SUSPECT)]
-        queues = pool_queues(client, name)
-        pending = sum(client.llen(q) for q in queues)
-        oldest = oldest_waiting_age(client, queues, now)
-        running = sum(w["in_flight"] for w in serving if w["model"] == name)
-        why = unserved_reason(client, name)
-        if not serving:
-            why = why or "no live worker serves it"
-        elif not healthy:
-            why = why or "every worker serving it is quarantined or restarting"
-        pools.append({"pool": name, "pending": pending, "running": running,
-                      "oldest_waiting_s": oldest,
-                      "workers": [w["name"] for w in healthy], "why_unserved": why})
-    return {"redis": redacted_url(settings.redis_url), "at": now, "workers": workers,
-            "pools": pools, "jobs": list_jobs(client)}
-
-
-def oldest_waiting_age(client: redis.Redis, queues: list[str], now: float) -> float | None:
-    """Seconds the oldest message waiting in `queues` has waited since its request was
-    submitted (kombu pushes on the left and pops on the right: the oldest is at index -1);
-    None when nothing waits."""
-    ages = []
-    for q in queues:
-        raw = client.lindex(q, -1)
-        if raw is None:
-            continue
-        try:
-            rid = json.loads(raw)["headers"]["id"]
-            created = client.hget(keys.request(rid), "created_at")
-        except (ValueError, KeyError, TypeError):
-            continue
-        if created:
-            ages.append(now - float(created))
-    return round(max(ages), 1) if ages else None
 
 
 def render(snap: dict):

@@ -18,14 +18,13 @@ from __future__ import annotations
 import threading
 import time
 
-import redis
 from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
-from app.state import keys
-from app.errors import REQUEST_LOST, TerminalError, error_from_record
-from app.state.store import Outcome
+from app.errors import REQUEST_LOST, TerminalError, TransientError, error_from_record
+from app.state.queues import DEFAULT_JOB
+from app.state.store import Outcome, RequestStore
 
 # How often a waiting `get()` looks at the request's record (one HMGET).
 RECORD_CHECK_S = 5.0
@@ -46,15 +45,11 @@ class VigilAsyncResult(AsyncResult):
     def info(self):
         """The result or exception once ready; before that, why_waiting(id) (falling back to
         Celery's own value when Vigil has no record of the id)."""
-        from app.ops.request_view import why_waiting
-
         meta = self._get_task_meta()
         if meta["status"] in states.READY_STATES:
             return meta["result"]
-        app = self.app
-        waiting = why_waiting(self.id, client=getattr(app, "vigil_redis", None),
-                              settings=getattr(app, "vigil_settings", None),
-                              registry=getattr(app, "vigil_registry", None))
+        why_waiting = getattr(self.app, "vigil_why_waiting", None)
+        waiting = why_waiting(self.id) if why_waiting is not None else None
         return waiting if waiting is not None else meta["result"]
 
     def get(self, timeout=None, propagate=True, interval=0.5, **kwargs):
@@ -87,37 +82,32 @@ class VigilAsyncResult(AsyncResult):
         """The record's outcome once it ended (the backend may never get it); None while it runs
         or Redis cannot be asked. Raises TerminalError request_lost when there is neither a
         record nor a result."""
-        client = getattr(self.app, "vigil_redis", None)
-        if client is None:
+        store = getattr(self.app, "vigil_store", None)
+        if store is None:
             return None
         try:
-            status, result, kind, err, job = client.hmget(
-                keys.request(self.id), "status", "result", "error_kind", "error", "job")
-            if job and status in (b"PENDING", b"RUNNING"):
-                _renew_lease(client, job.decode())
-            if status is None:
-                # Read the backend after the record: a result stored just before its record
-                # expired must not be called lost.
-                if self.backend.get_task_meta(self.id).get("status") in states.READY_STATES:
-                    return None
-                self.backend.remove_pending_result(self)  # nothing will come: stop listening
-                raise TerminalError.of(REQUEST_LOST, f"Redis has no record of request {self.id} "
-                                       "(lost by a Redis crash inside the AOF fsync window, or "
-                                       "expired after VIGIL_RESULT_TTL); submitting it again is "
-                                       "safe")
-        except (redis.ConnectionError, redis.TimeoutError):
+            status, job, outcome = store.look(self.id)
+            if job and outcome is None and status is not None:
+                _renew_lease(store, job)
+        except TransientError:
             return None  # Redis is away: keep waiting, Celery reconnects and so does this check
-        if status not in (b"SUCCEEDED", b"FAILED"):
+        if status is None:
+            # Read the backend after the record: a result stored just before its record expired
+            # must not be called lost.
+            if self.backend.get_task_meta(self.id).get("status") in states.READY_STATES:
+                return None
+            self.backend.remove_pending_result(self)  # nothing will come: stop listening
+            raise TerminalError.of(REQUEST_LOST, f"Redis has no record of request {self.id} "
+                                   "(lost by a Redis crash inside the AOF fsync window, or "
+                                   "expired after VIGIL_RESULT_TTL); submitting it again is safe")
+        if outcome is None:
             return None
         self.backend.remove_pending_result(self)
-        return Outcome.from_reply(status, result, kind, err)
+        return outcome
 
 
-def _renew_lease(client, job: str) -> None:
+def _renew_lease(store: RequestStore, job: str) -> None:
     """Renew `job`'s lease if this process has not done so for LEASE_TOUCH_S."""
-    from app.fleet.jobs import touch
-    from app.state.queues import DEFAULT_JOB
-
     if job == DEFAULT_JOB:
         return
     now = time.monotonic()
@@ -125,4 +115,4 @@ def _renew_lease(client, job: str) -> None:
         if now - _touched.get(job, -LEASE_TOUCH_S) < LEASE_TOUCH_S:
             return
         _touched[job] = now
-    touch(client, job)
+    store.touch_job(job)

@@ -16,13 +16,13 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 | vigil:stats                 | hash | none                        | fleet counters: duplicate_results,       |
 |                             |      |                             | duplicate_deliveries, stale_deliveries   |
 | vigil:redis_run_id          | str  | none (one key)              | the Redis run_id of the last complete    |
-|                             |      |                             | restart audit (app/fleet/message_audit.py)     |
+|                             |      |                             | restart audit (fleet/message_audit.py)   |
 | vigil:deadlines             | zset | none                        | request id -> deadline_at, non-terminal  |
 |                             |      |                             | requests only (create adds, finish drops)|
 |                             |      |                             | read by the deadline sweep               |
 | vigil:lock:{name}           | str  | the holder's lease (PX)     | beat task locks (two beats never both    |
 |                             |      |                             | act); value = holder id                  |
-| vigil:job:{name}            | hash | none; a deleted job's is a  | a job (app/fleet/jobs.py): created_at,         |
+| vigil:job:{name}            | hash | none; a deleted job's is a  | a job (app/fleet/jobs.py): created_at,   |
 |                             |      | tombstone for the deadline  | last_active, lease_s, replicas, state    |
 | vigil:jobs                  | zset | none                        | job name -> last_active (lease sweep)    |
 | vigil:jobreqs:{name}        | set  | none; empty = gone (Redis)  | a job's non-terminal request ids (create |
@@ -32,8 +32,11 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | count for VIGIL_MAX_PENDING_PER_POOL     |
 | vigil:pooljobs:{pool}       | set  | none; a job leaves it when  | jobs with their own queue in that pool   |
 |                             |      | deleted or abandoned        | (`vigil.pool.{pool}.job.{job}`)          |
-| vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/state/health.py)|
-|                             |      | dropped with its entry      | : state, streak, failures (JSON times),  |
+| vigil:poolstate:{pool}      | hash | an hour (rewritten or       | why a pool has no worker (reason, at),   |
+|                             |      | deleted by every reconcile) | written by the reconcile (app/fleet/     |
+|                             |      |                             | reconcile.py), read by `vigil status`    |
+| vigil:health:{instance}     | hash | 7 days from its last change;| the worker's health ledger (app/state/   |
+|                             |      | dropped with its entry      | health.py): state, streak, failures,     |
 |                             |      |                             | last_failure_reason, quarantines, ...;   |
 |                             |      |                             | written by the worker, read by beat      |
 
@@ -91,6 +94,11 @@ def pool_requests(pool: str) -> str:
 def pool_jobs(pool: str) -> str:
     """The set of jobs that have their own queue in `pool`."""
     return f"{PREFIX}pooljobs:{pool}"
+
+
+def pool_state(pool: str) -> str:
+    """Why a pool is unserved (hash: reason, at), written by the reconcile."""
+    return f"{PREFIX}poolstate:{pool}"
 
 
 def health(instance_id: int | str) -> str:

@@ -44,6 +44,7 @@ class WorkerEntry:
     model: str
     engine_state: str
     in_flight: int
+    engine_loads: int
     engine_restarts: int | None
     device: str
     free_bytes: int | None
@@ -66,6 +67,7 @@ class WorkerEntry:
             configured_pools=_split(entry.get("configured_pools", entry.get("pools", ""))),
             model=entry.get("model", ""), engine_state=entry.get("engine_state", ""),
             in_flight=_num(entry, "in_flight") or 0,
+            engine_loads=_num(entry, "engine_loads") or 0,
             engine_restarts=_num(entry, "engine_restarts"), device=entry.get("device", ""),
             free_bytes=_num(entry, "device_free_bytes"),
             total_bytes=_num(entry, "device_total_bytes"),

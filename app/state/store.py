@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 import redis
 
-from app.state import keys
+from app.state import jobs, keys
 from app.state.calls import Calls
-from app.state.conn import connect
+from app.state.conn import connect, server_run
 from app.state.lua import BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB
 from app.state.registry import WorkerRegistry
@@ -250,3 +250,86 @@ class RequestStore:
         """Fleet counters (duplicate_results, duplicate_deliveries, stale_deliveries)."""
         raw = self._call(self.r.hgetall, keys.STATS)
         return {k.decode(): int(v) for k, v in raw.items()}
+
+    def pool_of(self, request_id: str) -> str:
+        """A record's pool ('' when it has none)."""
+        pool = self._call(self.r.hget, keys.request(request_id), "pool")
+        return pool.decode() if pool else ""
+
+    def ended(self, request_ids: list[str]) -> dict[str, Outcome | None]:
+        """For each id whose request has ended, its stored Outcome; None for an id with no record
+        at all (lost in a Redis crash, deleted, or expired). Ids still open are left out. One
+        round trip."""
+        pipe = self._call.pipeline()
+        for rid in request_ids:
+            pipe.hmget(keys.request(rid), "status", "result", "error_kind", "error")
+        rows = self._call(pipe.execute) if request_ids else []
+        out: dict[str, Outcome | None] = {}
+        for rid, (status, result, kind, error) in zip(request_ids, rows):
+            if status is None:
+                out[rid] = None
+            elif status.decode() in keys.TERMINAL:
+                out[rid] = Outcome.from_reply(status, result, kind, error)
+        return out
+
+    def open_ids(self, pools: list[str] | None = None) -> list[str]:
+        """Ids of every open (not yet ended) request, or of those in `pools`: from the deadline
+        index, or the pools' pending sets (sorted)."""
+        if pools is None:
+            return [m.decode() for m in self._call(self.r.zrange, keys.DEADLINES, 0, -1)]
+        return sorted({m.decode() for p in pools
+                       for m in self._call(self.r.smembers, keys.pool_requests(p))})
+
+    def held_ids(self) -> set[str]:
+        """Every request id some worker instance's in-flight set holds (SCAN over the sets)."""
+        held: set[str] = set()
+        for key in self.r.scan_iter(match=keys.inflight("*"), count=1000):
+            held.update(m.decode() for m in self._call(self.r.smembers, key))
+        return held
+
+    def holders(self, request_id: str, instances: list[str]) -> list[str]:
+        """Those of `instances` whose in-flight set holds the request (one round trip)."""
+        if not instances:
+            return []
+        pipe = self._call.pipeline()
+        for i in instances:
+            pipe.sismember(keys.inflight(i), request_id)
+        return [i for i, held in zip(instances, self._call(pipe.execute)) if held]
+
+    def held_count(self, instance: int | str) -> int:
+        """How many requests a worker instance holds."""
+        return int(self._call(self.r.scard, keys.inflight(instance)))
+
+    def redis_run(self) -> tuple[str, float]:
+        """The running Redis server's run_id and when it started (app/state/conn.py)."""
+        return self._call(server_run, self.r)
+
+    def audited_run_id(self) -> str | None:
+        """The Redis run_id the last complete restart audit covered (None before the first)."""
+        seen = self._call(self.r.get, keys.REDIS_RUN_ID)
+        return seen.decode() if seen is not None else None
+
+    def mark_audited(self, run_id: str) -> None:
+        """Record that the restart audit for Redis run `run_id` is complete."""
+        self._call(self.r.set, keys.REDIS_RUN_ID, run_id)
+
+    def created_at(self, request_id: str) -> float | None:
+        """When the request was submitted (None without a record)."""
+        created = self._call(self.r.hget, keys.request(request_id), "created_at")
+        return float(created) if created else None
+
+    def look(self, request_id: str) -> tuple[str | None, str, Outcome | None]:
+        """(status, job, stored outcome) in one round trip: status None without a record, the
+        outcome None until the request has ended."""
+        status, result, kind, err, job = self._call(
+            self.r.hmget, keys.request(request_id), "status", "result", "error_kind", "error",
+            "job")
+        if status is None:
+            return None, "", None
+        outcome = (Outcome.from_reply(status, result, kind, err)
+                   if status.decode() in keys.TERMINAL else None)
+        return status.decode(), job.decode() if job else "", outcome
+
+    def touch_job(self, name: str) -> None:
+        """Renew a live job's lease (app/state/jobs.py `touch`)."""
+        self._call(jobs.touch, self.r, name)

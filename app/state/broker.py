@@ -1,0 +1,107 @@
+"""Reading (and dropping) what Celery's broker keeps in Redis: the queue lists and kombu's unacked
+hash. Vigil never writes a message here itself (publishing goes through Celery:
+app/requests/publish.py); it reads the lists to explain a wait, count a backlog or find a lost
+message, and deletes a deleted job's queue.
+
+kombu's Redis transport LPUSHes each message (a JSON envelope whose `headers.id` is the task id,
+here the request id) onto the list named after the queue, and workers BRPOP it, so the next
+message delivered is the rightmost element. A message fetched by a consumer and not yet acked
+sits in the hash `unacked` (delivery tag -> [message, exchange, routing key]). Functions raise
+redis' own errors.
+"""
+from __future__ import annotations
+
+import json
+
+import redis
+
+from app.state.queues import POOL_QUEUE_GLOB
+
+# kombu's Redis transport: messages delivered and not yet acked.
+UNACKED_KEY = "unacked"
+# Entries read per LRANGE / SCAN step.
+CHUNK = 1000
+
+
+def message_id(raw: bytes) -> str | None:
+    """The task id (here the request id) of one kombu message as stored in a queue list, or None
+    when the entry is not a kombu message."""
+    try:
+        return json.loads(raw)["headers"]["id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def depths(client: redis.Redis, queues: list[str]) -> list[int]:
+    """The number of messages waiting in each of `queues` (one pipelined round trip)."""
+    if not queues:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for q in queues:
+        pipe.llen(q)
+    return [int(n) for n in pipe.execute()]
+
+
+def all_pool_queues(client: redis.Redis) -> list[str]:
+    """Every pool queue that exists in Redis now (its own and its jobs'), found by SCAN."""
+    return [q.decode() for q in client.scan_iter(match=POOL_QUEUE_GLOB, count=CHUNK,
+                                                  _type="list")]
+
+
+def queued_ids(client: redis.Redis, queues: list[str], *, unacked: bool = False) -> set[str]:
+    """Request ids with a message in one of `queues`, read CHUNK entries at a time; with
+    `unacked`, also those in kombu's unacked hash (fetched by a consumer, not yet acked)."""
+    ids: set[str] = set()
+    for q in queues:
+        start = 0
+        while True:
+            items = client.lrange(q, start, start + CHUNK - 1)
+            ids.update(i for i in map(message_id, items) if i)
+            if len(items) < CHUNK:
+                break
+            start += CHUNK
+    for _, raw in client.hscan_iter(UNACKED_KEY, count=CHUNK) if unacked else ():
+        try:
+            ids.add(json.loads(raw)[0]["headers"]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+    return ids
+
+
+def position(client: redis.Redis, queue: str, request_id: str, *, limit: int,
+             chunk: int = CHUNK) -> tuple[int | None, int]:
+    """(position, length) of `request_id`'s message in `queue`: position 1 is the next message a
+    worker receives; None when it is not among the first `limit` entries (or not there at all).
+    Read from the right, `chunk` entries at a time (LPOS cannot match a message: its bytes are
+    not known to a reader). Approximate: the list moves while it is read."""
+    length = int(client.llen(queue))
+    needle = request_id.encode()
+    scanned = 0
+    while scanned < min(length, limit):
+        n = min(chunk, limit - scanned)
+        items = client.lrange(queue, -(scanned + n), -(scanned + 1))  # left to right
+        for i, raw in enumerate(reversed(items)):  # head (rightmost) first
+            if needle in raw and message_id(raw) == request_id:
+                return scanned + i + 1, length
+        if len(items) < n:
+            break
+        scanned += n
+    return None, length
+
+
+def next_ids(client: redis.Redis, queues: list[str]) -> list[str]:
+    """The request id of the next message to be delivered from each of `queues` that has one
+    (the oldest waiting there)."""
+    out = []
+    for q in queues:
+        raw = client.lindex(q, -1)
+        rid = message_id(raw) if raw is not None else None
+        if rid:
+            out.append(rid)
+    return out
+
+
+def delete_queue(client: redis.Redis, queue: str) -> None:
+    """Drop a queue, its messages, and kombu's binding records for it (one set per queue a job
+    ever had: left behind, they would pile up job after job)."""
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
