@@ -64,11 +64,6 @@ def request_ended(pool: str, status: str, error: str = "") -> None:
         REQUESTS.labels(pool, "failed", _code(error)).inc()
 
 
-def request_failed(pool: str, code: str) -> None:
-    """Count a request this process failed with `code` (housekeeping: its finish won)."""
-    REQUESTS.labels(pool, "failed", code).inc()
-
-
 def attempt_begun(pool: str) -> None:
     """Count an attempt begun on this worker."""
     ATTEMPTS.labels(pool).inc()

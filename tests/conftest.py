@@ -256,3 +256,32 @@ def make_host():
     yield _make
     for h in hosts:
         h.shutdown(timeout=1)
+
+
+class Told(list):
+    """A stand-in for Celery's result backend (`end_request`'s `backend`): records each failure
+    it is told as (request id, error message), each result in `done`. Thread-safe appends."""
+
+    def __init__(self):
+        super().__init__()
+        self.done: list[tuple[str, dict]] = []
+
+    def mark_as_failure(self, task_id, exc):
+        self.append((task_id, str(exc)))
+
+    def mark_as_done(self, task_id, result):
+        self.done.append((task_id, result))
+
+    @property
+    def ids(self) -> list[str]:
+        return [rid for rid, _ in self]
+
+
+class NeverTold:
+    """A result backend that fails the test if it is told anything."""
+
+    def mark_as_failure(self, task_id, exc):
+        pytest.fail(f"told the backend that {task_id} failed: {exc}")
+
+    def mark_as_done(self, task_id, result):
+        pytest.fail(f"told the backend that {task_id} succeeded")

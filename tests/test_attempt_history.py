@@ -8,7 +8,9 @@ import json
 import pytest
 
 from app.state import keys
-from app.fleet.housekeeping import reap_workers, sweep_deadlines
+from app.fleet.deadlines import sweep_deadlines
+from app.fleet.reaper import reap_workers
+from tests.conftest import NeverTold
 from app.requests.schemas import parse_request
 from app.state.conn import connect
 from app.state.store import RequestStore
@@ -86,7 +88,7 @@ def test_the_reaper_closes_a_dead_workers_attempt_as_requeued(store):
     store.begin("r", 0, "dead@h", 5, T0 + 1, 3)
     published = []
     report = reap_workers(store, T0 + 500, lambda rid, rec, d: published.append((rid, d)),
-                          lambda rid, e: pytest.fail(f"failed {rid}: {e}"),
+                          NeverTold(),
                           reap_timeout=60, max_attempts=3)
     assert report == {"dead@h": (1, 0)} and published == [("r", 1)]
     (e,) = store.history("r")
@@ -132,7 +134,7 @@ def test_the_sweeper_failing_a_request_that_never_ran_invents_no_attempt(store):
     store.begin("released", 0, "a@h", 7, T0 + 1, 3)
     store.release("released", 7, 1, "allocation_failed: out of memory", now=T0 + 2)
     before = store.history("released")
-    assert sweep_deadlines(store, T0 + 60, lambda *a: None) == 2
+    assert sweep_deadlines(store, T0 + 60, None) == 2
     assert store.get("never")["status"] == "FAILED" and store.history("never") == []
     assert store.get("released")["status"] == "FAILED"
     assert store.history("released") == before
@@ -144,7 +146,7 @@ def test_the_sweeper_failing_a_running_request_closes_its_attempt(store):
     attempt is closed 'failed' with deadline_exceeded at the sweep's clock."""
     add(store, "r", deadline_s=10)
     store.begin("r", 0, "a@h", 7, T0 + 1, 3)
-    assert sweep_deadlines(store, T0 + 60, lambda *a: None) == 1
+    assert sweep_deadlines(store, T0 + 60, None) == 1
     (e,) = store.history("r")
     assert (e["instance"], e["outcome"], e["error"], e["ended_at"]) == (
         "7", "failed", "deadline_exceeded", T0 + 60)

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.fleet.housekeeping import enforce_quarantines
+from app.fleet.consumers import enforce_quarantines
 from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 

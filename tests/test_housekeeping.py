@@ -7,7 +7,8 @@ import time
 import pytest
 
 from app.state import keys
-from app.fleet.housekeeping import sweep_deadlines
+from app.fleet.deadlines import sweep_deadlines
+from tests.conftest import NeverTold, Told
 from app.requests.schemas import parse_request
 from app.state.conn import connect
 from app.state.store import RequestStore
@@ -30,8 +31,8 @@ def add(store, rid, created=T0, deadline_s=60.0):
 def test_only_requests_past_their_deadline_are_failed_and_waiters_are_told(store):
     add(store, "late", deadline_s=10)
     add(store, "on-time", deadline_s=1000)
-    told = []
-    n = sweep_deadlines(store, T0 + 11, lambda rid, err: told.append((rid, str(err))))
+    told = Told()
+    n = sweep_deadlines(store, T0 + 11, told)
     assert n == 1 and [t[0] for t in told] == ["late"]
     assert told[0][1].startswith("deadline_exceeded: ")
     assert store.get("late")["status"] == "FAILED" and store.get("late")["error_kind"] == "TerminalError"
@@ -42,23 +43,23 @@ def test_only_requests_past_their_deadline_are_failed_and_waiters_are_told(store
 def test_the_sweep_reads_in_chunks_and_finishes_a_large_backlog(store):
     for i in range(250):
         add(store, f"r{i}", deadline_s=1)
-    told = []
-    assert sweep_deadlines(store, T0 + 2, lambda rid, e: told.append(rid), chunk=100) == 250
-    assert len(set(told)) == 250
+    told = Told()
+    assert sweep_deadlines(store, T0 + 2, told, chunk=100) == 250
+    assert len(set(told.ids)) == 250
 
 
 def test_a_result_written_first_wins_over_the_sweep(store):
     add(store, "done", deadline_s=1)
     store.begin("done", 0, "w", 7, T0, 3)
     store.finish("done", 7, T0 + 0.5, result={"text": "ok"})
-    assert sweep_deadlines(store, T0 + 5, lambda *a: pytest.fail("notified")) == 0
+    assert sweep_deadlines(store, T0 + 5, NeverTold()) == 0
     assert store.get("done")["status"] == "SUCCEEDED"
 
 
 def test_a_running_request_past_its_deadline_leaves_its_workers_inflight_set(store):
     add(store, "stuck", deadline_s=1)
     assert store.begin("stuck", 0, "w", 7, T0, 3).action == "run"
-    assert sweep_deadlines(store, T0 + 5, lambda *a: None) == 1
+    assert sweep_deadlines(store, T0 + 5, None) == 1
     assert not store.r.sismember(keys.inflight(7), "stuck")
     won, stored = store.finish("stuck", 7, T0 + 6, result={"text": "too late"})
     assert not won and stored.status == "FAILED"
@@ -69,16 +70,11 @@ def test_two_sweeps_at_once_never_fail_a_request_twice(store):
     waiter told) exactly once."""
     for i in range(300):
         add(store, f"d{i}", deadline_s=1)
-    told: list[str] = []
-    lock = threading.Lock()
-
-    def note(rid, err):
-        with lock:
-            told.append(rid)
+    told = Told()
 
     def run():
         while store.past_deadline(T0 + 2, 1):
-            sweep_deadlines(store, T0 + 2, note, chunk=10)
+            sweep_deadlines(store, T0 + 2, told, chunk=10)
             time.sleep(0.001)
 
     threads = [threading.Thread(target=run) for _ in range(2)]
@@ -86,19 +82,19 @@ def test_two_sweeps_at_once_never_fail_a_request_twice(store):
         t.start()
     for t in threads:
         t.join(60)
-    assert len(told) == 300 and len(set(told)) == 300
+    assert len(told) == 300 and len(set(told.ids)) == 300
 
 
 def test_a_held_lock_makes_a_second_sweep_do_nothing(store):
     add(store, "x", deadline_s=1)
     assert store.try_lock("deadline_sweep", "other-beat", 30)
-    assert sweep_deadlines(store, T0 + 5, lambda *a: None) == 0
+    assert sweep_deadlines(store, T0 + 5, None) == 0
     store.unlock("deadline_sweep", "other-beat")
-    assert sweep_deadlines(store, T0 + 5, lambda *a: None) == 1
+    assert sweep_deadlines(store, T0 + 5, None) == 1
 
 
 # -- the reaper ----------------------------------------------------------------------------------
-from app.fleet.housekeeping import reap_workers  # noqa: E402
+from app.fleet.reaper import reap_workers  # noqa: E402
 
 
 def register(store, instance, name, last_seen):
@@ -117,8 +113,8 @@ class Published(list):
 
 
 def reap(store, now, published, failed=None, max_attempts=3):
-    failed = [] if failed is None else failed
-    return reap_workers(store, now, published, lambda rid, e: failed.append((rid, str(e))),
+    failed = Told() if failed is None else failed
+    return reap_workers(store, now, published, failed,
                         reap_timeout=120, max_attempts=max_attempts)
 
 
@@ -156,7 +152,7 @@ def test_a_dead_workers_request_out_of_attempts_or_time_is_failed_not_requeued(s
     register(store, 1, "dead@h", T0)
     run_on(store, 1, "tired")
     run_on(store, 1, "late", deadline_s=100)
-    published, failed = Published(), []
+    published, failed = Published(), Told()
     report = reap(store, T0 + 200, published, failed, max_attempts=1)
     assert published == [] and report == {"dead@h": (0, 2)}
     codes = dict((rid, msg.split(":")[0]) for rid, msg in failed)

@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from app.state import keys
-from app.fleet.housekeeping import ensure_job_consumers
+from app.fleet.consumers import ensure_job_consumers
+from tests.conftest import Told
 from app.fleet.jobs import end_job, expire_jobs
 from app.state.jobs import create_job, list_jobs
 from app.state.queues import DEFAULT_JOB, job_queue_name as queue_name, pool_queues
@@ -51,13 +52,13 @@ def test_deleting_a_job_fails_its_open_requests_and_refuses_new_ones(store):
     store.finish("j0", 0, T0, result={"text": "done"})
     store.r.lpush(queue_name("tiny-llama", "doomed"), "m1", "m2")
     Heartbeat(store.r, 1, "w1@h", 10, lambda: {"pools": "tiny-llama"}).beat()
-    told, cancelled = [], []
+    told, cancelled = Told(), []
     assert store.try_lock("job:doomed", "other", 60)
-    assert end_job(store, "doomed", T0 + 1, "job 'doomed' was deleted", lambda r, e: told.append(r),
+    assert end_job(store, "doomed", T0 + 1, "job 'doomed' was deleted", told,
                    lambda q, n: cancelled.append((q, n)), ["tiny-llama"], 3600) == -1
     store.unlock("job:doomed", "other")
     n = end_job(store, "doomed", T0 + 1, "job 'doomed' was deleted",
-                lambda r, e: told.append((r, str(e))), lambda q, names: cancelled.append((q, names)),
+                told, lambda q, names: cancelled.append((q, names)),
                 ["tiny-llama"], 3600)
     assert n == 4 and sorted(r for r, _ in told) == ["j1", "j2", "j3", "j4"]
     assert all(e.startswith("job_deleted: ") for _, e in told)

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import metrics
 from app.errors import RequestError
-from app.fleet.housekeeping import reap_workers, sweep_deadlines
+from app.fleet.deadlines import sweep_deadlines
+from app.fleet.reaper import reap_workers
 from app.state.conn import connect
 from app.state.store import RequestStore
 from tests.test_store_and_service import KW, Scripted, create
@@ -100,15 +101,15 @@ def test_housekeeping_counts_runs_skips_and_the_requests_it_ends(settings):
               series("vigil_reaped_workers_total"),
               series("vigil_reaped_requests_total", outcome="requeued"))
     create(store, "late", now=time.time() - 4000)
-    assert sweep_deadlines(store, time.time(), lambda rid, err: None) == 1
+    assert sweep_deadlines(store, time.time(), None) == 1
     assert store.try_lock("deadline_sweep", "someone-else", 60)
-    assert sweep_deadlines(store, time.time(), lambda rid, err: None) == 0
+    assert sweep_deadlines(store, time.time(), None) == 0
     create(store, "held")
     store.begin("held", 0, "dead@h", 9, time.time() - 300, 3)
     store.r.zadd("vigil:workers", {"9": time.time() - 300})
     republished = []
     reap_workers(store, time.time(), lambda rid, rec, disp: republished.append(rid),
-                 lambda rid, err: None, reap_timeout=60, max_attempts=3)
+                 None, reap_timeout=60, max_attempts=3)
     assert republished == ["held"]
     assert d("vigil_requests_total", pool=POOL, outcome="failed", code="deadline_exceeded") == 1
     assert d("vigil_housekeeping_duration_seconds_count", task="deadline_sweep") == 1

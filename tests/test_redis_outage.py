@@ -17,7 +17,8 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
-from app.fleet.housekeeping import reap_workers
+from app.fleet.reaper import reap_workers
+from tests.conftest import Told
 from app.fleet.message_audit import audit_after_restart
 from app.state.conn import connect
 from app.state.store import RequestStore
@@ -184,11 +185,11 @@ def test_the_reaper_counts_silence_only_from_when_redis_started(store):
     now = time.time()
     store.r.hset(keys.worker(1), mapping={"name": "w@h", "last_seen": now - 600})
     store.r.zadd(keys.WORKERS, {"1": now - 600})
-    published, failed = Published(), []
+    published, failed = Published(), Told()
     args = dict(reap_timeout=120, max_attempts=3)
-    assert reap_workers(store, now, published, lambda *a: failed.append(a),
+    assert reap_workers(store, now, published, failed,
                         redis_started_at=now - 5, **args) == {}
-    assert reap_workers(store, now, published, lambda *a: failed.append(a),
+    assert reap_workers(store, now, published, failed,
                         redis_started_at=now - 3600, **args) == {"w@h": (0, 0)}
 
 
@@ -265,10 +266,10 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(settings, m
     (a Redis crash rolled its finish back) and a PENDING one whose delayed retry its consumer
     dropped with the connection, when Redis comes back, then both are moved to their next
     dispatch and published again."""
-    import app.fleet.housekeeping as hk
+    from app.requests import publish
 
     published = Published()
-    monkeypatch.setattr(hk, "republish_request", published)
+    monkeypatch.setattr(publish, "republish", published)
     from workers.runtime import WorkerRuntime
 
     rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False)
@@ -294,7 +295,7 @@ def test_after_a_reap_a_message_the_dead_consumer_took_is_published_again(store)
     create(store, "taken", now=now - 30)
     create(store, "just-submitted", now=now - 1)
     published = Published()
-    report = reap_workers(store, now, published, lambda *a: None, reap_timeout=120,
+    report = reap_workers(store, now, published, None, reap_timeout=120,
                           max_attempts=3)
     assert report == {"dead@h": (0, 0)}
     assert published == [("taken", 1)]

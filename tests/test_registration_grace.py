@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from app.state import keys
-from app.fleet.housekeeping import reap_workers
+from app.fleet.reaper import reap_workers
 from app.requests.schemas import parse_request
 from app.settings import SettingsError, load_settings
 from app.state.conn import connect
@@ -41,7 +41,7 @@ def run_on(store, instance, rid, now=T0):
 def reap(store, now, published=None, **kw):
     published = [] if published is None else published
     return reap_workers(store, now, lambda rid, rec, d: published.append((rid, d)),
-                        lambda rid, e: None, reap_timeout=TIMEOUT, max_attempts=3,
+                        None, reap_timeout=TIMEOUT, max_attempts=3,
                         registration_grace=GRACE, **kw)
 
 

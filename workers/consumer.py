@@ -23,10 +23,13 @@ content of type pickle`).
 from __future__ import annotations
 
 import logging
-import time
 
 from celery.worker.consumer import Consumer
 from vine import promise
+
+from app.errors import INVALID_REQUEST, RequestError
+from app.fleet.outcomes import end_request
+from workers import runtime
 
 log = logging.getLogger("vigil.consumer")
 
@@ -77,17 +80,12 @@ def malformed(message) -> str | None:
 def _end_request(request_id: str, why: str) -> None:
     """Give a dropped vigil.generate message's request its typed end (record + Celery result)."""
     from app import app
-    from app.errors import INVALID_REQUEST, RequestError, error_from_record
-    from workers import runtime
 
     rt = runtime.get_runtime()
     err = RequestError.of(INVALID_REQUEST, f"malformed message: {why}")
-    _, stored = rt.store.finish(request_id, rt.instance_id, time.time(),
-                                error_kind=type(err).__name__, error=str(err))
-    if stored.status == "FAILED":
-        app.backend.mark_as_failure(request_id, error_from_record(stored.error_kind, stored.error))
-    elif stored.result is not None:
-        app.backend.mark_as_done(request_id, stored.result)
+    # Celery never ran it, so it stores nothing: the backend gets the stored outcome.
+    end_request(rt.store, request_id, error=err, instance=rt.instance_id, backend=app.backend,
+                tell_always=True)
 
 
 class VigilConsumer(Consumer):

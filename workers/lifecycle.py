@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from celery.app import trace as celery_trace
 from celery.worker.control import control_command
 from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
                             worker_shutdown, worker_shutting_down)
 
-from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError, error_from_record
-from app import metrics
+from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError
+from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
 from workers import metrics_server, runtime
@@ -110,16 +109,9 @@ def _on_task_revoked(sender=None, request=None, expired=False, **_):
     rt = runtime.get_runtime()
     err = TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
                            "could run it (message expired)")
-    won, stored = rt.store.finish(request.id, rt.instance_id, time.time(),
-                                  error_kind=type(err).__name__, error=str(err))
-    if won:
-        model = (getattr(request, "kwargs", None) or {}).get("model")
-        metrics.request_failed(model if isinstance(model, str) else "", DEADLINE_EXCEEDED)
-    if stored.status == "FAILED":
-        sender.backend.mark_as_failure(request.id, error_from_record(stored.error_kind,
-                                                                     stored.error))
-    elif stored.result is not None:
-        sender.backend.mark_as_done(request.id, stored.result)
+    # Celery stored REVOKED: the backend gets the stored outcome whoever wrote it.
+    end_request(rt.store, request.id, error=err, instance=rt.instance_id,
+                backend=sender.backend, tell_always=True)
 
 
 @worker_shutting_down.connect

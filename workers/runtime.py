@@ -17,6 +17,8 @@ from app.settings import VigilSettings, get_settings
 from app.state.conn import connect
 from app.state.store import RequestStore
 from app.errors import WorkerFatalError
+from app.fleet.handback import hand_back_all, hand_back_one
+from app.requests import publish
 from app.state.queues import pool_of, pool_queues
 from app.requests.models import ModelSpec
 from workers.engine.host import EngineHost
@@ -147,10 +149,9 @@ class WorkerRuntime:
         out of attempts or time) and abort them in the engine, whose callers drop their stale
         copies. The engine host must already refuse new requests. Returns (requeued, failed)."""
         from app import app
-        from app.fleet.housekeeping import hand_back, republish_request
 
-        done = hand_back(self.store, time.time(), self.instance_id, republish_request,
-                         app.backend.mark_as_failure, self.settings.max_attempts)
+        done = hand_back_all(self.store, time.time(), self.instance_id, publish.republish,
+                             app.backend, self.settings.max_attempts)
         self._aborted = self.host.abort_in_flight()
         return done
 
@@ -163,7 +164,6 @@ class WorkerRuntime:
         from celery.worker import state
 
         from app import app
-        from app.fleet.housekeeping import reap_one, republish_request
 
         listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
         # A delivery is reserved (or scheduled) before task_received adds it to the set, so one
@@ -175,9 +175,9 @@ class WorkerRuntime:
             if rid in held:
                 continue
             try:
-                outcome = reap_one(self.store, time.time(), rid, self.instance_id,
-                                   republish_request, app.backend.mark_as_failure,
-                                   self.settings.max_attempts)
+                outcome = hand_back_one(self.store, time.time(), rid, self.instance_id,
+                                        publish.republish, app.backend,
+                                        self.settings.max_attempts)
             except Exception as e:  # the next Redis return tries again
                 log.warning("could not hand back orphan %s: %s", rid, e)
                 continue

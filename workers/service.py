@@ -15,6 +15,7 @@ from app.errors import (
     RequestError, TerminalError,
     TransientError, VigilError, WorkerFatalError, error_from_record,
 )
+from app.fleet.outcomes import end_request
 from app.requests.schemas import parse_request
 from app.state.store import Outcome
 from app.requests.submit import adapter_for, check_prompt_size, record_fields
@@ -143,10 +144,9 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         "attempts": b.attempts, "worker": rt.name,
         **({"lora": req.lora} if req.lora is not None else {}),
     }
-    won, stored = rt.store.finish(request_id, rt.instance_id, time.time(), result=result)
-    if won:
-        metrics.request_ended(pool, stored.status, stored.error)
-    else:
+    won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
+                              pool=pool)
+    if not won:
         metrics.dropped(pool, "duplicate_result")
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
@@ -173,10 +173,8 @@ def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
 
 
 def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dict:
-    won, stored = rt.store.finish(request_id, rt.instance_id, time.time(),
-                                  error_kind=type(err).__name__, error=str(err))
-    if won:
-        metrics.request_ended(pool, stored.status, stored.error)
-    else:
+    won, stored = end_request(rt.store, request_id, error=err, instance=rt.instance_id,
+                              pool=pool)
+    if not won:
         metrics.dropped(pool, "duplicate_result")
     return _outcome(stored)

@@ -28,14 +28,17 @@ occupying GPUs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
-import redis
-
+from app import control
+from app.errors import JOB_DELETED, TerminalError, TransientError
+from app.fleet.outcomes import Backend, end_request
+from app.requests.models import get_registry
+from app.settings import get_settings
 from app.state import broker, jobs as job_state
-from app.state.registry import WorkerRegistry
-from app.errors import JOB_DELETED, TerminalError, TransientError, VigilError
 from app.state.queues import DEFAULT_JOB, job_queue_name
+from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.jobs")
 
@@ -43,33 +46,20 @@ JOB_LOCK = "job:{}"
 CHUNK = 100
 
 
-def announce_queue(client: redis.Redis, pool: str, job: str) -> None:
-    """Tell the pool's live workers to consume a job's new queue (best effort: beat's reconcile
-    repairs a lost broadcast)."""
-    from app import app
-
-    names = WorkerRegistry(client).serving(pool)
-    if names:
-        app.control.add_consumer(job_queue_name(pool, job), destination=names, reply=False)
-
-
-Cancel = Callable[[str, list[str]], None]  # (queue, worker names)
-OnFailed = Callable[[str, VigilError], None]
-
-
+Cancel = Callable[[str, list[str]], None]  # (queue, worker names): app/control.py
 Abort = Callable[[list[str]], None]  # request ids that workers should stop running
 
 
-def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, cancel: Cancel,
-            pools: list[str], tombstone_s: float, lock_ttl_s: float = 120.0,
+def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Backend | None,
+            cancel: Cancel, pools: list[str], tombstone_s: float, lock_ttl_s: float = 120.0,
             abort: Abort | None = None) -> int:
-    """Delete a job: tombstone first (no new request is accepted for it), then fail every open
-    request `job_deleted: <reason>`, each chunk right after workers were told to abort the ones
-    they are running (`abort`: an aborted request whose record is not failed yet is dropped as
-    stale, and failed here a moment later),
-    drop its queues (and their messages) in `pools`, and tell their workers to stop consuming
-    them. Under the job's lock; returns how many requests it failed, or -1 when another process
-    is ending the job right now."""
+    """Delete a job: tombstone first (no new request is accepted for it), then end every open
+    request `job_deleted: <reason>` (told to `backend`), each chunk right after workers were
+    told to abort the ones they are running (`abort`: an aborted request whose record is not
+    failed yet is dropped as stale, and failed here a moment later), drop its queues (and their
+    messages) in `pools`, and tell their workers to stop consuming them. Under the job's lock;
+    returns how many requests it failed, or -1 when another process is ending the job right
+    now."""
     client = store.r
     with store.locked(JOB_LOCK.format(name), lock_ttl_s) as held:
         if not held:
@@ -88,18 +78,12 @@ def end_job(store, name: str, now: float, reason: str, on_failed: OnFailed, canc
                     log.warning("ending job %s: abort broadcast failed: %s", name, e)
             for rid in ids:
                 try:
-                    won, _ = store.finish(rid, 0, now, error_kind=type(err).__name__,
-                                          error=str(err))
+                    won, _ = end_request(store, rid, error=err, now=now, backend=backend)
                 except TransientError as e:
                     log.warning("ending job %s stopped early: %s", name, e)
                     return failed
                 job_state.forget_request(client, name, rid)  # a record that expired meanwhile
-                if won:
-                    failed += 1
-                    try:
-                        on_failed(rid, err)
-                    except Exception as e:  # one bad item must not stop the rest
-                        log.warning("ending job %s: could not notify %s: %s", name, rid, e)
+                failed += won
         for pool in pools:
             if job_state.leave_pool(client, pool, name):
                 names = store.workers.serving(pool)
@@ -128,3 +112,14 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
                    f"{now - last:.0f} s (its lease)") >= 0:
                 ended += 1
     return ended
+
+
+def delete_job(store: RequestStore, name: str, reason: str, now: float | None = None) -> int:
+    """`end_job` with this process's settings and registry, Celery's result backend and its
+    control bus (app/control.py): what `vigil job delete` and the lease sweep run. Returns how
+    many requests it failed, or -1 when someone else is ending the job right now."""
+    from app import app
+
+    return end_job(store, name, time.time() if now is None else now, reason, app.backend,
+                   control.cancel_consumer, get_registry().names(),
+                   get_settings().request_deadline, abort=control.abort_requests)

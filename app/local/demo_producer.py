@@ -1,4 +1,5 @@
-"""The demo's producer: a separate process that submits prompts with `generate.delay`.
+"""The demo's producer: a separate process that submits prompts as `generate.delay` does
+(app/requests/submit.py).
 
 Shows a progress bar while results arrive, then a summary table. Exit code 0 when every
 request succeeded.
@@ -17,6 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from app.errors import VigilError
+from app.requests.models import TINY_LLAMA, get_registry
+from app.requests.submit import submit_request
+from app.settings import get_settings
+from app.state.store import shared_store
 
 SUBJECTS = ["the cat", "a small robot", "the river", "Alice", "the old train", "a blue bird"]
 VERBS = ["finds", "builds", "sings about", "carries", "opens", "reads"]
@@ -35,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--job", default="demo")
     a = p.parse_args(argv)
-    from tasks.inference import generate
-
+    settings, registry, store = get_settings(), get_registry(), shared_store()
     console = Console()
     started = time.monotonic()
     pending = {}
     for text in prompts(a.n):
-        r = generate.delay(model="tiny-llama", prompt=text, max_tokens=a.max_tokens, job=a.job)
+        r = submit_request(dict(model=TINY_LLAMA, prompt=text, max_tokens=a.max_tokens,
+                                job=a.job), settings=settings, registry=registry, store=store)
         pending[r.id] = (r, time.monotonic())
     results, failures, latencies = [], Counter(), []
     with Progress(TextColumn("[bold]generate.delay"), BarColumn(), MofNCompleteColumn(),

@@ -14,15 +14,27 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeRemainingColumn)
+from rich.text import Text
+
+from app.errors import (INVALID_REQUEST, REQUEST_LOST, RequestError, TransientError,
+                        error_from_record)
+from app.local.tiny_model import build_if_local
 from app.ops import batch_file as batch
-from app.errors import INVALID_REQUEST, REQUEST_LOST, RequestError, error_from_record
-from app.state.store import RequestStore
+from app.requests.chat import ChatTemplates
+from app.requests.models import get_registry
+from app.requests.submit import submit_request
+from app.settings import get_settings
+from app.state.store import RequestStore, shared_store
 
 DEFAULT_WINDOW = 512
 POLL_INTERVAL_S = 0.2
@@ -219,11 +231,11 @@ def run_batch(src: Path, out: Path, err: Path, job: str, window: int, *, submit:
 
 
 def celery_submit(request_id: str, kwargs: dict) -> None:
-    """Submit through `vigil.generate` under `request_id` (an existing identical request is
-    re-attached; a different one under that id raises RequestError(invalid_request))."""
-    from tasks.inference import generate
-
-    generate.apply_async(kwargs=kwargs, task_id=request_id)
+    """Submit `vigil.generate` under `request_id`, as `generate.apply_async` does
+    (app/requests/submit.py): an existing identical request is re-attached; a different one
+    under that id raises RequestError(invalid_request)."""
+    submit_request(kwargs, request_id, settings=get_settings(), registry=get_registry(),
+                   store=shared_store())
 
 
 def record_poll(store: RequestStore) -> Poll:
@@ -255,10 +267,6 @@ def run_command(src: str | Path, job: str | None = None, output: str | Path | No
     every line succeeded (now or in an earlier run), 1 when some line failed or the run stopped
     early (Redis unreachable, interrupted: rerun the same command to resume), 2 when it could not
     start (bad options or files; nothing was submitted)."""
-    import sys
-
-    from app.errors import TransientError
-
     src = Path(src)
     job = job or batch.default_job(src)
     if not batch.valid_job(job):
@@ -285,16 +293,10 @@ def run_command(src: str | Path, job: str | None = None, output: str | Path | No
 
 
 def _store_poll() -> Poll:
-    from app.state.store import shared_store
-
     return record_poll(shared_store())
 
 
 def _chat_templates() -> batch.RenderChat:
-    from app.local.tiny_model import build_if_local
-    from app.requests.chat import ChatTemplates
-    from app.requests.models import get_registry
-
     return ChatTemplates(get_registry(), build_if_local)
 
 
@@ -307,10 +309,6 @@ class _progress:
     def __enter__(self) -> Callable[[Tally], None]:
         if self.quiet:
             return lambda t: None
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
-                                   TextColumn, TimeRemainingColumn)
-        from rich.text import Text
 
         class Rate(ProgressColumn):
             def render(self, task):

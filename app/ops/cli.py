@@ -144,13 +144,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
                     print(f"{r['name']:<32} pending {r['pending']:>7}  replicas {r['replicas']}"
                           f"  last active {time.time() - r['last_active']:.0f} s ago")
         else:
-            from app.requests.models import get_registry
-            from tasks.housekeeping import _abort_everywhere, _cancel_everywhere, _tell_backend
-
-            n = jobs.end_job(_store(client), args.name, time.time(), f"job {args.name!r} was "
-                             "deleted", _tell_backend, _cancel_everywhere,
-                             get_registry().names(), get_settings().request_deadline,
-                             abort=_abort_everywhere)
+            n = jobs.delete_job(_store(client), args.name, f"job {args.name!r} was deleted")
             if n < 0:
                 print(f"vigil job: job {args.name} is being ended by someone else",
                       file=sys.stderr)

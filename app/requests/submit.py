@@ -1,25 +1,95 @@
-"""Producer-side admission: everything `generate.apply_async` checks before it publishes.
+"""Submitting a request, producer side: admission, the record, then the message.
 
-Checks that need only the request and the registry happen here, so a bad request raises a typed
-RequestError in the producer and nothing reaches Redis: schema (app/requests/schemas.py), model known,
-prompt bytes under `max_prompt_bytes`, `max_tokens` within the model's context and the cap, token
-prompts within `max_model_len` and the vocabulary. A text prompt's token count needs the tokenizer,
-so `prompt_too_long` for text is found by the engine, at once, on the first attempt.
+`submit_request` is what `generate.apply_async` / `.delay` run (tasks/base.py), and what the demo
+and `vigil batch` call directly:
+
+1. `admit` validates the request; a bad one raises RequestError in the producer and nothing
+   reaches Redis: schema (app/requests/schemas.py), model known, prompt bytes under
+   `max_prompt_bytes`, `max_tokens` within the model's context and the cap, token prompts within
+   `max_model_len` and the vocabulary, a LoRA adapter allowed. A text prompt's token count needs
+   the tokenizer, so `prompt_too_long` for text is found by the engine, at once, on the first
+   attempt.
+2. The request id is the caller's `task_id` or a new uuid4, and stays the Celery task id for
+   every retry and redelivery.
+3. The record is created only if new (app/state/store.py `create`), under the backpressure caps
+   (`overloaded`, nothing written) and refused for a deleted job (`job_deleted`). The same id
+   and the same request again returns the existing request; a different request under that id is
+   `invalid_request`. A job's first request in a pool announces the job's queue to the pool's
+   workers.
+4. The message is published (app/requests/publish.py). If that fails, the record is deleted again
+   (no record without a message) and a broker error becomes TransientError(redis_unavailable).
 """
 from __future__ import annotations
 
 import json
+import logging
+import time
+import uuid
+from typing import Any
 
-from app.errors import (INVALID_REQUEST, OVERLOADED, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB,
-                        RequestError, TransientError)
-from app.state.keys import PENDING
+from kombu.exceptions import OperationalError
+
+from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, PROMPT_TOO_LONG,
+                        REDIS_UNAVAILABLE, TOKEN_OUT_OF_VOCAB, RequestError, TerminalError,
+                        TransientError)
+from app.requests.adapters import AdapterRef, resolve_adapter
 from app.requests.models import ModelRegistry, ModelSpec
+from app.requests.publish import Send, announce_queue, publish
 from app.requests.schemas import GenerateRequest, parse_request
 from app.settings import VigilSettings
+from app.state.keys import PENDING
+from app.state.store import (CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED as JOB_REFUSED,
+                             OVERLOADED_JOB, OVERLOADED_POOL, RequestStore)
 
-# A worker refuses a message this long past the request's deadline without running it; the
-# deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
-EXPIRES_GRACE_S = 300.0
+log = logging.getLogger("vigil.submit")
+
+
+def submit_request(kwargs: object, task_id: str | None = None, *, settings: VigilSettings,
+                   registry: ModelRegistry, store: RequestStore, send: Send | None = None,
+                   **options) -> Any:
+    """Admit, record and publish one request (module docstring); returns Celery's AsyncResult
+    for it (Vigil's result class). `send` and `options` are handed to `publish`. Raises
+    RequestError for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
+    TransientError(redis_unavailable)."""
+    from app import app
+
+    req, spec = admit(kwargs, settings, registry)
+    request_id = task_id or str(uuid.uuid4())
+    now = time.time()
+    fields = record_fields(req, now, settings.request_deadline)
+    # Backpressure: the caps are checked in the same script that writes the record.
+    created = store.create(request_id, fields, now, max_per_job=settings.max_pending_per_job,
+                           max_per_pool=settings.max_pending_per_pool)
+    if created in (OVERLOADED_JOB, OVERLOADED_POOL):
+        raise overloaded(req, settings, pool_full=created == OVERLOADED_POOL)
+    if created == JOB_REFUSED:
+        raise TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
+                               "refused (use a new job name)")
+    if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
+        try:
+            announce_queue(store.workers, spec.name, req.job)
+        except Exception as e:  # beat's reconcile repairs it
+            log.warning("could not announce job %s's queue: %s", req.job, e)
+    if created == EXISTS:
+        # The same id submitted again is one request with one result, as long as it is the
+        # same request; reusing an id for a different request is a mistake worth a loud error.
+        existing = store.get(request_id) or {}
+        if existing.get("request") not in (None, fields["request"]):
+            raise RequestError.of(INVALID_REQUEST, f"request id {request_id!r} is already "
+                                  "used by a different request; use a new task_id")
+        return app.AsyncResult(request_id)
+    try:
+        return publish(request_id, wire_kwargs(req), model=req.model, job=req.job,
+                       pool=spec.name, deadline_at=fields["deadline_at"], send=send, **options)
+    except BaseException as e:
+        try:
+            store.delete(request_id)  # nothing half-written: no record without a message
+        except TransientError:
+            pass  # Redis is gone too; the deadline sweep ends the orphaned record
+        if isinstance(e, (OperationalError, OSError)):
+            raise TransientError.of(REDIS_UNAVAILABLE,
+                                    f"could not publish the request: {e}") from None
+        raise
 
 
 def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
@@ -72,11 +142,9 @@ def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
 
 
 def adapter_for(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings,
-                registry: ModelRegistry):
+                registry: ModelRegistry) -> AdapterRef:
     """The AdapterRef a LoRA request names; RequestError(invalid_request) if the model serves no
     adapters or the name/path is not allowed (app/requests/adapters.py)."""
-    from app.requests.adapters import resolve_adapter
-
     if spec.max_loras == 0:
         raise RequestError.of(INVALID_REQUEST, f"model {spec.name} serves no LoRA adapters")
     return resolve_adapter(req.lora, spec.name, registry.adapters, settings.adapter_roots)

@@ -1,0 +1,76 @@
+"""Handing a worker's requests back: each one it holds is published again for another worker,
+or ended when it is out of attempts or time.
+
+The one rule, applied by the reaper to a dead worker (app/fleet/reaper.py), by a worker to
+itself when it stops, quarantines or finds after a Redis outage what it no longer holds
+(workers/runtime.py), and by the lost-message audit (app/fleet/message_audit.py, through
+`requeue` + `republish`). A held request is RUNNING under that worker, or PENDING with its
+message in that worker's consumer (received but not begun, or a retry's delayed message): both
+need a new message. The record moves to the next dispatch first, then that dispatch's message is
+published: a requeue refused because another worker took the request meanwhile publishes
+nothing, so no newer message is left behind to run the request a second time, and Celery's own
+copy, if it comes back after the visibility timeout, is an older dispatch and is dropped
+unexecuted.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from app.errors import ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError
+from app.fleet.outcomes import Backend, end_request
+from app.state.keys import PENDING, RUNNING
+from app.state.store import RequestStore
+
+log = logging.getLogger("vigil.housekeeping")
+
+# republish(request_id, record, dispatch): publish the request's message again under `dispatch`
+# (app/requests/publish.py `republish`).
+Republish = Callable[[str, dict, int], None]
+
+
+def hand_back_one(store: RequestStore, now: float, request_id: str, instance: int | str,
+                  republish: Republish, backend: Backend | None, max_attempts: int) -> str:
+    """Hand one request of worker instance `instance` back: ended (its deadline passed, or it is
+    out of attempts) or moved to its next dispatch and published again. Returns "failed",
+    "requeued", or "skipped" when it had ended or moved on (nothing done). Raises what the
+    publish raises after the record moved (Redis gone between the two steps: the deadline sweep
+    ends that request)."""
+    rec = store.get(request_id)
+    status = rec.get("status") if rec else None
+    if status not in (RUNNING, PENDING) or (status == RUNNING
+                                            and rec.get("instance") != str(instance)):
+        return "skipped"
+    attempts = int(rec.get("attempts", 0))
+    err = None
+    if float(rec.get("deadline_at") or 0) and float(rec["deadline_at"]) < now:
+        err = TerminalError.of(DEADLINE_EXCEEDED, "its worker died and the deadline has passed")
+    elif attempts >= max_attempts:
+        err = TerminalError.of(ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: "
+                               "worker_lost: its worker stopped heartbeating and was reaped")
+    if err is not None:
+        won, _ = end_request(store, request_id, error=err, now=now, pool=rec.get("pool", ""),
+                             backend=backend)
+        return "failed" if won else "skipped"
+    dispatch = int(rec.get("dispatch", 0)) + 1
+    if not store.requeue(request_id, instance, dispatch, now=now):
+        return "skipped"
+    try:
+        republish(request_id, rec, dispatch)
+    except Exception as e:  # Redis went away between the two steps: the deadline sweep ends it
+        log.error("requeued %s but could not publish it (%s); its deadline will end it",
+                  request_id, e)
+        raise
+    return "requeued"
+
+
+def hand_back_all(store: RequestStore, now: float, instance: int | str, republish: Republish,
+                  backend: Backend | None, max_attempts: int) -> tuple[int, int]:
+    """Hand back every request a worker instance holds (`hand_back_one` each). Returns
+    (requeued, failed)."""
+    requeued = failed = 0
+    for rid in store.inflight_ids(instance):
+        outcome = hand_back_one(store, now, rid, instance, republish, backend, max_attempts)
+        requeued += outcome == "requeued"
+        failed += outcome == "failed"
+    return requeued, failed

@@ -1,0 +1,95 @@
+"""Publishing `vigil.generate`: the one way a request's message reaches a queue.
+
+Every message of a request goes through `publish`: the first one (app/requests/submit.py), a
+Celery retry (tasks/base.py), and the republish of a request handed back by a dead or stopping
+worker or found without a message (app/fleet/handback.py, app/fleet/message_audit.py:
+`republish`). Each message carries:
+
+- the request id as its task id, on every dispatch;
+- `retries` = the dispatch number, which the worker reads to tell a current copy from a stale
+  one;
+- the queue of its pool and job (app/state/queues.py);
+- Celery `expires` at the request's deadline + EXPIRES_GRACE_S: a backstop behind the deadline
+  sweep (the worker that receives it later drops it unexecuted and ends the request
+  `deadline_exceeded`);
+- an `argsrepr`/`kwargsrepr` that shows only model and job, never the prompt (Flower, events
+  and logs show these);
+- for a republish, kombu's outage retry policy: the record already moved to this dispatch, so
+  the publish keeps trying through a Redis restart instead of leaving the request without a
+  message.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any, Callable
+
+from app import control
+from app.settings import VigilSettings, get_settings
+from app.state.queues import DEFAULT_JOB, job_queue, job_queue_name
+from app.state.registry import WorkerRegistry
+
+GENERATE = "vigil.generate"
+# A worker refuses a message this long past the request's deadline without running it; the
+# deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
+EXPIRES_GRACE_S = 300.0
+
+# send(args, kwargs, task_id=..., **options): Celery's publish (app.send_task, or a task's own
+# apply_async for Celery's retries).
+Send = Callable[..., Any]
+
+
+def kwargs_repr(model: object, job: object) -> str:
+    """What Flower, events and logs show of a request's kwargs: its model and job, never the
+    prompt (user data)."""
+    return f"{{model: {model!r}, job: {job!r}}}"
+
+
+def outage_retry_policy(s: VigilSettings) -> dict:
+    """kombu's retry policy for a worker's own publishes (a retry, a requeue): they keep trying
+    for about VIGIL_REDIS_OUTAGE_GRACE, so a Redis restart does not drop a request between its
+    record (already moved to the next dispatch) and its message. Pauses of 0.2 s growing to 2 s."""
+    return {"max_retries": max(2, int(s.redis_outage_grace / 2) + 2), "interval_start": 0.2,
+            "interval_step": 0.5, "interval_max": 2.0}
+
+
+def expires_at(deadline_at: float) -> dt.datetime:
+    """When a message of a request with this deadline expires (deadline + EXPIRES_GRACE_S)."""
+    return dt.datetime.fromtimestamp(deadline_at + EXPIRES_GRACE_S, tz=dt.timezone.utc)
+
+
+def publish(request_id: str, kwargs: dict, *, model: object, job: object,
+            pool: str | None = None, deadline_at: float | None = None, dispatch: int = 0,
+            send: Send | None = None, **options) -> Any:
+    """Publish one message of request `request_id` (module docstring); returns what `send`
+    returns (Celery's AsyncResult). `pool` picks the queue and `deadline_at` the expiry unless
+    `options` say otherwise; a `dispatch` above 0 is a republish. `send` defaults to the app's
+    `send_task`. Raises what Celery raises when the broker cannot be reached."""
+    options.setdefault("argsrepr", "()")
+    options.setdefault("kwargsrepr", kwargs_repr(model, job))
+    if pool is not None:
+        options.setdefault("queue", job_queue(pool, str(job)))
+    if deadline_at is not None:
+        options.setdefault("expires", expires_at(deadline_at))
+    if dispatch:
+        options["retries"] = dispatch
+        options.setdefault("retry_policy", outage_retry_policy(get_settings()))
+    if send is None:
+        from app import app
+
+        return app.send_task(GENERATE, args=(), kwargs=kwargs, task_id=request_id, **options)
+    return send((), kwargs, task_id=request_id, **options)
+
+
+def republish(request_id: str, record: dict, dispatch: int) -> None:
+    """Publish a request again from its stored record, under `dispatch` (the record has already
+    moved to it): same id, its pool's and job's queue, its deadline's expiry."""
+    job = record.get("job", DEFAULT_JOB)
+    publish(request_id, json.loads(record["request"]), model=record["model"], job=job,
+            pool=record["pool"], deadline_at=float(record["deadline_at"]), dispatch=dispatch)
+
+
+def announce_queue(registry: WorkerRegistry, pool: str, job: str) -> None:
+    """Tell the pool's registered workers to consume a job's new queue (best effort: beat's
+    reconcile repairs a lost broadcast)."""
+    control.add_consumer(job_queue_name(pool, job), registry.serving(pool))
