@@ -47,14 +47,15 @@ def direct_server() -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engine.kinds import engine_env_defaults
+    from workers.engine.vllm import engine_env_defaults
 
     engine_env_defaults()
-    from app.requests.models import get_registry
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from app.requests.models import get_registry
 
     spec = get_registry().get(MODEL)
 

@@ -11,8 +11,8 @@ import pytest
 from app.errors import RequestError, TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from workers.engine.kinds import EngineOutput
 from tests.conftest import wait_until as _wait_until
+from workers.engine.output import EngineOutput
 
 A = ModelSpec(name="model-a")
 B = ModelSpec(name="model-b")

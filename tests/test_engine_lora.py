@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.requests.adapters import AdapterRef, AdapterSpec, resolve_adapter
 from app.errors import RequestError, TransientError
+from app.requests.adapters import AdapterRef, AdapterSpec, resolve_adapter
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from workers.engine.kinds import EngineOutput
+from workers.engine.output import EngineOutput
 
 SPEC = ModelSpec(name="model-a", max_loras=2, max_lora_rank=8)
 
@@ -115,7 +115,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(make_
     for e in outs[12:]:
         assert isinstance(e, RequestError) and e.code == "lora_adapter_invalid"
         assert "LoRA rank 16 is greater than max_lora_rank 8" in str(e)
-    assert h.restarts == 0 and len(w.engines) == 1 and h.lora_refused >= 1
+    assert h.restarts == 0 and len(w.engines) == 1 and h.snapshot()["lora_refused"] >= 1
     assert w.adds.count("good") == 1  # one checked load, shared by its six requests
 
 
@@ -146,7 +146,7 @@ def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(m
         assert h.generate(req(), SPEC, "r", 10, adapter).text == adapter.name
     # a, b loaded; a reused; c evicts b (least recently used); b comes back, evicting a
     assert w.adds == ["a", "b", "c", "b"] and w.removes == ["b", "a"]
-    assert h.lora_loads == 4 and h.lora_evictions == 2
+    assert (h.snapshot()["lora_loads"], h.snapshot()["lora_evictions"]) == (4, 2)
     assert sorted(w.engines[0].loaded) == ["b", "c"]
 
 
@@ -189,8 +189,8 @@ def test_adapter_names_and_paths_are_resolved_or_refused(tmp_path):
 
 def test_a_model_without_adapters_refuses_lora_requests_at_submit():
     from app.requests.models import ModelRegistry
-    from app.settings import load_settings
     from app.requests.submit import admit
+    from app.settings import load_settings
 
     reg = ModelRegistry([ModelSpec(name="plain")])
     with pytest.raises(RequestError, match="model plain serves no LoRA adapters"):

@@ -11,9 +11,9 @@ import pytest
 from app.errors import TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from workers.engine.host import HandedBack
-from workers.engine.kinds import EngineOutput
 from tests.conftest import wait_until
+from workers.engine.host import HandedBack
+from workers.engine.output import EngineOutput
 
 A = ModelSpec(name="model-a")
 

@@ -107,7 +107,7 @@ def test_the_host_sizes_each_start_and_shares_a_memory_pressure_refusal():
             built.append(plan.engine_args)
 
         async def run(self, r, rid):
-            from workers.engine.kinds import EngineOutput
+            from workers.engine.output import EngineOutput
 
             return EngineOutput("ok", [1], "length", 1)
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from app.state import keys
 from app.errors import RequestError, TerminalError
 from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
+from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from app.requests.submit import record_fields
 from workers.engine.host import EngineHost
-from workers.engine.kinds import EngineOutput
+from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
 from workers.service import RetryLater, StaleDelivery, backoff, serve
 

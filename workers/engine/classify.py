@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from app.errors import (
-    ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING, INVALID_MODEL_CONFIG,
-    INVALID_REQUEST, MEMORY_PRESSURE, MODEL_NOT_FOUND, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB,
-    WEDGED, RequestError, TransientError, VigilError, WorkerFatalError,
-)
+from app.errors import (ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING,
+                        INVALID_MODEL_CONFIG, INVALID_REQUEST, MEMORY_PRESSURE, MODEL_NOT_FOUND,
+                        PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError,
+                        VigilError, WorkerFatalError)
 
 _CUDA_FATAL = ("cuda error", "illegal memory access", "device-side assert", "cudaerror",
                "cuda_error_illegal_address")

@@ -1,24 +1,25 @@
-"""The LoRA half of the engine host: the gate, warm adapters, and lanes.
+"""LoRA adapters in the engine host: the gate, the warm adapters, and lanes.
 
 - **Gate.** A request with an adapter runs only once the adapter is loaded into the live engine
   by a checked call (workers/engine/lora_gate.py): a bad adapter fails its own requests with
   `lora_adapter_invalid` and the engine and every other request are untouched. Loads of one
   adapter are serialized; its other requests wait for that one load.
 - **Warm adapters.** At most the model's `max_loras` are loaded at once; a new one evicts the
-  least recently used adapter that no request is using (`lora_evictions`), and waits while all
-  of them are in use. A reloaded adapter passes the same gate. An engine restart starts cold.
+  least recently used adapter that no request is using (`evictions`), and waits while all of
+  them are in use. A reloaded adapter passes the same gate. A fresh engine starts cold.
 - **Lanes.** vLLM CPU 0.32 computes base requests wrong in a batch that mixes them with adapter
-  requests (FIELD-NOTES.md). Unless the model says `lora_mixing_safe`, base requests and adapter
-  requests never share the engine: the host runs one lane at a time and switches like it
-  switches models, without evicting anything: a waiting request of the other lane stops new
-  admissions to the current lane, and the switch happens when its requests have drained.
+  requests (docs/field-notes.md). Unless the model says `lora_mixing_safe`, base requests and
+  adapter requests never share the engine: the host admits one lane at a time and switches
+  like it switches models, without evicting anything (workers/engine/host.py).
 
-`EngineLora` is a mixin of `EngineHost` (workers/engine/host.py) and uses its state.
+`AdapterCache` owns the adapter state (warm LRU, use counts, loads in progress, counters); it
+runs on the host's loop and waits on the host's condition, which it is handed per call.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
@@ -35,102 +36,86 @@ def lane_of(spec: ModelSpec, adapter: AdapterRef | None) -> str:
     return LORA_LANE if adapter is not None and not spec.lora_mixing_safe else BASE_LANE
 
 
-class EngineLora:
-    """Gate, warm adapters and lanes for EngineHost (see the module docstring)."""
+class AdapterCache:
+    """The adapters loaded into one engine at a time (module docstring)."""
 
-    def _lane_ok(self, lane: str) -> bool:
-        return ((self._inflight == 0 or self._lane == lane)
-                and self._lane_wanted in (None, lane))
+    def __init__(self):
+        self.warm: OrderedDict[str, AdapterRef] = OrderedDict()
+        self._users: dict[str, int] = {}
+        self._engine: object = None
+        self._loading: dict[str, asyncio.Future] = {}
+        self.loads = 0
+        self.evictions = 0
+        self.refused = 0
 
-    async def _wait_for_lane(self, lane: str) -> None:
-        """Wait (holding the host's condition) for the other lane to drain."""
-        claimed = self._lane_wanted is None and self._lane != lane
-        if claimed:
-            self._lane_wanted = lane
-        try:
-            await self._cond.wait()
-        except asyncio.CancelledError:
-            if claimed and self._lane_wanted == lane:  # nobody else asked: withdraw
-                self._lane_wanted = None
-                self._cond.notify_all()
-            raise
-
-    async def _gate_or_release(self, engine, t: Ticket, spec: ModelSpec) -> None:
-        """Make sure `t`'s adapter is loaded in `engine`; on failure give back the ticket's
-        engine slot (counted by _acquire or the recovery) and raise the classified error."""
-        try:
-            await self._gate(engine, t, spec)
-        except BaseException:
-            async with self._cond:
-                self._inflight -= 1
-                self._last_used = self._clock()
-                self._cond.notify_all()
-            raise
-
-    async def _gate(self, engine, t: Ticket, spec: ModelSpec) -> None:
+    async def gate(self, engine, t: Ticket, spec: ModelSpec, cond: asyncio.Condition) -> None:
+        """Return once `t`'s adapter is loaded in `engine` and counted as used by `t`; raises
+        RequestError(lora_adapter_invalid) or TransientError(lora_adapter_pending) when it
+        cannot be (lora_gate.py)."""
         ref: AdapterRef = t.adapter
+        loop = asyncio.get_running_loop()
         while True:
-            if self._adapters_engine is not engine:  # a fresh engine has no adapter loaded
-                self._adapters_engine = engine
-                self._warm_adapters.clear()
-                self._adapter_users.clear()
-            if ref.name in self._warm_adapters:
-                self._warm_adapters.move_to_end(ref.name)
+            if self._engine is not engine:  # a fresh engine has no adapter loaded
+                self._engine = engine
+                self.warm.clear()
+                self._users.clear()
+            if ref.name in self.warm:
+                self.warm.move_to_end(ref.name)
                 if t.adapter_engine is not engine:
                     t.adapter_engine = engine
-                    self._adapter_users[ref.name] = self._adapter_users.get(ref.name, 0) + 1
+                    self._users[ref.name] = self._users.get(ref.name, 0) + 1
                 return
-            loading = self._adapter_loading.get(ref.name)
+            loading = self._loading.get(ref.name)
             if loading is not None:
                 await asyncio.shield(loading)
                 continue
-            loading = self._loop.create_future()
-            self._adapter_loading[ref.name] = loading
+            loading = loop.create_future()
+            self._loading[ref.name] = loading
             try:
-                await self._load_adapter(engine, ref, spec)
+                await self._load(engine, ref, spec, cond)
             finally:
-                del self._adapter_loading[ref.name]
+                del self._loading[ref.name]
                 loading.set_result(None)
 
-    async def _load_adapter(self, engine, ref: AdapterRef, spec: ModelSpec) -> None:
-        await self._loop.run_in_executor(None, check_adapter_files, ref, spec)
-        async with self._cond:  # a free slot: evict the least recently used idle adapter
-            await self._cond.wait_for(
-                lambda: len(self._warm_adapters) < max(1, spec.max_loras)
-                or any(not self._adapter_users.get(n) for n in self._warm_adapters))
-            while len(self._warm_adapters) >= max(1, spec.max_loras):
-                victim = next(n for n in self._warm_adapters if not self._adapter_users.get(n))
-                old = self._warm_adapters.pop(victim)
-                self._adapter_users.pop(victim, None)
+    async def _load(self, engine, ref: AdapterRef, spec: ModelSpec,
+                    cond: asyncio.Condition) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, check_adapter_files, ref, spec)
+        async with cond:  # a free slot: evict the least recently used idle adapter
+            await cond.wait_for(
+                lambda: len(self.warm) < max(1, spec.max_loras)
+                or any(not self._users.get(n) for n in self.warm))
+            while len(self.warm) >= max(1, spec.max_loras):
+                victim = next(n for n in self.warm if not self._users.get(n))
+                old = self.warm.pop(victim)
+                self._users.pop(victim, None)
                 try:
                     await engine.remove_adapter(old)
                 except Exception as e:  # its slot is taken over by the next add anyway
                     log.warning("removing adapter %s failed: %s", victim, e)
-                self.lora_evictions += 1
+                self.evictions += 1
         try:
             await engine.add_adapter(ref)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self.lora_refused += 1
+            self.refused += 1
             log.warning("adapter %s refused by the engine: %s", ref.name, engine_cause(e))
             raise invalid(ref, engine_cause(e)) from None
-        self._warm_adapters[ref.name] = ref
-        self.lora_loads += 1
-        log.info("adapter %s loaded (%d warm)", ref.name, len(self._warm_adapters))
+        self.warm[ref.name] = ref
+        self.loads += 1
+        log.info("adapter %s loaded (%d warm)", ref.name, len(self.warm))
 
-    def _adapter_done(self, t: Ticket) -> None:
-        """The ticket no longer uses its adapter (it may be evicted now)."""
-        if t.adapter_engine is not None and t.adapter_engine is self._adapters_engine:
+    def done(self, t: Ticket) -> bool:
+        """`t` no longer uses its adapter (it may be evicted now). Returns True when a use was
+        released: the caller should wake whoever waits for a free slot."""
+        released = False
+        if t.adapter_engine is not None and t.adapter_engine is self._engine:
             name = t.adapter.name
-            n = self._adapter_users.get(name, 0) - 1
+            n = self._users.get(name, 0) - 1
             if n > 0:
-                self._adapter_users[name] = n
+                self._users[name] = n
             else:
-                self._adapter_users.pop(name, None)
-            self._loop.create_task(self._notify())
+                self._users.pop(name, None)
+            released = True
         t.adapter_engine = None
-
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
+        return released

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
-from app.requests.adapters import AdapterRef
 from app.errors import LORA_ADAPTER_INVALID, LORA_ADAPTER_PENDING, RequestError, TransientError
+from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -89,8 +90,6 @@ _OUT_DIMS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "hidden",
 
 def _safetensors_shapes(path: str) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors file's header (no tensor data is read)."""
-    import struct
-
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))

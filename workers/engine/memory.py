@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from app.errors import MEMORY_PRESSURE, TransientError
 from app.requests.models import ModelSpec
 
@@ -32,7 +34,6 @@ DEFAULT_GPU_UTILIZATION = 0.9
 @dataclass(frozen=True)
 class MemoryProbe:
     """Free and total bytes where the engine would live, and where the numbers came from."""
-
     device: str  # "cpu" or "cuda"
     free: int
     total: int
@@ -43,7 +44,6 @@ class MemoryProbe:
 class MemoryPlan:
     """How an engine start is sized. `requested` and `granted` are in the same unit: the KV cache
     on the CPU, the engine's whole device budget on a GPU."""
-
     requested: int
     granted: int
     floor: int
@@ -108,7 +108,6 @@ def _probe_cuda(index: int) -> MemoryProbe:
 def _probe_cpu_node(node: int) -> MemoryProbe:
     path = Path(f"/sys/devices/system/node/node{node}/meminfo")
     if not path.exists():
-        import psutil
 
         vm = psutil.virtual_memory()
         return _clamp_cgroup(MemoryProbe("cpu", int(vm.available), int(vm.total), "psutil"))

@@ -1,0 +1,172 @@
+"""The loop bridge: the engine host's asyncio loop on its own thread, and the task threads' way
+onto it.
+
+A Celery task thread hands its request to the loop and blocks on the answer (`call`); vLLM's
+AsyncLLM lives on that loop and sees every request in flight at once. The bridge keeps each
+request's future, so the host can abort one by request id (its job was deleted), every one (the
+worker stops or quarantines) or every one for a stall, and the blocked thread learns which of
+those happened:
+
+- `Aborted`: the request ended elsewhere while it ran; answer with the stored outcome;
+- `HandedBack`: the worker stopped taking requests (stopping or quarantined) and handed this one
+  back to the queue; drop this delivery;
+- `TransientError(wedged)`: its own timeout passed, or the stall watchdog aborted it; both are
+  reported through `on_failure` (the health ledger), a completed request through `on_success`.
+
+Once the bridge is closed to new requests (`refuse_new`, `pause`), a new `call` raises
+HandedBack at once, before anything reaches the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Callable, Coroutine
+
+from app.errors import WEDGED, TransientError, VigilError
+from workers.engine.classify import classify
+
+log = logging.getLogger("vigil.engine")
+
+ABORTED = "aborted"
+STALLED = "stalled"
+
+
+class HandedBack(Exception):
+    """The worker is stopping and handed this request back to the queue: drop this delivery."""
+
+
+class Aborted(Exception):
+    """The request ended elsewhere while it ran (its job was deleted): it was aborted in the
+    engine; the caller answers with the stored outcome."""
+
+
+class LoopBridge:
+    """Owns the loop thread and the futures of the requests on it. Thread-safe."""
+
+    def __init__(self, *, on_failure: Callable[[str], None] | None = None,
+                 on_success: Callable[[], None] | None = None):
+        self.loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._on_failure = on_failure or (lambda reason: None)
+        self._on_success = on_success or (lambda: None)
+        self._lock = threading.Lock()
+        self._futures: dict[concurrent.futures.Future, str] = {}  # -> engine request id
+        self._why: dict[concurrent.futures.Future, tuple[str, str]] = {}  # -> (kind, reason)
+        self.draining = False
+        self.paused = False
+
+    # -- the thread ----------------------------------------------------------------------------
+    def start(self, init: Callable[[], Coroutine]) -> None:
+        """Start the loop thread and run `init()` on it (creating what must live on the loop)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="vigil-engine-loop", daemon=True)
+        self._thread.start()
+        self.run(init(), 10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def running(self) -> bool:
+        """True between `start` and `stop`."""
+        return self._thread is not None
+
+    def run(self, coro: Coroutine, timeout: float) -> Any:
+        """Run `coro` on the loop and wait for it (up to `timeout`: concurrent.futures'
+        TimeoutError after that)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Start a background task on the loop (ended by `stop`)."""
+        self.loop.call_soon_threadsafe(self.loop.create_task, coro)
+
+    def stop(self) -> None:
+        """Cancel the loop's background tasks, stop the loop and join its thread. Idempotent."""
+        if self._thread is None:
+            return
+
+        async def _cancel_background():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(_cancel_background(), 5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            log.warning("engine loop tasks did not end cleanly: %s", e)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self._thread = None
+
+    # -- task threads --------------------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        """False while paused (quarantined) or stopping: deliveries go back to the queue."""
+        return not (self.paused or self.draining)
+
+    def call(self, make: Callable[[], Coroutine], engine_request_id: str, timeout: float) -> Any:
+        """Run `make()` (one request's coroutine) on the loop and return its result; raises a
+        classified VigilError (a fresh copy: vLLM shares one error object between requests),
+        `HandedBack`, `Aborted`, or TransientError(wedged) after `timeout` or a stall (module
+        docstring)."""
+        if not self.accepting:
+            raise HandedBack(engine_request_id)
+        # Scheduled and registered under one lock: an abort that snapshots the futures while
+        # this request is already running in the engine must see it.
+        with self._lock:
+            fut = asyncio.run_coroutine_threadsafe(make(), self.loop)
+            self._futures[fut] = engine_request_id
+        try:
+            out = fut.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            fut.cancel()  # CancelledError inside the engine's generate aborts the request there
+            self._on_failure(f"timeout: request {engine_request_id} got no answer from the "
+                             f"engine within {timeout:g} s")
+            raise classify(e) from None
+        except concurrent.futures.CancelledError:
+            kind, reason = self._why.pop(fut, ("", ""))
+            if kind == ABORTED:
+                raise Aborted(engine_request_id) from None
+            if kind == STALLED:
+                self._on_failure(f"stall: {reason}")
+                raise TransientError.of(WEDGED, reason) from None
+            if not self.accepting:
+                raise HandedBack(engine_request_id) from None
+            raise
+        except VigilError as e:
+            raise type(e)(str(e)) from None
+        finally:
+            with self._lock:
+                self._futures.pop(fut, None)
+                self._why.pop(fut, None)
+        self._on_success()
+        return out
+
+    # -- aborting ------------------------------------------------------------------------------
+    def cancel_all(self, kind: str = "", reason: str = "") -> int:
+        """Cancel every request on the loop (in the engine or waiting for it); their callers
+        learn `kind` (STALLED: wedged; "" : handed back). Returns how many."""
+        with self._lock:
+            futures = list(self._futures)
+            if kind:
+                for f in futures:
+                    self._why[f] = (kind, reason)
+        for f in futures:
+            f.cancel()  # the engine aborts the request (CancelledError inside generate)
+        return len(futures)
+
+    def cancel_requests(self, request_ids: set[str]) -> int:
+        """Cancel the requests of these Vigil request ids (engine ids are `<id>-<attempt>`);
+        their callers get `Aborted`. Returns how many it found."""
+        with self._lock:
+            hits = [f for f, rid in self._futures.items() if rid.rsplit("-", 1)[0] in request_ids]
+            for f in hits:
+                self._why[f] = (ABORTED, "aborted")
+        for f in hits:
+            f.cancel()
+        return len(hits)

@@ -1,0 +1,173 @@
+"""The real engine: a warm vLLM AsyncLLM for one model, built on the host's loop thread.
+
+vLLM is imported inside the functions that need it (it is heavy and optional: the producer side
+and the operator tools never load it).
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import psutil
+
+from app.local.tiny_model import ensure_model_files
+from app.requests.adapters import AdapterRef
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from workers.engine.memory import MemoryPlan
+from workers.engine.output import EngineOutput
+
+
+def engine_env_defaults() -> None:
+    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
+
+    Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/engine/memory.py
+    # picks for each engine start (an operator who sets it fixes the size instead).
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VllmEngine:
+    """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
+
+    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None):
+        engine_env_defaults()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
+                "kv_cache_memory_bytes" not in spec.engine_args and \
+                "gpu_memory_utilization" not in spec.engine_args and \
+                not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # Unsized (no planner: benchmarks, scripts): the registry's request as it is. vLLM's
+            # own CPU default (90% of the node) fails on any shared host.
+            plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
+        else:
+            plan_args = plan.engine_args if plan is not None else {}
+        args = {"disable_log_stats": True, **spec.engine_args, **plan_args}
+        if spec.max_loras:
+            args = {"enable_lora": True, "max_loras": spec.max_loras,
+                    "max_lora_rank": spec.max_lora_rank, **args}
+        self.spec = spec
+        self._llm = None
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
+        self.max_model_len = self._llm.vllm_config.model_config.max_model_len
+        self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        self.progress = 0
+        self._count_steps()
+
+    def _count_steps(self) -> None:
+        """Count every batch of outputs EngineCore sends (one per engine step or a few): the
+        stall watchdog's proof of progress. Wraps the method AsyncLLM's output handler calls
+        each step; the handler looks it up on every iteration."""
+        core = self._llm.engine_core
+        fetch = core.get_output_async
+
+        async def counted():
+            out = await fetch()
+            self.progress += 1
+            return out
+
+        core.get_output_async = counted
+
+    def kill(self) -> None:
+        """SIGKILL this engine's EngineCore: a stopped or wedged process ignores a polite stop."""
+        for pid in engine_core_pids():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    @property
+    def dead(self) -> bool:
+        return self._llm is None or bool(self._llm.errored)
+
+    def _sampling(self, req: GenerateRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step;
+        # the front end shares two cores with Celery and Redis (FIELD-NOTES.md).
+        return SamplingParams(
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def run(self, req: GenerateRequest, request_id: str,
+                  adapter: AdapterRef | None = None) -> EngineOutput:
+        """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
+        exceptions propagate unclassified."""
+        prompt = ({"prompt": req.prompt} if req.prompt is not None
+                  else {"prompt_token_ids": list(req.prompt_token_ids)})
+        final = None
+        async for out in self._llm.generate(prompt, self._sampling(req), request_id=request_id,
+                                            lora_request=self._lora(adapter)):
+            final = out
+        comp = final.outputs[0]
+        return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
+                            len(final.prompt_token_ids or ()))
+
+    @staticmethod
+    def _lora(adapter: AdapterRef | None):
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.lora_int_id(), adapter.path)
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        """Load `adapter` into the live engine; raises (the engine survives) if it is unusable."""
+        if not await self._llm.add_lora(self._lora(adapter)):
+            raise RuntimeError("the engine refused the adapter")
+
+    async def remove_adapter(self, adapter: AdapterRef) -> None:
+        """Unload `adapter` (its slot goes to another one)."""
+        await self._llm.remove_lora(adapter.lora_int_id())
+
+    def child_pids(self) -> list[tuple[int, float]]:
+        """(pid, create_time) of every process this engine started (EngineCore, workers)."""
+        return descendants()
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the engine and its processes; safe to call twice.
+
+        The AsyncLLM is released and collected here, while the interpreter is whole: left to
+        interpreter exit, its __del__ calls shutdown again with half-torn-down modules and prints
+        a TypeError (FIELD-NOTES.md).
+        """
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        llm.shutdown(timeout=timeout)
+        del llm
+        gc.collect()
+
+
+def engine_core_pids() -> list[int]:
+    """PIDs of this process's vLLM EngineCore children (found by their process title)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(p.cmdline()) + " " + p.name()
+        except psutil.Error:
+            continue
+        if "EngineCore" in title:
+            out.append(p.pid)
+    return out
+
+
+def descendants() -> list[tuple[int, float]]:
+    """(pid, create_time) of every live descendant of this process."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.append((p.pid, p.create_time()))
+        except psutil.Error:
+            continue
+    return out
