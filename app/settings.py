@@ -9,13 +9,12 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import (Field, FilePath, SecretStr, ValidationError, field_validator,
-                      model_validator)
-from typing import Annotated
-
+from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.drills import parse_drill
 from app.redis_url import check_url, is_sentinel, is_tls, redacted_url
 
 ENV_PREFIX = "VIGIL_"
@@ -203,6 +202,14 @@ class VigilSettings(BaseSettings):
     flower_password: SecretStr = Field(SecretStr(""), description="Flower's basic-auth password.")
     flower_auth_disabled: bool = Field(False, description="Let `vigil flower` run without auth "
                                        "(local use only: it then listens on 127.0.0.1).")
+    # Which engine a worker runs. Anything but vllm is for benchmarks and drills only (the worker
+    # logs it loudly at start): instant answers without a model (bench/throughput.py); drill is
+    # vLLM plus the faults of VIGIL_DRILL (app/drills.py).
+    engine: Literal["vllm", "instant", "drill"] = Field(
+        "vllm", description="The engine a worker runs: vllm, instant (no model: overhead "
+        "benchmarks) or drill (vLLM plus the faults of VIGIL_DRILL).")
+    drill: str = Field("", description="The faults a drill engine injects, comma-separated: "
+                       "poison=<marker>, die_on_start (app/drills.py).")
     # Prometheus metrics (app/metrics.py). Off by default: every worker process serves its own
     # endpoint, so workers sharing a host need a port each (set it per worker line).
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of this worker's /metrics; "
@@ -227,6 +234,12 @@ class VigilSettings(BaseSettings):
         v = v.upper()
         if v not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return v
+
+    @field_validator("drill")
+    @classmethod
+    def _drill(cls, v: str) -> str:
+        parse_drill(v)  # ValueError names the bad fault
         return v
 
     @field_validator("flower_user")

@@ -1,5 +1,6 @@
 """A worker's own side of the health ledger: report what traffic proves, quarantine itself at the
-threshold, come back only through a canary (DESIGN.md section 5, "Wedge"; app/state/health.py).
+threshold, come back only through a canary (docs/architecture.md, "Wedge detection and
+quarantine"; app/state/health.py).
 
 Reports come from task threads (a request that ended `wedged`, a completed generation). A
 success costs a Redis call only while the worker is SUSPECT: the local mirror of the ledger
@@ -19,25 +20,49 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from app.errors import CANARY_FAILED, TransientError, WorkerFatalError
+from app.requests.models import ModelSpec
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
-from app.state.queues import pool_queues
-
-if TYPE_CHECKING:
-    from workers.runtime import WorkerRuntime
+from workers.engine.host import EngineHost
 
 log = logging.getLogger("vigil.health")
 CANARY_BACKOFF_MAX_S = 60.0
 
 
-class WorkerHealth:
-    """Reports to this worker's ledger and runs its quarantine."""
+@dataclass(frozen=True)
+class QuarantineActions:
+    """What a quarantine does to its worker, handed in by the worker runtime."""
 
-    def __init__(self, rt: "WorkerRuntime", ledger: HealthLedger):
-        self.rt = rt
+    # The pools the worker consumes now (what to consume again after the canary).
+    pools: Callable[[], list[str]]
+    # Start (True) or stop (False) consuming these pools' queues.
+    consume: Callable[[list[str], bool], None]
+    # Publish every request the worker holds again and abort them in the engine: (requeued,
+    # failed).
+    hand_back: Callable[[], tuple[int, int]]
+    # The model the canary runs on.
+    canary_spec: Callable[[], ModelSpec]
+    # The worker gives up and leaves (canaries kept failing).
+    leave: Callable[[WorkerFatalError], None]
+
+
+class WorkerHealth:
+    """Reports to this worker's ledger and runs its quarantine (module docstring)."""
+
+    def __init__(self, ledger: HealthLedger, instance_id: int, name: str, host: EngineHost,
+                 actions: QuarantineActions, *, on_change: Callable[[], None],
+                 canary_timeout: float, max_canary_failures: int):
         self.ledger = ledger
+        self.instance_id = instance_id
+        self.name = name
+        self.host = host
+        self.actions = actions
+        self._on_change = on_change
+        self.canary_timeout = canary_timeout
+        self.max_canary_failures = max_canary_failures
         self.state = HEALTHY
         self.streak = 0
         self.reason = ""
@@ -55,14 +80,14 @@ class WorkerHealth:
     def failure(self, reason: str) -> None:
         """A request this worker held ended `wedged` (timeout or stall). Never raises."""
         try:
-            state, streak, became = self.ledger.failure(self.rt.instance_id, time.time(), reason)
+            state, streak, became = self.ledger.failure(self.instance_id, time.time(), reason)
         except TransientError as e:
             log.warning("could not report a failure to the health ledger: %s", e)
             return
         with self._lock:
             self.state, self.streak, self.reason = state, streak, reason
         log.warning("health: %s (streak %d): %s", state, streak, reason)
-        self.rt.heartbeat.poke()
+        self._on_change()
         if became:
             self.quarantine(reason)
 
@@ -71,14 +96,14 @@ class WorkerHealth:
         if self.state != SUSPECT:
             return
         try:
-            state = self.ledger.success(self.rt.instance_id, time.time())
+            state = self.ledger.success(self.instance_id, time.time())
         except TransientError as e:
             log.warning("could not report a success to the health ledger: %s", e)
             return
         with self._lock:
             if self.state == SUSPECT:
                 self.state, self.streak = state, 0
-        self.rt.heartbeat.poke()
+        self._on_change()
 
     def quarantine(self, reason: str) -> None:
         """Start the quarantine (once; a second call while it runs does nothing)."""
@@ -97,28 +122,27 @@ class WorkerHealth:
 
     # -- the quarantine ---------------------------------------------------------------------------
     def _run(self, reason: str) -> None:
-        rt = self.rt
-        log.error("worker %s QUARANTINED: %s", rt.name, reason)
-        rt.host.pause()
-        self._pools = rt.pools or list(rt.configured_pools)  # what to consume again after
-        self._consume(False)
+        log.error("worker %s QUARANTINED: %s", self.name, reason)
+        self.host.pause()
+        self._pools = self.actions.pools()  # what to consume again after
+        self.actions.consume(self._pools, False)
         try:
-            requeued, failed = rt.hand_back_held()
+            requeued, failed = self.actions.hand_back()
             log.warning("quarantine: handed back %d request(s), failed %d", requeued, failed)
         except Exception as e:  # the reaper and timeouts remain the backstop
             log.error("quarantine: handing back failed: %s", e)
-        rt.heartbeat.poke()
+        self._on_change()
         failures = 0
         while not self._stop.is_set():
             self._set(RESTARTING)
             try:
-                self.ledger.restarting(rt.instance_id, time.time())
+                self.ledger.restarting(self.instance_id, time.time())
             except TransientError as e:
                 log.warning("quarantine: %s", e)
-            ok, why = rt.host.restart_with_canary(rt.canary_spec(),
-                                                  rt.settings.request_timeout)
+            ok, why = self.host.restart_with_canary(self.actions.canary_spec(),
+                                                    self.canary_timeout)
             try:
-                state, failures = self.ledger.canary(rt.instance_id, time.time(), ok, why)
+                state, failures = self.ledger.canary(self.instance_id, time.time(), ok, why)
             except TransientError as e:
                 log.warning("quarantine: %s", e)
                 state, failures = (HEALTHY, 0) if ok else (QUARANTINED, failures + 1)
@@ -126,8 +150,8 @@ class WorkerHealth:
                 break
             self._set(QUARANTINED, why)
             log.error("quarantine: canary %d failed: %s", failures, why)
-            if failures >= rt.settings.max_canary_failures:
-                rt.leave(WorkerFatalError.of(CANARY_FAILED, (
+            if failures >= self.max_canary_failures:
+                self.actions.leave(WorkerFatalError.of(CANARY_FAILED, (
                     f"{failures} canary generations failed in a row after a quarantine "
                     f"({why})")))
                 return
@@ -136,29 +160,14 @@ class WorkerHealth:
             return
         with self._lock:
             self.state, self.streak, self.reason = HEALTHY, 0, ""
-        rt.host.resume()
-        self._consume(True)
-        rt.heartbeat.poke()
-        log.warning("worker %s passed its canary: HEALTHY, consuming again", rt.name)
+        self.host.resume()
+        self.actions.consume(self._pools, True)
+        self._on_change()
+        log.warning("worker %s passed its canary: HEALTHY, consuming again", self.name)
 
     def _set(self, state: str, reason: str | None = None) -> None:
         with self._lock:
             self.state = state
             if reason is not None:
                 self.reason = reason
-        self.rt.heartbeat.poke()
-
-    def _consume(self, on: bool) -> None:
-        from app import app
-
-        for pool in self._pools:
-            try:
-                for queue in pool_queues(self.rt.client, pool):
-                    if on:
-                        app.control.add_consumer(queue, destination=[self.rt.name], reply=False)
-                    else:
-                        app.control.cancel_consumer(queue, destination=[self.rt.name],
-                                                    reply=False)
-            except Exception as e:  # beat's health tick enforces the cancel from outside
-                log.warning("quarantine: could not %s consuming %s: %s",
-                            "resume" if on else "stop", pool, e)
+        self._on_change()

@@ -12,22 +12,26 @@ import threading
 import time
 import uuid
 
-from app.requests.models import ModelRegistry, get_registry
-from app.settings import VigilSettings, get_settings
-from app.state.conn import connect
-from app.state.store import RequestStore
+from celery.worker import state as worker_state
+
+from app import control
+from app.drills import parse_drill
 from app.errors import WorkerFatalError
 from app.fleet.handback import hand_back_all, hand_back_one
 from app.requests import publish
-from app.state.queues import pool_of, pool_queues
-from app.requests.models import ModelSpec
-from workers.engine.host import EngineHost
-from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_env_defaults
+from app.requests.models import ModelRegistry, ModelSpec, get_registry
+from app.settings import VigilSettings, get_settings
+from app.state.conn import connect
 from app.state.health import HealthLedger
-from workers.heartbeat import Heartbeat
-from workers.quarantine import WorkerHealth
+from app.state.queues import pool_of, pool_queues
+from app.state.store import RequestStore
+from workers.engine.host import EngineHost
+from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
+from workers.engine.vllm import engine_env_defaults
+from workers.heartbeat import Heartbeat
 from workers.orphan_guard import OrphanGuard
+from workers.quarantine import QuarantineActions, WorkerHealth
 
 log = logging.getLogger("vigil.worker")
 
@@ -56,7 +60,7 @@ class WorkerRuntime:
         self.client = connect(settings)
         # Writes ride out a Redis restart (a finished generation is not thrown away).
         self.store = RequestStore(self.client, settings.result_ttl, settings.redis_outage_grace)
-        engine = engine or os.environ.get("VIGIL_ENGINE", "vllm")
+        engine = engine or settings.engine
         if engine not in ENGINES:
             raise ValueError(f"VIGIL_ENGINE must be one of {sorted(ENGINES)}, got {engine!r}")
         if engine != "vllm":
@@ -70,7 +74,8 @@ class WorkerRuntime:
         self.consumer = None  # Celery's consumer, set at worker_ready
         self.guard = OrphanGuard() if guard else None
         self.device = worker_device()
-        self.host = EngineHost(ENGINES[engine], idle_cleanup=settings.idle_cleanup,
+        self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill)),
+                               idle_cleanup=settings.idle_cleanup,
                                on_change=self._engine_changed,
                                planner=self.plan_memory if engine in MODEL_ENGINES else None,
                                death_limit=settings.engine_death_limit, on_fatal=self.leave,
@@ -78,8 +83,15 @@ class WorkerRuntime:
                                on_failure=lambda reason: self.health.failure(reason),
                                on_success=lambda: self.health.success())
         self.leaving: WorkerFatalError | None = None
-        self.health = WorkerHealth(self, HealthLedger(self.client, window=settings.failure_window,
-                                                      threshold=settings.failure_threshold))
+        self.health = WorkerHealth(
+            HealthLedger(self.client, window=settings.failure_window,
+                         threshold=settings.failure_threshold),
+            self.instance_id, name, self.host,
+            QuarantineActions(pools=lambda: self.pools or list(self.configured_pools),
+                              consume=self.consume_pools, hand_back=self.hand_back_held,
+                              canary_spec=self.canary_spec, leave=self.leave),
+            on_change=lambda: self.heartbeat.poke(), canary_timeout=settings.request_timeout,
+            max_canary_failures=settings.max_canary_failures)
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields,
                                    on_redis_back=self.reclaim_orphans)
@@ -161,15 +173,13 @@ class WorkerRuntime:
         the messages it held but had not started (a retry's delayed message) when it loses the
         broker, and a Redis crash can roll a finished request back to RUNNING here; either would
         otherwise wait for the visibility timeout or the deadline. Returns how many."""
-        from celery.worker import state
-
         from app import app
 
         listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
         # A delivery is reserved (or scheduled) before task_received adds it to the set, so one
         # that arrives now is either missing from `listed` or present in `held`.
-        held = {r.id for group in (state.active_requests, state.reserved_requests,
-                                   state.scheduled_requests) for r in tuple(group)}
+        held = {r.id for group in (worker_state.active_requests, worker_state.reserved_requests,
+                                   worker_state.scheduled_requests) for r in tuple(group)}
         n = 0
         for rid in listed:
             if rid in held:
@@ -209,21 +219,23 @@ class WorkerRuntime:
         non-zero status for its supervisor to restart it. Called once, off the engine loop."""
         self.leaving = err
         log.critical("worker %s is broken and leaves: %s", self.name, err)
-        try:
-            from app import app
-
-            for pool in self.pools:
-                for queue in pool_queues(self.client, pool):
-                    app.control.cancel_consumer(queue, destination=[self.name], reply=False)
-        except Exception as e:  # refuse_new() below still sends new deliveries back
-            log.warning("could not cancel this worker's consumers: %s", e)
+        self.consume_pools(self.pools, False)  # refuse_new() below sends the rest back anyway
         try:
             self.hand_back()
         except Exception as e:  # the reaper remains the backstop
             log.error("handing back in-flight requests failed: %s", e)
-        from celery.worker import state
+        worker_state.should_stop = EXIT_WORKER_BROKEN
 
-        state.should_stop = EXIT_WORKER_BROKEN
+    def consume_pools(self, pools: list[str], on: bool) -> None:
+        """Make this worker consume (on) or stop consuming (off) every queue of `pools`, its own
+        and its jobs', through Celery's control bus. A pool that fails is logged and skipped:
+        beat's health tick and reconcile repair consumers from outside."""
+        for pool in pools:
+            try:
+                for queue in pool_queues(self.client, pool):
+                    control.set_consuming(self.name, queue, on)
+            except Exception as e:
+                log.warning("could not %s consuming %s: %s", "resume" if on else "stop", pool, e)
 
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""

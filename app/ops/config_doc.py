@@ -109,6 +109,8 @@ def _type(field, constant: str | None) -> str:
     if name is None:
         if NoDecode in field.metadata or typing.get_origin(ann) is list:
             name = "list"
+        elif typing.get_origin(ann) is typing.Literal:
+            name = "one of " + ", ".join(str(a) for a in typing.get_args(ann))
         elif ann is SecretStr:
             name = "string, *secret*"
         elif _is_seconds(constant, ann):
