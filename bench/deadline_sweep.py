@@ -14,13 +14,13 @@ import argparse
 import time
 import tracemalloc
 
-from app.local.embedded import EmbeddedRedis
 from app.fleet.deadlines import sweep_deadlines
+from app.local.embedded import EmbeddedRedis
 from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
 from app.settings import load_settings
 from app.state.conn import connect
 from app.state.store import RequestStore
-from app.requests.submit import record_fields
 
 
 def fill(store: RequestStore, n: int, prefix: str) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from app.local.embedded import (REPO, EmbeddedRedis, start_process, start_worker, stop_process,
-                          vigil_env, wait_for)
+                                vigil_env, wait_for)
 
 MODEL = "tiny-llama"
 QUEUE = f"vigil.pool.{MODEL}"
@@ -75,8 +75,8 @@ class Fleet:
     def build_model(self) -> None:
         """Build the tiny model's weights if they are not there yet (once, here: two workers
         building it at once would race)."""
-        from app.requests.models import get_registry
         from app.local.tiny_model import is_built
+        from app.requests.models import get_registry
 
         path = get_registry().get(MODEL).path
         if not is_built(path):

@@ -292,8 +292,8 @@ class Bench:
         summary: list[str] = []
         try:
             self.redis.start()
-            from app.requests.models import get_registry
             from app.local.tiny_model import is_built
+            from app.requests.models import get_registry
 
             path = get_registry().get(MODEL).path
             if not is_built(path):  # once, here: two engines building it at once would race

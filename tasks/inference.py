@@ -15,7 +15,6 @@ from workers import lifecycle
 from workers.runtime import get_runtime
 from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, serve
 
-
 # Importing it connects the worker's start-up/shutdown signal handlers and control commands.
 WORKER_HOOKS = lifecycle
 

@@ -47,8 +47,9 @@ MISSING_MODEL = "missing-llama"  # a registered path with nothing there
 
 def fault_test_models(cache_dir: Path) -> list[dict]:
     """Registry entries of the fault tests' extra pools (same weights as tiny-llama, or broken)."""
-    from app.requests.models import (TINY_MAX_POSITIONS as MAX_POSITIONS, TINY_VERSION,
-                                     TINY_VOCAB_SIZE as VOCAB_SIZE)
+    from app.requests.models import TINY_MAX_POSITIONS as MAX_POSITIONS
+    from app.requests.models import TINY_VERSION
+    from app.requests.models import TINY_VOCAB_SIZE as VOCAB_SIZE
 
     tiny = {"path": str(cache_dir / "models" / f"tiny-llama-v{TINY_VERSION}"),
             "builder": "tiny-llama", "max_model_len": MAX_POSITIONS, "vocab_size": VOCAB_SIZE,

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from app.state import keys
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.reaper import reap_workers
-from tests.conftest import NeverTold
 from app.requests.schemas import parse_request
-from app.state.conn import connect
-from app.state.store import RequestStore
-from app.state.lua import HISTORY_MAX
 from app.requests.submit import record_fields
+from app.state import keys
+from app.state.conn import connect
+from app.state.lua import HISTORY_MAX
+from app.state.store import RequestStore
+from tests.conftest import NeverTold
 
 pytestmark = pytest.mark.redis
 T0 = 1_700_000_000.125  # a current Unix time, exact in binary and within cjson's 14 digits

@@ -8,13 +8,13 @@ import time
 import pytest
 
 from app import app
-from app.state import keys
 from app.errors import TransientError
 from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
+from app.state import keys
 from app.state.conn import connect
 from app.state.store import (CREATED, EXISTS, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,
                              shared_store)
-from app.requests.submit import record_fields
 from tasks.inference import generate
 
 pytestmark = pytest.mark.redis

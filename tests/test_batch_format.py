@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from app.errors import RequestError
 from app.ops import batch_file as batch
 from app.ops.batch_run import BatchUsageError, default_paths, load_done, run_batch
 from app.requests.chat import ChatTemplates
-from app.errors import RequestError
 from app.requests.models import ModelRegistry, ModelSpec
 from app.requests.schemas import parse_request
 

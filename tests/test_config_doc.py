@@ -2,8 +2,8 @@
 fail when it is out of date or when a setting is undocumented."""
 from __future__ import annotations
 
-from app.ops.config_doc import COMMAND, field_rows, render
 from app.local.embedded import REPO
+from app.ops.config_doc import COMMAND, field_rows, render
 from app.settings import ENV_PREFIX, VigilSettings
 
 

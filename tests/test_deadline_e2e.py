@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from app.local.embedded import start_process, stop_process, vigil_env
 from app.errors import TerminalError
+from app.local.embedded import start_process, stop_process, vigil_env
 from tasks.inference import generate
 from tests.conftest import UNSERVED_MODEL
 

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from app import app
-from app.local.embedded import wait_for
 from app.errors import RequestError
+from app.local.embedded import wait_for
 from app.state.queues import pool_queue
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (DRILL_MODEL, RunningWorker,
-                            assert_each_ran_to_a_result_once, every_request_taken)
+from tests.conftest import (DRILL_MODEL, RunningWorker, assert_each_ran_to_a_result_once,
+                            every_request_taken)
 
 pytestmark = pytest.mark.worker
 POISON = "POISON-PILL"

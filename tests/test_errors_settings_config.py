@@ -7,11 +7,11 @@ import sys
 import pytest
 
 from app.celery_app import create_app
-from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.errors import (RequestError, TerminalError, TransientError, WorkerFatalError,
                         error_from_record)
 from app.requests.models import get_registry
 from app.settings import SettingsError, load_settings
+from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 
 
 @pytest.mark.parametrize("cls", [RequestError, TransientError, WorkerFatalError, TerminalError])

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from app.ops.cli import DEFAULT_FLOWER_PORT, FlowerAuthMissing, build_parser, flower_command
 from app.local.embedded import vigil_env
+from app.ops.cli import DEFAULT_FLOWER_PORT, FlowerAuthMissing, build_parser, flower_command
 from app.settings import SettingsError, load_settings
 
 SECRET = "s3cret:pass-word"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from app.state import keys
 from app.local.embedded import wait_for
+from app.state import keys
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
 from app.fleet.consumers import enforce_quarantines
+from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
 from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 

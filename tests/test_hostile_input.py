@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
-from app.state import keys
 from app.errors import RequestError, TerminalError
 from app.requests.schemas import parse_request
+from app.state import keys
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime
 from workers.service import serve

@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from app.state import keys
 from app.fleet.deadlines import sweep_deadlines
-from tests.conftest import NeverTold, Told
 from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
+from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from app.requests.submit import record_fields
+from tests.conftest import NeverTold, Told
 
 pytestmark = pytest.mark.redis
 T0 = 1_000_000.0

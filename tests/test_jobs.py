@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.state import keys
 from app.fleet.consumers import ensure_job_consumers
-from tests.conftest import Told
 from app.fleet.jobs import end_job, expire_jobs
-from app.state.jobs import create_job, list_jobs
-from app.state.queues import DEFAULT_JOB, job_queue_name as queue_name, pool_queues
 from app.requests.schemas import GenerateRequest
-from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore
 from app.requests.submit import record_fields
+from app.state import keys
+from app.state.jobs import create_job, list_jobs
+from app.state.queues import DEFAULT_JOB
+from app.state.queues import job_queue_name as queue_name
+from app.state.queues import pool_queues
+from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore
+from tests.conftest import Told
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

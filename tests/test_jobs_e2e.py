@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.ops.cli import main
-from app.local.embedded import wait_for
 from app.errors import TerminalError
+from app.local.embedded import wait_for
+from app.ops.cli import main
 from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate

@@ -4,13 +4,15 @@ another process holds real memory to squeeze it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from app.local.embedded import wait_for
 from app.errors import RequestError
+from app.local.embedded import REPO, wait_for
+from app.requests.models import get_registry
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (CORRUPT_MODEL, MISSING_MODEL, ROOMY_MODEL, RunningWorker,
@@ -20,23 +22,30 @@ from workers.engine.memory import GiB, probe_memory, worker_device
 pytestmark = pytest.mark.worker
 # The worker is told that roomy-llama needs all but HEADROOM of the memory free at the start of
 # the test besides its KV cache (a drill: a big model on a small machine, played by tiny-llama's
-# weights). The holder then takes HOLD, so the start must be refused; after it exits, there is
-# room again.
+# weights). The holder then keeps what the worker measures as free below that need, so the start
+# must be refused; after it exits, there is room again.
 HEADROOM_GIB = 3.0
-HOLD_GIB = 3.5
-# Beyond what is free over the declared need at the moment the holder starts, so the worker's
-# budget is below zero whatever other processes did to free memory since the fixture measured it.
+# How far below the model's need (plus its smallest KV cache) the holder keeps free memory.
 HOLD_MARGIN_GIB = 0.75
 mem_worker_need = [0.0]  # the memory_gib the worker was told (set by the fixture)
 
+# A real squeeze that the rest of the suite cannot undo: it takes memory (touching every page:
+# untouched pages cost nothing) until the worker's own probe reads at most `target` bytes free,
+# and keeps topping up every 20 ms while other processes free memory, until its stdin closes.
 HOLDER = """
-import mmap, sys
-n = int(sys.argv[1])
-m = mmap.mmap(-1, n)
-for i in range(0, n, 4096):
-    m[i] = 1  # touch every page: untouched pages cost nothing
+import mmap, select, sys
+from workers.engine.memory import probe_memory, worker_device
+target, chunk, held = int(sys.argv[1]), 32 << 20, []
+def top_up():
+    while probe_memory(*worker_device()).free > target:
+        m = mmap.mmap(-1, chunk)
+        for i in range(0, chunk, 4096):
+            m[i] = 1
+        held.append(m)
+top_up()
 print("held", flush=True)
-sys.stdin.read()
+while not select.select([sys.stdin], [], [], 0.02)[0]:
+    top_up()
 """
 
 
@@ -114,10 +123,13 @@ def test_memory_pressure_at_engine_start_is_retried_and_lands_once_memory_frees(
 
 
 def _squeeze_and_release(mem_worker, store):
-    room = probe_memory(*worker_device()).free / GiB - mem_worker_need[0]
-    hold = max(HOLD_GIB, room + HOLD_MARGIN_GIB)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(int(hold * GiB))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    floor = mem_worker_need[0] + get_registry().get(ROOMY_MODEL).kv_cache_floor_gib
+    target = int((floor - HOLD_MARGIN_GIB) * GiB)
+    wait_for(lambda: (mem_worker.entry() or {}).get("has_pinged") == "1", 120,
+             what=f"{mem_worker.name} to be ready")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(target)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(REPO))
     try:
         assert holder.stdout.readline().strip() == b"held"
         r = generate.delay(model=ROOMY_MODEL, prompt="room to breathe", max_tokens=8)

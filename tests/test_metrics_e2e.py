@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.local.embedded import free_port, wait_for
 from app.errors import RequestError
+from app.local.embedded import free_port, wait_for
 from app.state.queues import pool_queue
 from tasks.inference import generate
 from tests.conftest import DRILL_MODEL, RunningWorker

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from app.local.embedded import (EmbeddedRedis, start_process, start_worker, stop_process,
+                                vigil_env, wait_for)
 from app.state import keys
-from app.local.embedded import EmbeddedRedis, start_process, start_worker, stop_process, vigil_env, \
-    wait_for
 
 pytestmark = pytest.mark.worker
 N = 1000

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from app.state import keys
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.settings import get_settings
+from app.state import keys
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,

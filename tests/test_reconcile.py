@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.state.health import HealthLedger
-from app.state.queues import job_queue_name as queue_name
-from app.requests.models import ModelRegistry, ModelSpec
 from app.fleet.reconcile import reconcile_pools
+from app.requests.models import ModelRegistry, ModelSpec
+from app.state.health import HealthLedger
 from app.state.jobs import unserved_reason
+from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from app import app
-from app.local.embedded import wait_for
 from app.errors import TerminalError
+from app.local.embedded import wait_for
 from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.housekeeping import deadline_sweep, reconcile

@@ -15,14 +15,13 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, REQUEST_LOST, TerminalError, TransientError
-from app.fleet.reaper import reap_workers
-from tests.conftest import Told
 from app.fleet.message_audit import audit_after_restart
+from app.fleet.reaper import reap_workers
+from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import wait_until
+from tests.conftest import Told, wait_until
 from tests.test_store_and_service import create
 
 pytestmark = pytest.mark.redis

@@ -15,15 +15,13 @@ import pytest
 import redis
 
 from app.celery_app import create_app
-from app.local.embedded import free_port, wait_for
 from app.errors import REDIS_UNAVAILABLE, TransientError
+from app.local.embedded import free_port, wait_for
 from app.redis_url import redacted_url, sentinel_addresses
-from app.state.conn import preflight
 from app.settings import SettingsError, load_settings
-from app.state.conn import connect
+from app.state.conn import connect, preflight
 from app.state.store import RequestStore
-from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel,
-                                 make_tls_files)
+from tests.redis_servers import SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files
 
 PW = "hunter2-" + secrets.token_hex(4)
 

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from app.local.embedded import REPO, free_port, start_worker, stop_process, vigil_env, wait_for
-from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel,
-                                 make_tls_files)
+from tests.redis_servers import SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files
 
 pytestmark = pytest.mark.worker
 

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 
-from app.state import keys
 from app.fleet.reaper import reap_workers
 from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
 from app.settings import SettingsError, load_settings
+from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from app.requests.submit import record_fields
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

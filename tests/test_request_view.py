@@ -12,19 +12,19 @@ import time
 import pytest
 from celery import states
 
-from app.state import keys
 from app.celery_app import create_app
-from app.local.embedded import vigil_env
 from app.errors import TransientError
-from app.state.health import HealthLedger
-from app.requests.models import get_registry
 from app.fleet.waiting import SCAN_LIMIT, why_waiting
+from app.local.embedded import vigil_env
 from app.ops.request_view import describe
-from app.state.broker import position as queue_position
+from app.requests.models import get_registry
 from app.requests.schemas import parse_request
-from app.state.conn import connect
-from app.state.store import RequestStore
 from app.requests.submit import record_fields
+from app.state import keys
+from app.state.broker import position as queue_position
+from app.state.conn import connect
+from app.state.health import HealthLedger
+from app.state.store import RequestStore
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from app.errors import RequestError
 from app.requests.models import get_registry
 from app.requests.schemas import parse_request
-from app.settings import load_settings
 from app.requests.submit import admit
+from app.settings import load_settings
 
 OK = {"model": "tiny-llama", "prompt": "hello"}
 

@@ -9,12 +9,12 @@ import sys
 import pytest
 import redis
 
+from app.fleet.snapshot import collect
 from app.local.embedded import vigil_env
-from app.state.health import HealthLedger
+from app.redis_url import redacted_url
 from app.requests.models import get_registry
 from app.settings import load_settings
-from app.fleet.snapshot import collect
-from app.redis_url import redacted_url
+from app.state.health import HealthLedger
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -34,8 +34,8 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     for i in range(3):
         ledger.failure(2, 1000.0 + i, "stall: no progress")
     from app.requests.schemas import GenerateRequest
-    from app.state.store import RequestStore
     from app.requests.submit import record_fields
+    from app.state.store import RequestStore
 
     store = RequestStore(client, 3600)
     store.create("old-one", record_fields(GenerateRequest(model="tiny-llama", prompt="p",

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from app import app
-from app.state.queues import declared_queues
-from app.local.embedded import free_port, vigil_env
 from app.errors import RequestError
+from app.local.embedded import free_port, vigil_env
 from app.requests.models import get_registry
+from app.state.queues import declared_queues
 from tasks.inference import generate
 
 pytestmark = pytest.mark.redis

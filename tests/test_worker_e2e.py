@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from app import app
-from app.local.embedded import wait_for
 from app.errors import RequestError
+from app.local.embedded import wait_for
 from app.state.store import RequestStore
 from tasks.inference import generate
 

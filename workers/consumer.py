@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from celery.worker.consumer import Consumer
+from kombu.transport import redis as kredis
 from vine import promise
 
 from app.errors import INVALID_REQUEST, RequestError
@@ -132,8 +134,6 @@ def guard_transport() -> None:
     not a mapping) with an ERROR log, instead of raising out of the worker's event loop. The
     entry was already popped (BRPOP) and never became a message, so nothing is lost but it.
     Idempotent."""
-    from kombu.transport import redis as kredis
-
     original = kredis.Channel._brpop_read
     if getattr(original, "vigil_guarded", False):
         return
@@ -166,8 +166,6 @@ def guard_detached_channels(kredis) -> None:
     connection: the messages stay in kombu's unacked hash, a copy of a request still running is
     dropped as busy when it comes back (app/state/lua.py BEGIN), and what the worker no longer
     holds it hands back when Redis returns (WorkerRuntime.reclaim_orphans). Idempotent."""
-    import redis
-
     original = kredis.Channel._connparams
     if getattr(original, "vigil_guarded", False):
         return

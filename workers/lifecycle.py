@@ -11,14 +11,15 @@ import logging
 import threading
 
 from celery.app import trace as celery_trace
-from celery.worker.control import control_command
 from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
                             worker_shutdown, worker_shutting_down)
+from celery.worker.control import control_command
 
 from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
+from app.state.queues import pool_queues
 from workers import metrics_server, runtime
 
 log = logging.getLogger("vigil.worker")
@@ -63,8 +64,6 @@ def _on_worker_ready(sender=None, **_):
 def _consume_job_queues(consumer, rt) -> None:
     """Consume the job queues that already exist in this worker's pools (app/fleet/jobs.py); new ones
     are announced by the producer, and beat's reconcile repairs what was missed."""
-    from app.state.queues import pool_queues
-
     if consumer is None or not hasattr(consumer, "add_task_queue"):
         return
     rt.consumer = consumer

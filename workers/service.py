@@ -10,15 +10,13 @@ import random
 import time
 
 from app import metrics
-from app.errors import (
-    ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING, WEDGED, WORKER_LOST,
-    RequestError, TerminalError,
-    TransientError, VigilError, WorkerFatalError, error_from_record,
-)
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING, WEDGED,
+                        WORKER_LOST, RequestError, TerminalError, TransientError, VigilError,
+                        WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.schemas import parse_request
-from app.state.store import Outcome
 from app.requests.submit import adapter_for, check_prompt_size, record_fields
+from app.state.store import Outcome
 from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 

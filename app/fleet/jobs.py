@@ -36,7 +36,8 @@ from app.errors import JOB_DELETED, TerminalError, TransientError
 from app.fleet.outcomes import Backend, end_request
 from app.requests.models import get_registry
 from app.settings import get_settings
-from app.state import broker, jobs as job_state
+from app.state import broker
+from app.state import jobs as job_state
 from app.state.queues import DEFAULT_JOB, job_queue_name
 from app.state.store import RequestStore
 

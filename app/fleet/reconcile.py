@@ -25,11 +25,12 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from app.state import broker, jobs as job_state
-from app.state.health import HEALTHY, SUSPECT
-from app.state.registry import WorkerEntry
-from app.state.queues import pool_queues
 from app.requests.models import ModelRegistry
+from app.state import broker
+from app.state import jobs as job_state
+from app.state.health import HEALTHY, SUSPECT
+from app.state.queues import pool_queues
+from app.state.registry import WorkerEntry
 
 log = logging.getLogger("vigil.reconcile")
 GiB = 1 << 30

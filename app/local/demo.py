@@ -15,10 +15,13 @@ from pathlib import Path
 
 import redis
 import requests
+from rich.console import Console
 
-from app.state.registry import WorkerRegistry
 from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_process, start_worker,
                                 stop_process, vigil_env, wait_for)
+from app.local.tiny_model import ensure_model_files
+from app.requests.models import TINY_LLAMA, get_registry
+from app.state.registry import WorkerRegistry
 
 
 def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
@@ -31,8 +34,6 @@ def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
 
 def run_demo(n: int = 100, max_tokens: int = 32) -> int:
     """Run the demo; 0 when every prompt got a result."""
-    from rich.console import Console
-
     console = Console()
     logs = Path(tempfile.mkdtemp(prefix="vigil-demo-"))
     cache = os.environ.get("VIGIL_CACHE_DIR") or str(Path.home() / ".cache" / "vigil")
@@ -41,9 +42,7 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
     rds = None
     try:
         with console.status("building tiny-llama (random weights, local tokenizer)..."):
-            os.environ["VIGIL_CACHE_DIR"] = cache
-            from app.requests.models import TINY_LLAMA, get_registry
-            from app.local.tiny_model import ensure_model_files
+            os.environ["VIGIL_CACHE_DIR"] = cache  # read by the registry's first use, just below
             model_dir = ensure_model_files(get_registry().get(TINY_LLAMA))
         console.print(f"[green]tiny-llama[/] ready in {model_dir}")
         rds = EmbeddedRedis().start()

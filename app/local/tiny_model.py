@@ -7,6 +7,7 @@ Needs the `cpu` or `gpu` extra (torch + transformers).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -15,8 +16,11 @@ import tempfile
 from pathlib import Path
 
 from app.errors import MODEL_NOT_FOUND, RequestError
-from app.requests.models import (TINY_LLAMA, TINY_MAX_POSITIONS as MAX_POSITIONS,
-                                 TINY_VERSION, TINY_VOCAB_SIZE as VOCAB_SIZE, ModelSpec)
+from app.requests.models import TINY_LLAMA
+from app.requests.models import TINY_MAX_POSITIONS as MAX_POSITIONS
+from app.requests.models import TINY_VERSION
+from app.requests.models import TINY_VOCAB_SIZE as VOCAB_SIZE
+from app.requests.models import ModelSpec
 
 _MARKER = "vigil-tiny.json"
 _WORDS = (
@@ -56,8 +60,6 @@ def is_built(path: str | os.PathLike) -> bool:
 def ensure_tiny_llama(path: str | os.PathLike) -> Path:
     """Build tiny-llama into `path` unless a current build is there. Safe when several workers
     share a cache dir: builders take an exclusive file lock, and a waiter re-checks after it."""
-    import fcntl
-
     dest = Path(path)
     if is_built(dest):
         return dest

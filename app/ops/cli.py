@@ -13,16 +13,29 @@
 from __future__ import annotations
 
 import argparse
-import time
+import json
 import os
 import sys
+import time
+
+from app.errors import VigilError
+from app.fleet import jobs
+from app.local.demo import run_demo
+from app.local.tiny_model import build_tiny_llama
+from app.ops.batch_run import run_command
+from app.ops.request_view import run_request
+from app.ops.status import run_status
+from app.requests.models import get_registry
+from app.settings import SettingsError, get_settings
+from app.state import jobs as job_state
+from app.state.conn import connect, preflight
+from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
+from app.state.store import RequestStore
 
 
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     """The `celery worker` command line for `vigil worker` (pure, for tests)."""
     from app import app
-    from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
-    from app.settings import get_settings
 
     if args.gpu is not None:
         name = args.name or f"gpu{args.gpu}@%h"
@@ -40,18 +53,12 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from app.requests.models import get_registry
-    from app.settings import get_settings
-
     s = get_settings()
     reg = get_registry()
     for p in [p for p in (args.pools or "").split(",") if p]:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
-    from app.state.conn import preflight
-    from app.state.conn import connect
-
     preflight(s, connect(s))
     if args.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
@@ -100,8 +107,6 @@ def flower_command(args: argparse.Namespace, settings) -> tuple[list[str], dict[
 
 
 def _cmd_flower(args: argparse.Namespace) -> int:
-    from app.settings import get_settings
-
     try:
         argv, extra_env = flower_command(args, get_settings())
     except FlowerAuthMissing as e:
@@ -116,20 +121,10 @@ def _cmd_flower(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from app.ops.status import run_status
-
     return run_status(as_json=args.json, watch=args.watch)
 
 
 def _cmd_job(args: argparse.Namespace) -> int:
-    import json
-
-    from app.fleet import jobs
-    from app.state import jobs as job_state
-    from app.errors import VigilError
-    from app.settings import get_settings
-    from app.state.conn import connect
-
     client = connect(get_settings())
     try:
         if args.job_cmd == "create":
@@ -157,36 +152,25 @@ def _cmd_job(args: argparse.Namespace) -> int:
 
 
 def _store(client):
-    from app.settings import get_settings
-    from app.state.store import RequestStore
-
     return RequestStore(client, get_settings().result_ttl)
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from app.local.tiny_model import build_tiny_llama
-
     path = build_tiny_llama(args.dir)
     print(f"built tiny-llama in {path}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from app.local.demo import run_demo
-
     return run_demo(n=args.n, max_tokens=args.max_tokens)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from app.ops.batch_run import run_command
-
     return run_command(args.file, job=args.job, output=args.output, errors=args.errors,
                        window=args.window, quiet=args.quiet)
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
-    from app.ops.request_view import run_request
-
     return run_request(args.id, as_json=args.json, show_text=args.show_text)
 
 
@@ -266,8 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vigil` console script."""
-    from app.settings import SettingsError
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

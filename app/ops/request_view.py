@@ -14,12 +14,17 @@ import time
 from typing import Any
 
 import redis
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
 
 from app.errors import TransientError
 from app.fleet.waiting import error_code, num, waiting_for, when
-from app.requests.models import ModelRegistry
-from app.settings import VigilSettings
+from app.redis_url import redacted_url
+from app.requests.models import ModelRegistry, get_registry
+from app.settings import VigilSettings, get_settings
 from app.state import keys
+from app.state.conn import connect
 from app.state.store import RequestStore
 
 
@@ -68,10 +73,6 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
 
 def render(view: dict[str, Any], now: float | None = None):
     """Rich renderables for `describe`'s dict."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
     now = time.time() if now is None else now
     colors = {"SUCCEEDED": "green", "FAILED": "red", "RUNNING": "cyan", "PENDING": "yellow"}
     head = Table.grid(padding=(0, 2))
@@ -117,13 +118,6 @@ def render(view: dict[str, Any], now: float | None = None):
 
 def run_request(request_id: str, as_json: bool = False, show_text: bool = False) -> int:
     """Print one request; 0 when it exists, 1 when it has no record or Redis is unreachable."""
-    from rich.console import Console
-
-    from app.requests.models import get_registry
-    from app.settings import get_settings
-    from app.redis_url import redacted_url
-    from app.state.conn import connect
-
     s = get_settings()
     console = Console()
     try:

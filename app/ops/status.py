@@ -12,18 +12,21 @@ import json
 import time
 
 import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
 
 from app.fleet.snapshot import collect
 from app.redis_url import redacted_url
+from app.requests.models import get_registry
+from app.settings import get_settings
+from app.state.conn import connect
 
 GiB = 1 << 30
 
 
 def render(snap: dict):
     """Rich tables for a snapshot."""
-    from rich.console import Group
-    from rich.table import Table
-
     wt = Table(title=f"workers  ({snap['redis']})", title_justify="left")
     for col in ("name", "instance", "state", "streak", "pools", "engine", "in flight",
                 "last seen", "memory free/total", "last failure"):
@@ -59,13 +62,6 @@ def render(snap: dict):
 
 def run_status(as_json: bool = False, watch: float | None = None) -> int:
     """Print the fleet once (or every `watch` seconds); 0 on success, 1 if Redis is unreachable."""
-    from rich.console import Console
-    from rich.live import Live
-
-    from app.requests.models import get_registry
-    from app.settings import get_settings
-    from app.state.conn import connect
-
     s = get_settings()
     client = connect(s)
     reg = get_registry()

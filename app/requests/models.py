@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import MODEL_NOT_FOUND, RequestError
+from app.requests.adapters import load_adapters
 from app.settings import SettingsError, VigilSettings, get_settings
 from app.state.queues import pool_queue
 
@@ -35,7 +36,6 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 class ModelSpec(BaseModel):
     """One registry entry. `builder` names a recipe that builds the weights locally."""
-
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=_NAME)
@@ -113,8 +113,6 @@ class ModelRegistry:
 
 def load_registry(settings: VigilSettings) -> ModelRegistry:
     """Builtins plus `settings.models_file`; a bad file raises SettingsError naming the variable."""
-    from app.requests.adapters import load_adapters
-
     specs = {s.name: s for s in _builtins(settings)}
     adapters = {}
     if settings.models_file is not None:

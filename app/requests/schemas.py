@@ -10,8 +10,8 @@ import math
 import reprlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
-from pydantic import field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      field_validator, model_validator)
 
 from app.errors import INVALID_REQUEST, UNSUPPORTED_VERSION, RequestError
 

@@ -38,8 +38,9 @@ from app.requests.publish import Send, announce_queue, publish
 from app.requests.schemas import GenerateRequest, parse_request
 from app.settings import VigilSettings
 from app.state.keys import PENDING
-from app.state.store import (CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED as JOB_REFUSED,
-                             OVERLOADED_JOB, OVERLOADED_POOL, RequestStore)
+from app.state.store import CREATED_NEW_JOB_QUEUE, EXISTS
+from app.state.store import JOB_DELETED as JOB_REFUSED
+from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
 
 log = logging.getLogger("vigil.submit")
 

@@ -28,8 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from app.redis_url import (credentials_and_db, is_sentinel, is_tls, redacted_url,
-                           sentinel_addresses)
+from app.redis_url import credentials_and_db, is_sentinel, is_tls, redacted_url, sentinel_addresses
 from app.settings import SettingsError, VigilSettings
 
 # Connections beyond one per task thread: heartbeat, signal handlers, producers in the process.

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import redis
 
-from app.state import keys
 from app.errors import REDIS_UNAVAILABLE, TransientError
+from app.state import keys
 
 HEALTHY = "HEALTHY"
 SUSPECT = "SUSPECT"

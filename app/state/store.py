@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import redis
 
+from app.settings import get_settings
 from app.state import jobs, keys
 from app.state.calls import Calls
 from app.state.conn import connect, server_run
@@ -35,7 +36,6 @@ CREATED_NEW_JOB_QUEUE = 2
 @dataclass(frozen=True)
 class Outcome:
     """A terminal outcome as stored: status SUCCEEDED with `result`, or FAILED with an error."""
-
     status: str
     result: dict[str, Any] | None
     error_kind: str
@@ -53,7 +53,6 @@ class Outcome:
 @dataclass(frozen=True)
 class Begin:
     """What a worker should do with a delivery: run / done / stale / expired / exhausted / missing."""
-
     action: str
     attempts: int = 0
     outcome: Outcome | None = None
@@ -64,7 +63,6 @@ def shared_store() -> "RequestStore":
     """This process's store for `get_settings()`, built on first use (producers, beat tasks)."""
     global _shared
     if _shared is None:
-        from app.settings import get_settings
 
         s = get_settings()
         _shared = RequestStore(connect(s), s.result_ttl)

@@ -1,0 +1,196 @@
+"""Unit tier: the house in floors (docs/architecture.md, "The map"). Every import of app/,
+workers/ and tasks/ is read with `ast`; the test fails on an import that goes up a floor, on an
+import circle, on a function-level import that is not of a heavy optional package or of the
+lazily built Celery app, and on Redis calls outside app/state/."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("app", "workers", "tasks")
+
+# Floors, lowest first. A module may import its own floor and the floors below it, never above.
+FLOORS = [
+    # app's ground floor: configuration, the error taxonomy, counters, Celery's control bus.
+    ("app.root", lambda m: m.count(".") == 1 and m.startswith("app.") and m != "app.celery_app"),
+    ("app.state", lambda m: m.startswith("app.state")),
+    ("app.requests", lambda m: m.startswith("app.requests")),
+    ("app.fleet", lambda m: m.startswith("app.fleet")),
+    ("app.local", lambda m: m.startswith("app.local")),
+    ("app.ops", lambda m: m.startswith("app.ops")),
+    # The Celery app composes every floor of app/ (nothing in app/ imports it); the package
+    # builds it on first access (`from app import app`).
+    ("app.celery_app", lambda m: m in ("app.celery_app", "app")),
+    ("workers.engine", lambda m: m.startswith("workers.engine")),
+    ("workers", lambda m: m.startswith("workers")),
+    ("tasks", lambda m: m.startswith("tasks")),
+]
+# Heavy optional packages may be imported inside the functions that need them (nothing else:
+# an import inside a function is otherwise a circle being dodged).
+LAZY_OK = {"vllm", "torch", "transformers", "peft", "tokenizers", "safetensors", "jinja2",
+           "pynvml"}
+
+
+def floor_of(module: str) -> int:
+    for i, (_, match) in enumerate(FLOORS):
+        if match(module):
+            return i
+    raise AssertionError(f"{module} is on no floor")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module, inside a function?, line) for every import of a package of ours; a
+    `from pkg import name` names the submodule when there is one, and `from app import app` is
+    the Celery app ("app:celery")."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, inner, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                for a in child.names:
+                    sub = f"{child.module}.{a.name}"
+                    if child.module == "app" and a.name == "app":
+                        found.append(("app:celery", inner, child.lineno))
+                    elif sub in MODULES:
+                        found.append((sub, inner, child.lineno))
+                    else:
+                        found.append((child.module, inner, child.lineno))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def ours(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES or module == "app:celery"
+
+
+def test_every_module_is_on_a_floor():
+    assert len(MODULES) > 60
+    for m in MODULES:
+        floor_of(m)
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    upward = []
+    for m, path in MODULES.items():
+        for target, _, line in imports(path):
+            if not ours(target) or target in ("app:celery", "app"):
+                continue
+            if target.split(".")[0] in PACKAGES and target not in MODULES:
+                target = target.rsplit(".", 1)[0]  # a name from a module
+            if floor_of(target) > floor_of(m):
+                upward.append(f"{path.relative_to(REPO)}:{line} {m} -> {target}")
+    assert not upward, "imports that go up a floor:\n" + "\n".join(upward)
+
+
+def test_app_never_imports_workers_or_tasks_and_engines_import_no_other_worker_module():
+    bad = []
+    for m, path in MODULES.items():
+        for target, _, line in imports(path):
+            if m.startswith("app") and target.split(".")[0] in ("workers", "tasks"):
+                bad.append(f"{path.relative_to(REPO)}:{line} {target}")
+            if (m.startswith("workers.engine") and target.startswith("workers.")
+                    and not target.startswith("workers.engine")):
+                bad.append(f"{path.relative_to(REPO)}:{line} {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_imports_inside_functions_are_only_heavy_packages_or_the_celery_app():
+    lazy = []
+    for m, path in MODULES.items():
+        for target, inner, line in imports(path):
+            if not inner or target.split(".")[0] in LAZY_OK or target == "app:celery":
+                continue
+            if m == "app" and target == "app.celery_app":  # `from app import app` builds it here
+                continue
+            lazy.append(f"{path.relative_to(REPO)}:{line} {target}")
+    assert not lazy, "imports inside functions:\n" + "\n".join(lazy)
+
+
+def test_no_import_circle():
+    graph = {m: set() for m in MODULES}
+    for m, path in MODULES.items():
+        for target, _, _ in imports(path):
+            if target in MODULES and target != m:
+                graph[m].add(target)
+            elif target.rsplit(".", 1)[0] in MODULES and target.rsplit(".", 1)[0] != m:
+                graph[m].add(target.rsplit(".", 1)[0])
+    # Tarjan's strongly connected components: any with two or more modules is a circle.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    assert not circles, f"import circles: {circles}"
+
+
+REDIS_CALLS = {"hget", "hgetall", "hset", "hmget", "zadd", "zrange", "zrangebyscore", "zrem",
+               "sadd", "srem", "smembers", "sismember", "scard", "srandmember", "lpush", "rpush",
+               "llen", "lrange", "lindex", "delete", "expire", "pipeline", "scan_iter",
+               "hscan_iter", "register_script", "zscore", "exists", "info"}
+
+
+@pytest.mark.parametrize("pkg", ["app", "workers", "tasks"])
+def test_only_app_state_calls_the_redis_client(pkg):
+    """A Redis command called on a client outside app/state/ (`x.r.hget(...)`,
+    `client.llen(...)`): every read and write of Redis goes through app/state/."""
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith(pkg) or m.startswith("app.state"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in REDIS_CALLS
+                    and isinstance(node.func.value, (ast.Name, ast.Attribute))
+                    and _name(node.func.value) in ("r", "client", "redis", "store.r", "rt.client",
+                                                   "self.r", "self.client", "pipe")):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not bad, "Redis calls outside app/state/:\n" + "\n".join(bad)
+
+
+def _name(node) -> str:
+    return ast.unparse(node)
