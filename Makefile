@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@# constraints.txt: the pinned versions the tests run against (the images use it too).
 	$(PY) -m pip install -q $(PIP_ARGS) -c constraints.txt -e '.[cpu,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside
-	@# CPU torch; triton has no CPU backend and costs 1 GB (FIELD-NOTES.md).
+	@# CPU torch; triton has no CPU backend and costs 1 GB (docs/field-notes.md).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 

@@ -3,7 +3,7 @@
 Every error's message starts with its code (`"prompt_too_long: ..."`), so a user who only sees the
 string still knows what happened. The classes live here, importable by producers and workers
 alike: Celery rebuilds a worker's exception in the producer only if the class imports there
-(FIELD-NOTES.md), so `r.get()` raises these very types.
+(docs/field-notes.md), so `r.get()` raises these very types.
 
 | class            | retried?                                   | codes                                   |
 | ---------------- | ------------------------------------------ | --------------------------------------- |

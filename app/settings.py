@@ -347,7 +347,7 @@ class VigilSettings(BaseSettings):
         """Seconds Redis keeps an unacked message before redelivering it.
 
         Above the longest request plus the largest retry backoff, so a healthy worker's long
-        generation is never delivered twice (FIELD-NOTES.md: a task longer than this runs twice).
+        generation is never delivered twice (docs/field-notes.md: a task longer than this runs twice).
         """
         return int(self.request_timeout + self.retry_backoff_max + 60)
 

@@ -1,4 +1,4 @@
-"""`vigil.generate`: the producer contract (DESIGN.md section 1).
+"""`vigil.generate`: the producer contract (docs/api.md).
 
     from tasks.inference import generate
     r = generate.delay(model="tiny-llama", prompt="Hello", max_tokens=32, job="eval-7")

@@ -1,4 +1,5 @@
-"""The worker's guard against messages that bypass the producer (DESIGN.md section 3).
+"""The worker's guard against messages that bypass the producer (docs/architecture.md,
+"Serve").
 
 Celery builds a task request from a message's headers and body before any task code runs, and
 an exception there is not one it expects: it escapes the consumer's event loop and the worker

@@ -2,7 +2,7 @@
 
 A background thread writes the entry every `heartbeat_interval`, and sooner when poked (engine
 loaded, a new in-flight peak) so operators and tests see engine changes within ~0.2 s. The entry
-is removed on a clean stop; a dead worker's entry stays for the reaper (DESIGN.md section 5).
+is removed on a clean stop; a dead worker's entry stays for the reaper (app/fleet/reaper.py).
 
 `has_pinged` is 0 from registration until the worker says it is ready (`mark_ready`: Celery's
 worker_ready fired and its preload, if any, ended), then 1. The reaper gives an entry that never

@@ -1,7 +1,7 @@
 """Orphan guard: the engine's processes never outlive their worker.
 
 A SIGKILLed worker cannot run cleanup code, and vLLM's EngineCore and model processes survive it
-(FIELD-NOTES.md: ~2.3 GB, on a GPU the card's memory, still held 40 s later), so a restarted worker
+(docs/field-notes.md: ~2.3 GB, on a GPU the card's memory, still held 40 s later), so a restarted worker
 meets memory pressure made by its own predecessor. The guard is a tiny separate process started
 by the worker with a pipe: the worker keeps the write end, the guard blocks on the read end. The
 worker sends the (pid, create_time) of its engine processes after each engine start, and the guard

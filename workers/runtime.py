@@ -214,7 +214,7 @@ class WorkerRuntime:
         return done
 
     def leave(self, err: WorkerFatalError) -> None:
-        """A broken worker leaves (DESIGN.md section 4): stop consuming, hand every request it
+        """A broken worker leaves (docs/failure-modes.md): stop consuming, hand every request it
         holds back to the queue at once (same id, next dispatch), and stop the worker with a
         non-zero status for its supervisor to restart it. Called once, off the engine loop."""
         self.leaving = err

@@ -1,4 +1,5 @@
-"""Serving one delivery of `vigil.generate`: the worker-side life of a request (DESIGN.md section 3).
+"""Serving one delivery of `vigil.generate`: the worker-side life of a request (docs/architecture.md,
+"Serve").
 
 Celery-free so it is testable without a broker: the task passes in the delivery's id and
 dispatch number, and gets back the stored result, a VigilError to raise, or a `RetryLater`.
@@ -162,7 +163,7 @@ def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
         metrics.retried(pool, e.code)
         log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
         # A broken worker or a wedged engine is not the fleet being busy: another worker
-        # can take the request now (the reflex of DESIGN.md section 5).
+        # can take the request now (the reflex of docs/architecture.md, "Wedge detection").
         countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
             attempts, s.retry_backoff, s.retry_backoff_max)
         raise RetryLater(e, countdown) from None

@@ -1,5 +1,5 @@
 """Jobs: named submitter sessions, each with its own queue per pool, so a pool serves jobs
-round-robin instead of first come, first served (DESIGN.md section 6).
+round-robin instead of first come, first served (docs/architecture.md, "Jobs, fairness and the pool reconcile").
 
     vigil job create eval-7 [--replicas N] [--lease S]   # or just submit with job="eval-7"
     generate.delay(model="tiny-llama", prompt="...", job="eval-7")

@@ -1,6 +1,7 @@
 """The pool reconcile (beat, every `VIGIL_RECONCILE_INTERVAL`): a pool with waiting work and no
 live, healthy worker gets one; a pool grows to the replicas its jobs ask for; a worker that
-was lent to a pool goes back once that pool is idle (DESIGN.md section 6).
+was lent to a pool goes back once that pool is idle (docs/architecture.md,
+"Jobs, fairness and the pool reconcile").
 
 A function of `(store, registry, now, control)`, lock-guarded with the rest of the reconcile,
 reading only Redis (worker entries and their heartbeats' memory figures, health ledgers, queue

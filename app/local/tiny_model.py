@@ -2,7 +2,7 @@
 
 No download happens: the tokenizer is a byte-level BPE trained on generated text, the weights are
 random with a fixed seed, so two builds of the same version produce the same files. The shape
-follows FIELD-NOTES.md (head_dim 32: vLLM's CPU attention refuses smaller heads at the first step).
+follows docs/field-notes.md (head_dim 32: vLLM's CPU attention refuses smaller heads at the first step).
 Needs the `cpu` or `gpu` extra (torch + transformers).
 """
 from __future__ import annotations

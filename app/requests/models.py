@@ -52,7 +52,7 @@ class ModelSpec(BaseModel):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # LoRA: adapters kept warm in the engine at once (0: this model serves no adapters), the
     # largest rank accepted, and whether the engine computes base requests correctly in a batch
-    # with adapter requests (vLLM CPU 0.32 does not: FIELD-NOTES.md), else they never share one.
+    # with adapter requests (vLLM CPU 0.32 does not: docs/field-notes.md), else they never share one.
     max_loras: int = Field(0, ge=0, le=64)
     max_lora_rank: int = Field(16, ge=1, le=512)
     lora_mixing_safe: bool = False

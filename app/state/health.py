@@ -1,4 +1,5 @@
-"""The health ledger: a per-worker failure streak proven by traffic, in Redis (DESIGN.md section 5).
+"""The health ledger: a per-worker failure streak proven by traffic, in Redis
+(docs/architecture.md, "Wedge detection and quarantine").
 
 A wedged worker heartbeats and answers every probe, and never finishes a generation, so only
 traffic can condemn it. Workers report their own failures (a request that timed out, an engine

@@ -77,7 +77,7 @@ _MISSING_MODEL = ("does not exist", "no such file", "not a local folder", "repo 
 
 def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None) -> VigilError:
     """Map an engine start failure to the taxonomy, using the worker's own memory measurement
-    as the discriminator (vLLM reports a squeeze and a broken model alike, FIELD-NOTES.md).
+    as the discriminator (vLLM reports a squeeze and a broken model alike, docs/field-notes.md).
 
     - the start was sized below the registry's request (`plan.sized_down`), or a fresh
       measurement after the failure shows the memory gone -> TransientError(memory_pressure);

@@ -34,8 +34,7 @@ import logging
 import time
 from typing import Callable
 
-from app.errors import (ENGINE_RESTARTING, POISON_REQUEST, REPEATED_ENGINE_DEATH, RequestError,
-                        TransientError, VigilError, WorkerFatalError)
+from app.errors import REPEATED_ENGINE_DEATH, VigilError, WorkerFatalError
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
@@ -44,8 +43,8 @@ from workers.engine.classify import classify, classify_load_failure, is_engine_d
 from workers.engine.lora import BASE_LANE, AdapterCache, lane_of
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
-from workers.engine.suspects import (CANARY_TIMEOUT_S, MAX_RUNS, POISON_STRIKES, DeathStreak,
-                                     Ticket, canary_request, death_signature, split_suspects)
+from workers.engine.suspects import (CANARY_TIMEOUT_S, DeathStreak, Ticket, canary_request,
+                                     death_signature, judge, runnable)
 from workers.engine.watchdog import StallWatchdog, Watched
 
 __all__ = ["Aborted", "EngineHost", "HandedBack"]
@@ -543,7 +542,7 @@ class EngineHost:
                         self._suspects.clear()
                     else:
                         self._judge(group, plan)
-                    plan = [g for g in ([t for t in g if self._runnable(t)] for g in plan) if g]
+                    plan = [g for g in ([t for t in g if runnable(t)] for g in plan) if g]
                     if not plan:
                         return
                     engine = await self._fresh_engine(spec)
@@ -566,37 +565,14 @@ class EngineHost:
                 self._cond.notify_all()
 
     def _judge(self, group: list[Ticket], plan: list[list[Ticket]]) -> None:
-        """After `group` ran alone: members that finished are cleared; if the engine died, the
-        members it took down are split again, and a member dying alone is struck (convicted at
-        POISON_STRIKES)."""
-        died = [t for t in group if t.last == "died" and not t.gone]
-        if not died:
-            return
-        if len(group) == 1:
-            t = died[0]
-            t.solo_deaths += 1
-            if t.solo_deaths >= POISON_STRIKES:
-                self.poisoned += 1
-                self._streak.success()  # explained: it does not count against the engine
-                log.error("request %s killed the engine when run alone %d times: poison",
-                          t.rid, t.solo_deaths)
-                t.verdict = RequestError.of(POISON_REQUEST, (
-                    f"this request killed the engine each time it ran alone "
-                    f"({t.solo_deaths} times, after a passing canary); other requests were "
-                    f"unaffected"))
-                return
-            plan.insert(0, [t])
-            return
-        plan[:0] = split_suspects(died)
-
-    def _runnable(self, t: Ticket) -> bool:
-        if t.gone or t.verdict is not None:
-            return False
-        if t.runs >= MAX_RUNS:  # bounded in this worker: the queue (attempt + 1) takes over
-            t.verdict = TransientError.of(ENGINE_RESTARTING, (
-                f"re-run {t.runs} times while the engine kept dying; retrying elsewhere"))
-            return False
-        return True
+        """After `group` ran alone (suspects.py `judge`); a conviction is counted, and its death
+        is explained: it does not count against the engine."""
+        convicted = judge(group, plan)
+        if convicted is not None:
+            self.poisoned += 1
+            self._streak.success()
+            log.error("request %s killed the engine when run alone %d times: poison",
+                      convicted.rid, convicted.solo_deaths)
 
     async def _fresh_engine(self, spec: ModelSpec):
         """(Re)build the engine until one passes the canary; raises the load error, or

@@ -1,7 +1,7 @@
 """The gate a LoRA adapter passes before any request using it reaches the engine.
 
 vLLM CPU 0.32 lets a bad adapter given to `generate` kill EngineCore and every request in flight
-(FIELD-NOTES.md), while `add_lora` on a live engine fails the same adapter cleanly. So a request
+(docs/field-notes.md), while `add_lora` on a live engine fails the same adapter cleanly. So a request
 with an adapter waits until the adapter is loaded into the live engine by a checked call, and a
 bad adapter fails only its own requests (`lora_adapter_invalid: <cause>`), the engine untouched.
 

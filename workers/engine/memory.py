@@ -1,7 +1,7 @@
 """The worker's own memory measurement, and the sizing of an engine to what is free.
 
 vLLM reports a memory squeeze at engine start and a broken model the same way (one RuntimeError
-in the parent, FIELD-NOTES.md), so the worker measures first and remembers what it decided:
+in the parent, docs/field-notes.md), so the worker measures first and remembers what it decided:
 
 - `probe_memory()` reads free/total memory where the engine will put its KV cache: on a GPU
   through NVML (or `torch.cuda.mem_get_info`), on the CPU from the NUMA node's meminfo with the

@@ -24,6 +24,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from app.errors import ENGINE_RESTARTING, POISON_REQUEST, RequestError, TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 
@@ -65,6 +66,40 @@ def split_suspects(group: list[Ticket]) -> list[list[Ticket]]:
     k = math.ceil(math.sqrt(n))
     size = math.ceil(n / k)
     return [group[i:i + size] for i in range(0, n, size)]
+
+
+def judge(group: list[Ticket], plan: list[list[Ticket]]) -> Ticket | None:
+    """After `group` ran alone in a fresh engine: members that finished are cleared; if the
+    engine died, the members it took down go back to the front of `plan` split again, and a
+    member dying alone is struck. A member struck POISON_STRIKES times gets its verdict,
+    `poison_request`, and is returned (None when nobody was convicted)."""
+    died = [t for t in group if t.last == "died" and not t.gone]
+    if not died:
+        return None
+    if len(group) == 1:
+        t = died[0]
+        t.solo_deaths += 1
+        if t.solo_deaths >= POISON_STRIKES:
+            t.verdict = RequestError.of(POISON_REQUEST, (
+                f"this request killed the engine each time it ran alone ({t.solo_deaths} times, "
+                f"after a passing canary); other requests were unaffected"))
+            return t
+        plan.insert(0, [t])
+        return None
+    plan[:0] = split_suspects(died)
+    return None
+
+
+def runnable(t: Ticket) -> bool:
+    """True when a suspect may run again: not gone, no verdict, and under MAX_RUNS runs in this
+    worker (past it, its verdict is engine_restarting: the queue, attempt + 1, takes over)."""
+    if t.gone or t.verdict is not None:
+        return False
+    if t.runs >= MAX_RUNS:
+        t.verdict = TransientError.of(ENGINE_RESTARTING, (
+            f"re-run {t.runs} times while the engine kept dying; retrying elsewhere"))
+        return False
+    return True
 
 
 _DIGITS = re.compile(r"\d+")

@@ -92,7 +92,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step;
-        # the front end shares two cores with Celery and Redis (FIELD-NOTES.md).
+        # the front end shares two cores with Celery and Redis (docs/field-notes.md).
         return SamplingParams(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
             seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
@@ -139,7 +139,7 @@ class VllmEngine:
 
         The AsyncLLM is released and collected here, while the interpreter is whole: left to
         interpreter exit, its __del__ calls shutdown again with half-torn-down modules and prints
-        a TypeError (FIELD-NOTES.md).
+        a TypeError (docs/field-notes.md).
         """
         llm, self._llm = self._llm, None
         if llm is None:
