@@ -7,7 +7,9 @@ comma-separated list of:
 - `poison=<marker>`: a request whose prompt contains <marker> kills the engine (SIGKILL of its
   EngineCore process) once it is in the engine: a poison request;
 - `die_on_start`: every engine the worker starts has its EngineCore killed right after it starts,
-  so its first generation (a request or the canary) finds it dead: a broken device.
+  so its first generation (a request or the canary) finds it dead: a broken device;
+- `slow_start=<seconds>`: every engine start takes that much longer (a large model on a network
+  disk), whatever the machine.
 
 An unknown item is an error at start (a drill that silently does nothing would prove nothing).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAULTS = "poison=<marker>, die_on_start"
+FAULTS = "poison=<marker>, die_on_start, slow_start=<seconds>"
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,12 @@ class Drill:
 
     poison: str = ""
     die_on_start: bool = False
+    slow_start_s: float = 0.0
 
 
 def parse_drill(text: str) -> Drill:
     """Parse a `VIGIL_DRILL` value; ValueError naming the bad item otherwise."""
-    poison, die = "", False
+    poison, die, slow = "", False, 0.0
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
@@ -38,6 +41,13 @@ def parse_drill(text: str) -> Drill:
                 raise ValueError("poison= needs a marker")
         elif item == "die_on_start":
             die = True
+        elif item.startswith("slow_start="):
+            try:
+                slow = float(item.split("=", 1)[1])
+            except ValueError:
+                raise ValueError("slow_start= needs a number of seconds") from None
+            if not 0 <= slow <= 3600:
+                raise ValueError("slow_start= must be 0 to 3600 seconds")
         else:
             raise ValueError(f"unknown fault {item!r} (known: {FAULTS})")
-    return Drill(poison, die)
+    return Drill(poison, die, slow)

@@ -25,9 +25,15 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_ATTEMPTS = 3
 # An hour: long enough for a queue backlog on a small fleet, short enough that nobody waits a day.
 DEFAULT_REQUEST_DEADLINE_S = 3600.0
-# The longest one generation may run on a worker before Vigil gives up on that attempt; the
-# threads pool ignores Celery's time limits, so Vigil enforces this itself.
+# The longest one generation may run inside a running engine before Vigil gives up on that attempt
+# (a wedge: the engine made no progress for it). Time spent waiting for an engine to load, switch
+# models or recover does not count (that is VIGIL_ENGINE_START_TIMEOUT's). The threads pool
+# ignores Celery's time limits, so Vigil enforces this itself.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# The longest an engine start may take (a load, a model switch's load, the restart inside a
+# quarantine) before the worker gives up on it; at least twice the model's last start on this
+# worker. On a GPU a large model loads for minutes; on 2 cores tiny-llama takes 18-27 s.
+DEFAULT_ENGINE_START_TIMEOUT_S = 900.0
 # A prompt larger than this is refused at submit time: it protects Redis and the wire, not the
 # model (the model's own context limit is checked separately).
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
@@ -134,6 +140,7 @@ class VigilSettings(BaseSettings):
     max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
     request_deadline: float = Field(DEFAULT_REQUEST_DEADLINE_S, gt=0)
     request_timeout: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
+    engine_start_timeout: float = Field(DEFAULT_ENGINE_START_TIMEOUT_S, gt=0)
     max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, ge=1)
     max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1, description="Upper bound on a "
                                 "request's max_tokens, besides the model's max_model_len.")
@@ -209,7 +216,7 @@ class VigilSettings(BaseSettings):
         "vllm", description="The engine a worker runs: vllm, instant (no model: overhead "
         "benchmarks) or drill (vLLM plus the faults of VIGIL_DRILL).")
     drill: str = Field("", description="The faults a drill engine injects, comma-separated: "
-                       "poison=<marker>, die_on_start (app/drills.py).")
+                       "poison=<marker>, die_on_start, slow_start=<seconds> (app/drills.py).")
     # Prometheus metrics (app/metrics.py). Off by default: every worker process serves its own
     # endpoint, so workers sharing a host need a port each (set it per worker line).
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of this worker's /metrics; "
@@ -343,13 +350,20 @@ class VigilSettings(BaseSettings):
         return min(self.stall_timeout, self.request_timeout / 2)
 
     @property
+    def admission_timeout(self) -> float:
+        """The longest a request may wait for an engine before it runs (the current model's
+        requests draining, then an engine start): one request timeout plus one engine start.
+        Past it the attempt is given up as `engine_restarting`, which is not wedge evidence."""
+        return self.request_timeout + self.engine_start_timeout
+
+    @property
     def visibility_timeout(self) -> int:
         """Seconds Redis keeps an unacked message before redelivering it.
 
-        Above the longest request plus the largest retry backoff, so a healthy worker's long
-        generation is never delivered twice (docs/field-notes.md: a task longer than this runs twice).
-        """
-        return int(self.request_timeout + self.retry_backoff_max + 60)
+        Above the longest task (waiting for an engine, then the generation) plus the largest
+        retry backoff, so a healthy worker's long request is never delivered twice
+        (docs/field-notes.md: a task longer than this runs twice)."""
+        return int(self.admission_timeout + self.request_timeout + self.retry_backoff_max + 60)
 
 
 # Settings whose value an error message must never show.

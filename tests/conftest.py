@@ -43,6 +43,7 @@ ROOMY_MODEL = "roomy-llama"  # tiny-llama's weights; its worker is told it needs
 HUGE_MODEL = "huge-llama"  # says it needs 100,000 GiB: no worker can ever take it
 CORRUPT_MODEL = "corrupt-llama"  # a model dir whose config.json is garbage
 MISSING_MODEL = "missing-llama"  # a registered path with nothing there
+SLOW_START_MODEL = "slow-start-llama"  # tiny-llama's weights, for workers started together
 
 
 def fault_test_models(cache_dir: Path) -> list[dict]:
@@ -63,6 +64,7 @@ def fault_test_models(cache_dir: Path) -> list[dict]:
         {"name": ROOMY_MODEL, **tiny, "memory_gib": 2.0, "kv_cache_gib": 0.5,
          "kv_cache_floor_gib": 0.25},
         {"name": HUGE_MODEL, **tiny, "memory_gib": 100000.0},
+        {"name": SLOW_START_MODEL, **tiny, "memory_gib": 2.0},
         {"name": CORRUPT_MODEL, "path": str(corrupt), "max_model_len": MAX_POSITIONS},
         {"name": MISSING_MODEL, "path": str(cache_dir / "missing-weights"),
          "max_model_len": MAX_POSITIONS},

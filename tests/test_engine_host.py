@@ -166,13 +166,17 @@ def test_a_request_whose_engine_died_is_rerun_on_a_rebuilt_engine(make_host):
     assert host.restarts == 1 and host.evictions == 0 and host.canaries == 1
 
 
-def test_a_switch_whose_requester_timed_out_does_not_block_the_current_model(make_host):
+def test_a_switch_whose_requester_gave_up_does_not_block_the_current_model(make_host):
+    """Given model A busy, a request for B that gives up waiting for the switch (its wait for an
+    engine is bounded: its timeout twice plus the engine start timeout) ends engine_restarting,
+    not wedged (it never ran), and the switch it asked for is withdrawn: A's next request runs on
+    A's engine."""
     f = Factory()
-    host = make_host(f)
+    host = make_host(f, engine_start_timeout=0.2)
     with ThreadPoolExecutor(8) as pool:
         a_fut = pool.submit(host.generate, req(), A, "a-long", 10)
         wait_until(lambda: f.engines and f.engines[0].in_flight == 1)
-        with pytest.raises(TransientError, match="^wedged: "):
+        with pytest.raises(TransientError, match="^engine_restarting: .*waited over 0.6 s"):
             host.generate(req("model-b"), B, "b-impatient", 0.2)
         f.gate.set()
         assert a_fut.result().text == "model-a"
@@ -206,3 +210,61 @@ def test_drain_aborts_in_flight_requests_and_refuses_new_ones(make_host):
     wait_until(lambda: f.engines[0].cancelled == 3)
     with pytest.raises(HandedBack):
         host.generate(req(), A, "late", 5)
+
+
+# -- waiting is not wedging ---------------------------------------------------------------------
+class SlowStarts(Factory):
+    """Every engine start takes `start_s` (a large model on a GPU, two workers starting at once);
+    the engines answer at once."""
+
+    def __init__(self, start_s: float):
+        super().__init__()
+        self.gate.set()
+        self.start_s = start_s
+
+    def __call__(self, spec, plan=None):
+        import time
+
+        time.sleep(self.start_s)  # synchronous on the loop, as vLLM's AsyncLLM build is
+        return super().__call__(spec, plan)
+
+
+def test_an_engine_start_slower_than_the_request_timeout_is_not_a_wedge(make_host):
+    """Given engine starts that take 3x the request timeout, when requests arrive before the
+    engine is up and then force a model switch, then every request is served and no failure
+    reaches the health ledger: only time inside a running engine counts against a request."""
+    f = SlowStarts(start_s=0.9)
+    failures: list[str] = []
+    host = make_host(f, on_failure=failures.append, engine_start_timeout=5)
+    with ThreadPoolExecutor(8) as pool:
+        first = [pool.submit(host.generate, req(), A, f"a{i}", 0.3) for i in range(4)]
+        assert [x.result(10).text for x in first] == ["model-a"] * 4
+        assert host.generate(req("model-b"), B, "b-switch", 0.3).text == "model-b"
+    assert failures == [] and f.builds() == [("build", "model-a"), ("build", "model-b")]
+
+
+def test_a_canary_after_a_slow_restart_passes(make_host):
+    """Given an engine start slower than the canary's timeout, when a quarantine restarts the
+    engine, then the restart has its own bound (the engine start timeout) and the canary passes."""
+    f = SlowStarts(start_s=0.6)
+    host = make_host(f, engine_start_timeout=5)
+    assert host.restart_with_canary(A, timeout=0.3) == (True, "")
+
+
+def test_a_restart_slower_than_its_own_bound_fails_the_canary_naming_the_start(make_host):
+    f = SlowStarts(start_s=1.5)
+    host = make_host(f, engine_start_timeout=0.3)
+    ok, why = host.restart_with_canary(A, timeout=0.2)
+    assert not ok and "did not start and answer its canary within 0.3 s" in why
+
+
+def test_a_request_stuck_in_a_running_engine_is_a_wedge_reported_to_the_ledger(make_host):
+    """Given an engine that holds a request, when its timeout passes inside the engine, then the
+    request is aborted there and ends wedged, and the failure reaches the health ledger."""
+    f = Factory()
+    failures: list[str] = []
+    host = make_host(f, on_failure=failures.append)
+    with pytest.raises(TransientError, match="^wedged: request stuck got no answer"):
+        host.generate(req(), A, "stuck", 0.2)
+    wait_until(lambda: f.engines[0].cancelled == 1)
+    assert len(failures) == 1 and failures[0].startswith("timeout: request stuck")

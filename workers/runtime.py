@@ -80,6 +80,7 @@ class WorkerRuntime:
                                planner=self.plan_memory if engine in MODEL_ENGINES else None,
                                death_limit=settings.engine_death_limit, on_fatal=self.leave,
                                stall_timeout=settings.stall_after,
+                               engine_start_timeout=settings.engine_start_timeout,
                                on_failure=lambda reason: self.health.failure(reason),
                                on_success=lambda: self.health.success())
         self.leaving: WorkerFatalError | None = None
@@ -141,7 +142,8 @@ class WorkerRuntime:
         """Build the engines of configured pools before the first request (worker start)."""
         for name in models:
             started = time.monotonic()
-            self.host.preload(self.registry.get(name), timeout=self.settings.request_timeout)
+            spec = self.registry.get(name)
+            self.host.preload(spec, timeout=self.host.start_bound(spec))
             log.info("preloaded %s in %.1f s", name, time.monotonic() - started)
 
     def ready(self) -> None:

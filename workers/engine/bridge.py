@@ -10,8 +10,11 @@ those happened:
 - `Aborted`: the request ended elsewhere while it ran; answer with the stored outcome;
 - `HandedBack`: the worker stopped taking requests (stopping or quarantined) and handed this one
   back to the queue; drop this delivery;
-- `TransientError(wedged)`: its own timeout passed, or the stall watchdog aborted it; both are
-  reported through `on_failure` (the health ledger), a completed request through `on_success`.
+- `TransientError(wedged)`: it got no answer within its timeout inside the running engine, or
+  the stall watchdog aborted it; both are reported through `on_failure` (the health ledger), a
+  completed request through `on_success`;
+- `TransientError(engine_restarting)`: it waited for an engine (a drain, a load, a recovery)
+  past the bound it was given; not wedge evidence, nothing is reported.
 
 Once the bridge is closed to new requests (`refuse_new`, `pause`), a new `call` raises
 HandedBack at once, before anything reaches the loop.
@@ -24,8 +27,7 @@ import logging
 import threading
 from typing import Any, Callable, Coroutine
 
-from app.errors import WEDGED, TransientError, VigilError
-from workers.engine.classify import classify
+from app.errors import ENGINE_RESTARTING, WEDGED, TransientError, VigilError
 
 log = logging.getLogger("vigil.engine")
 
@@ -112,8 +114,9 @@ class LoopBridge:
     def call(self, make: Callable[[], Coroutine], engine_request_id: str, timeout: float) -> Any:
         """Run `make()` (one request's coroutine) on the loop and return its result; raises a
         classified VigilError (a fresh copy: vLLM shares one error object between requests),
-        `HandedBack`, `Aborted`, or TransientError(wedged) after `timeout` or a stall (module
-        docstring)."""
+        `HandedBack`, `Aborted`, TransientError(wedged) when the loop says so or the watchdog
+        stalled it, or TransientError(engine_restarting) when the whole call took over
+        `timeout` (module docstring)."""
         if not self.accepting:
             raise HandedBack(engine_request_id)
         # Scheduled and registered under one lock: an abort that snapshots the futures while
@@ -123,11 +126,13 @@ class LoopBridge:
             self._futures[fut] = engine_request_id
         try:
             out = fut.result(timeout)
-        except concurrent.futures.TimeoutError as e:
-            fut.cancel()  # CancelledError inside the engine's generate aborts the request there
-            self._on_failure(f"timeout: request {engine_request_id} got no answer from the "
-                             f"engine within {timeout:g} s")
-            raise classify(e) from None
+        except concurrent.futures.TimeoutError:
+            # Still waiting for an engine (a drain, a load, a recovery): the loop bounds the run
+            # itself, so this is no evidence of a wedge.
+            fut.cancel()
+            raise TransientError.of(ENGINE_RESTARTING, (
+                f"request {engine_request_id} waited over {timeout:g} s for an engine (loading, "
+                "switching models or recovering)")) from None
         except concurrent.futures.CancelledError:
             kind, reason = self._why.pop(fut, ("", ""))
             if kind == ABORTED:
@@ -139,6 +144,8 @@ class LoopBridge:
                 raise HandedBack(engine_request_id) from None
             raise
         except VigilError as e:
+            if e.code == WEDGED:  # no answer from the running engine within its timeout
+                self._on_failure(f"timeout: {e.detail}")
             raise type(e)(str(e)) from None
         finally:
             with self._lock:

@@ -30,6 +30,8 @@ class DrillEngine(VllmEngine):
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *, drill: Drill):
         self.drill = drill
         log.warning("DRILL ENGINE for %s: injecting %s", spec.name, self.drill)
+        if drill.slow_start_s:
+            time.sleep(drill.slow_start_s)  # synchronous, on the loop, as the real build is
         super().__init__(spec, plan)
         if self.drill.die_on_start:
             self.kill_core()

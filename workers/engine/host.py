@@ -34,7 +34,8 @@ import logging
 import time
 from typing import Callable
 
-from app.errors import REPEATED_ENGINE_DEATH, VigilError, WorkerFatalError
+from app.errors import (REPEATED_ENGINE_DEATH, WEDGED, TransientError, VigilError,
+                        WorkerFatalError)
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
@@ -65,7 +66,7 @@ class EngineHost:
                  clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0,
                  planner: MemoryPlanner | None = None, death_limit: int = 3,
                  on_fatal: Callable[[WorkerFatalError], None] | None = None,
-                 stall_timeout: float = 0.0,
+                 stall_timeout: float = 0.0, engine_start_timeout: float = 900.0,
                  on_failure: Callable[[str], None] | None = None,
                  on_success: Callable[[], None] | None = None):
         self._factory = factory
@@ -75,6 +76,8 @@ class EngineHost:
         self._on_fatal = on_fatal
         self._clock = clock
         self._shutdown_timeout = shutdown_timeout
+        self._engine_start_timeout = engine_start_timeout
+        self._start_took: dict[str, float] = {}  # model -> seconds its last start took
         # collaborators
         self._bridge = LoopBridge(on_failure=on_failure, on_success=on_success)
         self._loop = self._bridge.loop
@@ -139,12 +142,21 @@ class EngineHost:
                  timeout: float, adapter: AdapterRef | None = None) -> EngineOutput:
         """Run one request to completion in the warm engine (loading it if needed).
 
-        Raises a classified VigilError; on timeout the request is aborted in the engine and
-        TransientError(wedged) is raised; HandedBack / Aborted as the bridge says."""
+        Raises a classified VigilError; HandedBack / Aborted as the bridge says. `timeout` bounds
+        the generation inside a running engine only: past it the request is aborted in the
+        engine and TransientError(wedged) is raised (wedge evidence). Waiting for the engine
+        (the current model's requests draining, a load, a recovery) is bounded apart, by one
+        more `timeout` plus `start_bound`: past that the attempt is given up as
+        TransientError(engine_restarting), which is no evidence of a wedge."""
         arrived = self._clock()
         return self._bridge.call(
-            lambda: self._generate(req, spec, engine_request_id, arrived, adapter),
-            engine_request_id, timeout)
+            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout),
+            engine_request_id, timeout + timeout + self.start_bound(spec))
+
+    def start_bound(self, spec: ModelSpec) -> float:
+        """How long an engine start of `spec` may take: the engine start timeout, or twice the
+        model's last start on this worker if that was slower."""
+        return max(self._engine_start_timeout, 2 * self._start_took.get(spec.name, 0.0))
 
     def abort_requests(self, request_ids: set[str]) -> int:
         """Abort the named requests (Vigil request ids) wherever they are in this host: in the
@@ -199,11 +211,14 @@ class EngineHost:
 
     def restart_with_canary(self, spec: ModelSpec, timeout: float) -> tuple[bool, str]:
         """Kill the current engine (a wedged one cannot shut down politely), start a fresh one
-        for `spec` and run the canary on it. Returns (passed, why not)."""
+        for `spec` (bounded by `start_bound`) and run the canary on it (bounded by `timeout`).
+        Returns (passed, why not)."""
+        bound = self.start_bound(spec)
         try:
-            return self._bridge.run(self._restart_with_canary(spec), timeout)
+            return self._bridge.run(self._restart_with_canary(spec, timeout), bound + timeout)
         except concurrent.futures.TimeoutError:
-            return False, f"restart and canary took over {timeout:g} s"
+            return False, (f"the engine for {spec.name} did not start and answer its canary "
+                           f"within {bound:g} s + {timeout:g} s")
 
     @property
     def stalls(self) -> int:
@@ -237,8 +252,9 @@ class EngineHost:
         return eng.child_pids() if eng is not None else []
 
     # -- one request, on the loop ---------------------------------------------------------------
-    async def _generate(self, req, spec, engine_request_id, arrived, adapter) -> EngineOutput:
-        t = Ticket(req, engine_request_id, adapter=adapter)
+    async def _generate(self, req, spec, engine_request_id, arrived, adapter,
+                        timeout: float) -> EngineOutput:
+        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout)
         engine = await self._acquire(spec, arrived, lane_of(spec, adapter))
         try:
             while True:
@@ -262,14 +278,16 @@ class EngineHost:
         the engine empty before every casualty of a death is registered as a suspect."""
         t.runs += 1
         outcome, value = "cancelled", None
+        args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
         try:
-            if t.adapter is None:
-                value = await engine.run(t.req, t.engine_request_id())
-            else:
-                value = await engine.run(t.req, t.engine_request_id(), t.adapter)
+            # The request's own timeout counts inside the running engine only.
+            value = await asyncio.wait_for(engine.run(*args), t.timeout)
             outcome = "ok"
         except asyncio.CancelledError:
             raise
+        except TimeoutError:  # vLLM aborted the request when wait_for cancelled it
+            outcome, value = "error", TransientError.of(WEDGED, (
+                f"request {t.rid} got no answer from the engine within {t.timeout:g} s"))
         except BaseException as e:  # classified once, here, at the engine boundary
             if getattr(engine, "dead", False) or is_engine_dead(e):
                 outcome, value = "died", e
@@ -430,8 +448,9 @@ class EngineHost:
         self._state = "ready"
         self.loads += 1
         self._last_used = self._clock()
+        self._start_took[spec.name] = time.monotonic() - started
         log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
-                 time.monotonic() - started, self.loads)
+                 self._start_took[spec.name], self.loads)
         self._on_change()
 
     def _shutdown_engine(self, reason: str) -> None:
@@ -588,12 +607,13 @@ class EngineHost:
             if not engine.dead:  # alive but unable to generate: no better than dead
                 self._shutdown_engine("failed its canary")
 
-    async def _canary(self, engine, spec: ModelSpec, count_death: bool = True) -> bool:
+    async def _canary(self, engine, spec: ModelSpec, count_death: bool = True,
+                      timeout: float = CANARY_TIMEOUT_S) -> bool:
         self.canaries += 1
         try:
             await asyncio.wait_for(engine.run(canary_request(spec),
                                               f"vigil-canary-{self.canaries}"),
-                                   CANARY_TIMEOUT_S)
+                                   min(timeout, CANARY_TIMEOUT_S))
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -610,7 +630,7 @@ class EngineHost:
             f"the engine for {spec.name} died {self._streak.count} times in a row with no "
             f"success between ({self._streak.signature})"))
 
-    async def _restart_with_canary(self, spec: ModelSpec) -> tuple[bool, str]:
+    async def _restart_with_canary(self, spec: ModelSpec, timeout: float) -> tuple[bool, str]:
         async with self._cond:
             await self._cond.wait_for(lambda: self._inflight == 0 and self._recovery is None)
             eng = self._engine
@@ -624,6 +644,6 @@ class EngineHost:
                 self._load(spec)
             except VigilError as e:
                 return False, f"the engine did not start: {e}"
-            if await self._canary(self._engine, spec, count_death=False):
+            if await self._canary(self._engine, spec, count_death=False, timeout=timeout):
                 return True, ""
             return False, "the canary generation failed on a fresh engine"

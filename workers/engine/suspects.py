@@ -49,6 +49,7 @@ class Ticket:
     gone: bool = False  # the caller gave up (timeout, drain): never run it again
     adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
     adapter_engine: object = None  # the engine whose adapter use count holds this ticket
+    timeout: float = float("inf")  # the longest one run may take inside the engine
     extra: dict = field(default_factory=dict)
 
     def engine_request_id(self) -> str:
