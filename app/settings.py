@@ -58,6 +58,9 @@ DEFAULT_RESULT_TTL_S = 86400
 MIN_RESULT_TTL_S = 60
 # Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
 DEFAULT_WORKER_CONCURRENCY = 128
+# Threads of `vigil housekeeper`: beat's five tasks each run alone under their lock, so a few
+# threads let a slow reconcile (it asks workers for their queues) never hold up a sweep or a reap.
+DEFAULT_HOUSEKEEPER_CONCURRENCY = 4
 DEFAULT_RETRY_BACKOFF_S = 2.0
 DEFAULT_RETRY_BACKOFF_MAX_S = 60.0
 # The same engine death this many times in a row, with no generation completed between (request
@@ -209,6 +212,12 @@ class VigilSettings(BaseSettings):
     flower_password: SecretStr = Field(SecretStr(""), description="Flower's basic-auth password.")
     flower_auth_disabled: bool = Field(False, description="Let `vigil flower` run without auth "
                                        "(local use only: it then listens on 127.0.0.1).")
+    # What a `celery worker` process of this app is: a worker serving pools (an engine), or the
+    # housekeeper (beat's tasks only, no engine, no registry entry). `vigil housekeeper` sets it.
+    role: Literal["worker", "housekeeper"] = Field(
+        "worker", description="Set by `vigil housekeeper`: this Celery worker runs beat's "
+        "tasks only and never loads an engine.")
+    housekeeper_concurrency: int = Field(DEFAULT_HOUSEKEEPER_CONCURRENCY, ge=1, le=64)
     # Which engine a worker runs. Anything but vllm is for benchmarks and drills only (the worker
     # logs it loudly at start): instant answers without a model (bench/throughput.py); drill is
     # vLLM plus the faults of VIGIL_DRILL (app/drills.py).

@@ -10,10 +10,14 @@ from celery.exceptions import Ignore, Reject
 
 from app import app
 from app.errors import TransientError
+from app.requests.models import get_registry
+from app.settings import get_settings
+from app.state.queues import is_pool_queue
+from app.state.store import shared_store
 from tasks.base import VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
-from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, serve
+from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, forward, serve
 
 # Importing it connects the worker's start-up/shutdown signal handlers and control commands.
 WORKER_HOOKS = lifecycle
@@ -21,15 +25,21 @@ WORKER_HOOKS = lifecycle
 
 @app.task(base=VigilTask, bind=True, name="vigil.generate")
 def generate(self, **kwargs) -> dict:
-    """Generate text for one request; returns the stored result dict (see GenerateResult)."""
-    rt = get_runtime(self.request.hostname or "")
+    """Generate text for one request; returns the stored result dict (see GenerateResult). A
+    message that reached a queue no pool owns is forwarded to its pool's queue instead."""
+    queue = (self.request.delivery_info or {}).get("routing_key")
     try:
+        if lifecycle.housekeeper() or (queue and not is_pool_queue(queue)):
+            forward(shared_store(), get_registry(), get_settings(), self.request.id,
+                    self.request.retries or 0, kwargs)
+            raise Ignore()
+        rt = get_runtime(self.request.hostname or "")
         return serve(rt, self.request.id, self.request.retries or 0, kwargs)
     except RetryLater as r:
         raise self.retry(exc=r.error, countdown=r.countdown, max_retries=None)
     except TransientError as e:  # Vigil's own state was unreachable (redis_unavailable): the
         # request is not at fault, so it goes back to the queue (a later delivery takes it over)
-        s = rt.settings
+        s = get_settings()
         countdown = backoff(self.request.retries + 1, s.retry_backoff, s.retry_backoff_max)
         raise self.retry(exc=e, countdown=countdown, max_retries=None)
     except StaleDelivery:

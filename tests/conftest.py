@@ -113,14 +113,15 @@ def worker_entry(client, name: str) -> dict[str, str] | None:
 class RunningWorker:
     """A real `vigil worker --cpu` subprocess (Celery threads pool, vLLM CPU engine)."""
 
-    def __init__(self, redis_server, name: str, tmp: Path, pools: str = "tiny-llama", **env):
+    def __init__(self, redis_server, name: str, tmp: Path, pools: str = "tiny-llama",
+                 concurrency: int = 64, **env):
         from app.local.embedded import start_worker
 
         self.name = name
         self.log = tmp / f"{name.split('@')[0]}.log"
         self.client = redis_server.client()
         env.setdefault("VIGIL_HEARTBEAT_INTERVAL", "1")
-        self.proc = start_worker(redis_server.url, name, self.log, concurrency=64,
+        self.proc = start_worker(redis_server.url, name, self.log, concurrency=concurrency,
                                  pools=pools, **env)
 
     def entry(self) -> dict[str, str] | None:

@@ -19,7 +19,7 @@ import yaml
 from honcho.environ import parse_procfile
 
 from app import app
-from app.ops.cli import build_parser, worker_argv
+from app.ops.cli import build_parser, housekeeper_argv, worker_argv
 
 REPO = Path(__file__).resolve().parent.parent
 PROCFILE = REPO / "Procfile"
@@ -40,6 +40,9 @@ def consumed_queues(command: str, declared: list[str]) -> set[str]:
     argv = shlex.split(command)
     if argv[:2] == ["vigil", "worker"]:
         celery_argv = worker_argv(build_parser().parse_args(argv[1:]), 1)
+        return set(celery_argv[celery_argv.index("-Q") + 1].split(","))
+    if argv[:2] == ["vigil", "housekeeper"]:
+        celery_argv = housekeeper_argv(build_parser().parse_args(argv[1:]), 1)
         return set(celery_argv[celery_argv.index("-Q") + 1].split(","))
     if argv and argv[0].endswith("celery") and "worker" in argv:
         for i, a in enumerate(argv):
@@ -85,8 +88,10 @@ def test_the_queue_lint_finds_a_pool_that_no_worker_line_consumes():
     assert unconsumed_queues(text + "all: celery -A app worker -P threads\n", declared) == []
 
 
-def test_the_procfile_runs_gpu_workers_beat_and_vigil_flower():
+def test_the_procfile_runs_gpu_workers_the_housekeeper_beat_and_vigil_flower():
     procs = procfile_processes(PROCFILE.read_text())
+    assert procs["housekeeper"] == "vigil housekeeper"
+    assert consumed_queues(procs["housekeeper"], declared_queues()) == {"vigil.housekeeping"}
     assert procs["gpu0"] == "vigil worker --gpu 0" and procs["gpu1"] == "vigil worker --gpu 1"
     assert procs["beat"].startswith("celery -A app beat ")
     assert shlex.split(procs["flower"])[:2] == ["vigil", "flower"]

@@ -195,3 +195,30 @@ def test_a_model_without_adapters_refuses_lora_requests_at_submit():
     reg = ModelRegistry([ModelSpec(name="plain")])
     with pytest.raises(RequestError, match="model plain serves no LoRA adapters"):
         admit({"model": "plain", "prompt": "x", "lora": "sql"}, load_settings(), reg)
+
+
+def test_a_config_hidden_by_a_network_filesystems_cache_is_found_after_one_listing(
+        tmp_path, monkeypatch):
+    """Given an adapter whose adapter_config.json a network filesystem's attribute cache still
+    hides (the file appears only once its directory is listed: no real part does that on demand
+    here, so the listing is the fake), then the gate lists the directory once and finds it; and
+    an adapter still really being written is pending after exactly one listing."""
+    from workers.engine import lora_gate
+
+    hidden = make_adapter(tmp_path, "hidden", config=False)
+    writing = make_adapter(tmp_path, "still-writing", config=False)
+    listings: list[str] = []
+    real_listdir = lora_gate.os.listdir
+
+    def nfs_listdir(path):
+        listings.append(str(path))
+        if str(path) == hidden.path:  # the listing refreshes the cache: the file shows up
+            make_adapter(tmp_path, "hidden")
+        return real_listdir(path)
+
+    monkeypatch.setattr(lora_gate.os, "listdir", nfs_listdir)
+    assert lora_gate.check_adapter_files(hidden, SPEC)["r"] == 8
+    assert listings == [hidden.path]
+    with pytest.raises(TransientError, match="^lora_adapter_pending: "):
+        lora_gate.check_adapter_files(writing, SPEC)
+    assert listings == [hidden.path, writing.path]

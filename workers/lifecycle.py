@@ -19,11 +19,17 @@ from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging
 from app.settings import get_settings
-from app.state.queues import pool_queues
+from app.state.queues import HOUSEKEEPING_QUEUE, pool_queues
+from app.state.store import shared_store
 from workers import metrics_server, runtime
 
 log = logging.getLogger("vigil.worker")
 _hand_back_thread: threading.Thread | None = None
+
+
+def housekeeper() -> bool:
+    """True in a `vigil housekeeper` process: beat's tasks only, no engine, no registry entry."""
+    return get_settings().role == "housekeeper"
 
 
 @worker_init.connect
@@ -34,6 +40,10 @@ def _on_worker_init(sender=None, **_):
         # Celery logs a task's return value on success; ours holds the generated text (user
         # data). Keep the line, drop the payload, unless VIGIL_LOG_PAYLOADS=1.
         celery_trace.LOG_SUCCESS = "Task %(name)s[%(id)s] succeeded in %(runtime)ss"
+    if housekeeper():
+        log.info("housekeeper %s: runs beat's tasks on %s, never an engine",
+                 getattr(sender, "hostname", ""), HOUSEKEEPING_QUEUE)
+        return
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker")
                          .start())
     if s.metrics_port:  # each worker process serves its own /metrics (docs/operations.md)
@@ -42,6 +52,8 @@ def _on_worker_init(sender=None, **_):
 
 @worker_ready.connect
 def _on_worker_ready(sender=None, **_):
+    if housekeeper():
+        return
     rt = runtime.get_runtime()
     _consume_job_queues(sender, rt)
     # One engine per process: loading every pool in turn would only evict the previous one.
@@ -89,7 +101,7 @@ def _on_task_received(sender=None, request=None, **_):
     """A generate message reached this worker's consumer: record that this instance holds it,
     so if the worker dies before a thread begins it, the reaper still finds it (otherwise only
     Redis' visibility timeout would bring it back)."""
-    if request is None or getattr(request, "name", "") != "vigil.generate":
+    if request is None or getattr(request, "name", "") != "vigil.generate" or housekeeper():
         return
     rt = runtime.get_runtime()
     try:
@@ -105,10 +117,14 @@ def _on_task_revoked(sender=None, request=None, expired=False, **_):
     deadline_exceeded error, so `r.get()` raises a Vigil error, not TaskRevokedError."""
     if not expired or getattr(sender, "name", "") != "vigil.generate" or request is None:
         return
-    rt = runtime.get_runtime()
     err = TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
                            "could run it (message expired)")
     # Celery stored REVOKED: the backend gets the stored outcome whoever wrote it.
+    if housekeeper():  # a misrouted message: no runtime here, the sweeper's identity
+        end_request(shared_store(), request.id, error=err, backend=sender.backend,
+                    tell_always=True)
+        return
+    rt = runtime.get_runtime()
     end_request(rt.store, request.id, error=err, instance=rt.instance_id,
                 backend=sender.backend, tell_always=True)
 
@@ -118,6 +134,9 @@ def _on_worker_shutting_down(sender=None, **_):
     """SIGTERM/SIGINT: hand in-flight requests back to the queue at once, instead of making
     them wait for this worker's warm shutdown or the reaper. Runs on its own thread: this
     signal is sent from inside Celery's signal handler, where Redis I/O must not happen."""
+    if housekeeper():
+        return
+
     def _run():
         try:
             runtime.get_runtime().hand_back()

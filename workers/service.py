@@ -15,9 +15,12 @@ from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PEND
                         WORKER_LOST, RequestError, TerminalError, TransientError, VigilError,
                         WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
+from app.requests.models import ModelRegistry
+from app.requests.publish import publish
 from app.requests.schemas import parse_request
-from app.requests.submit import adapter_for, check_prompt_size, record_fields
-from app.state.store import Outcome
+from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
+from app.settings import VigilSettings
+from app.state.store import Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
@@ -177,3 +180,30 @@ def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dic
     if not won:
         metrics.dropped(pool, "duplicate_result")
     return _outcome(stored)
+
+
+def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSettings,
+            request_id: str, dispatch: int, kwargs: object) -> None:
+    """A vigil.generate message that reached a queue no pool owns (vigil.housekeeping, where a
+    producer without `queue=` lands, or the housekeeper): validate it and publish it to its
+    pool's queue under the same id and dispatch, running nothing here. A message sent around the
+    producer gets its record first. Raises the request's stored error when it cannot be served
+    (ended as `serve` would end it)."""
+    try:
+        req = parse_request(kwargs)
+        spec = registry.get(req.model)
+        check_prompt_size(req, settings)
+    except RequestError as e:
+        _, stored = end_request(store, request_id, error=e, pool="")
+        _outcome(stored)
+        return
+    rec = store.get(request_id)
+    if rec is None:
+        store.create(request_id, record_fields(req, time.time(), settings.request_deadline))
+        rec = store.get(request_id) or {}
+    if rec.get("status") in ("SUCCEEDED", "FAILED"):
+        return  # a duplicate of a request that has ended: nothing to run
+    publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
+            deadline_at=float(rec.get("deadline_at") or time.time() + settings.request_deadline),
+            dispatch=dispatch)
+    log.info("forwarded %s from a queue no pool owns to pool %s", request_id, spec.name)

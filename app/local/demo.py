@@ -1,8 +1,9 @@
 """`vigil demo` / `make demo`: the whole system end to end on one machine.
 
-Starts a private Redis, one CPU worker (real vLLM engine, tiny-llama built locally), beat and
-Flower; a separate producer process sends prompts with `generate.delay` and shows progress; then
-a summary, the Flower URL, and a clean shutdown that leaves no process behind.
+Starts a private Redis, one CPU worker (real vLLM engine, tiny-llama built locally), the
+housekeeper, beat and Flower; a separate producer process sends prompts as `generate.delay` does
+and shows progress; then a summary, the Flower URL, and a clean shutdown that leaves no process
+behind.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import redis
 import requests
 from rich.console import Console
 
-from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_process, start_worker,
-                                stop_process, vigil_env, wait_for)
+from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_housekeeper,
+                                start_process, start_worker, stop_process, vigil_env, wait_for)
 from app.local.tiny_model import ensure_model_files
 from app.requests.models import TINY_LLAMA, get_registry
 from app.state.registry import WorkerRegistry
@@ -53,6 +54,7 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
                               "-s", str(logs / "beat-schedule")],
                              vigil_env(rds.url, **env), logs / "beat.log")
         procs.append(beat)
+        procs.append(start_housekeeper(rds.url, logs / "housekeeper.log", **env))
         fport, fpass = free_port(), secrets.token_urlsafe(9)
         # `vigil flower`, as the Procfile runs it: the password travels in the environment.
         flower = start_process([sys.executable, "-m", "app.ops.cli", "flower", "--port", str(fport),

@@ -135,6 +135,13 @@ def start_worker(redis_url: str, name: str, log_path: Path | None = None,
     return start_process(argv, vigil_env(redis_url, **env), log_path)
 
 
+def start_housekeeper(redis_url: str, log_path: Path | None = None, **env: str
+                      ) -> subprocess.Popen:
+    """A real `vigil housekeeper` process (beat's tasks, no engine)."""
+    argv = [sys.executable, "-m", "app.ops.cli", "housekeeper"]
+    return start_process(argv, vigil_env(redis_url, **env), log_path)
+
+
 def stop_process(proc: subprocess.Popen | None, timeout: float = 30) -> None:
     """TERM the process group, wait, then KILL whatever is left of it."""
     if proc is None or proc.poll() is not None and not _group_alive(proc.pid):

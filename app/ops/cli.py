@@ -2,6 +2,7 @@
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
+    vigil housekeeper                    # beat's tasks on their own threads, no engine
     vigil status [--json] [--watch S]    # workers (health state, streak) and pools
     vigil job create|list|delete NAME    # jobs (app/fleet/jobs.py)
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
@@ -66,6 +67,26 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         os.environ["VIGIL_POOLS"] = args.pools
     argv = worker_argv(args, s.worker_concurrency)
     os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
+    return 0  # pragma: no cover
+
+
+def housekeeper_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
+    """The `celery worker` command line for `vigil housekeeper` (pure, for tests): a threads-pool
+    worker consuming vigil.housekeeping only."""
+    return [
+        sys.executable, "-m", "celery", "-A", "app", "worker",
+        "-P", "threads", "-c", str(args.concurrency or concurrency),
+        "-n", args.name or "housekeeper@%h", "-Q", HOUSEKEEPING_QUEUE,
+        "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
+    ]
+
+
+def _cmd_housekeeper(args: argparse.Namespace) -> int:
+    s = get_settings()
+    preflight(s, connect(s))  # bad credentials or TLS stop it here, by name
+    os.environ["VIGIL_ROLE"] = "housekeeper"  # its worker hooks build no engine (lifecycle.py)
+    argv = housekeeper_argv(args, s.housekeeper_concurrency)
+    os.execv(argv[0], argv)  # signals reach Celery directly
     return 0  # pragma: no cover
 
 
@@ -189,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")
     w.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
     w.set_defaults(func=_cmd_worker)
+
+    hk = sub.add_parser("housekeeper", help="run beat's tasks (sweeps, reaper, reconcile) on "
+                        "threads of their own, never an engine")
+    hk.add_argument("--name", help="Celery node name (default housekeeper@%%h)")
+    hk.add_argument("--concurrency", type=int,
+                    help="threads (VIGIL_HOUSEKEEPER_CONCURRENCY, default 4)")
+    hk.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
+    hk.set_defaults(func=_cmd_housekeeper)
 
     st = sub.add_parser("status", help="workers (health, in flight, memory) and pools")
     st.add_argument("--json", action="store_true", help="one JSON object, for scripts")

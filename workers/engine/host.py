@@ -34,8 +34,7 @@ import logging
 import time
 from typing import Callable
 
-from app.errors import (REPEATED_ENGINE_DEATH, WEDGED, TransientError, VigilError,
-                        WorkerFatalError)
+from app.errors import REPEATED_ENGINE_DEATH, WEDGED, TransientError, VigilError, WorkerFatalError
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest

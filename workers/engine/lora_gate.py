@@ -8,8 +8,10 @@ bad adapter fails only its own requests (`lora_adapter_invalid: <cause>`), the e
 `check_adapter_files` runs first, off the event loop (it touches the filesystem):
 - no directory: list the parent once and look again (network filesystems cache a failed lookup
   until the directory is listed), then `lora_adapter_invalid`;
-- a directory without `adapter_config.json` or weights, or a config that does not parse yet: the
-  adapter is still being written: `lora_adapter_pending` (retried without using up an attempt,
+- no `adapter_config.json` in the directory: list the directory once and look again (the same
+  cache, one level down);
+- a directory still without `adapter_config.json` or weights, or a config that does not parse
+  yet: the adapter is still being written: `lora_adapter_pending` (retried without using up an attempt,
   bounded by the request's deadline);
 - a rank above the model's `max_lora_rank`, tensors whose shapes do not fit the model (an adapter
   made for another base model: vLLM 0.32's `add_lora` accepts it and the first request using it
@@ -48,10 +50,15 @@ def check_adapter_files(ref: AdapterRef, spec: ModelSpec) -> dict:
     pending = TransientError.of(LORA_ADAPTER_PENDING, f"adapter {ref.name} ({ref.path}) is not "
                                 "complete yet (being written?); retrying")
     try:
-        with open(config_path) as f:
-            config = json.load(f)
+        config = _read_config(config_path)
     except FileNotFoundError:
-        raise pending from None
+        # A network filesystem may cache the file's absence: one listing of the directory
+        # refreshes it (as for the directory itself, above) before the adapter is judged pending.
+        try:
+            os.listdir(ref.path)
+            config = _read_config(config_path)
+        except (OSError, ValueError):
+            raise pending from None
     except (OSError, ValueError):
         raise pending from None
     if not isinstance(config, dict):
@@ -72,6 +79,11 @@ def check_adapter_files(ref: AdapterRef, spec: ModelSpec) -> dict:
         raise invalid(ref, f"it was made for the model at {base}, not {spec.name} "
                       f"({spec.path})")
     return config
+
+
+def _read_config(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def engine_cause(exc: BaseException) -> str:
