@@ -9,7 +9,11 @@ comma-separated list of:
 - `die_on_start`: every engine the worker starts has its EngineCore killed right after it starts,
   so its first generation (a request or the canary) finds it dead: a broken device;
 - `slow_start=<seconds>`: every engine start takes that much longer (a large model on a network
-  disk), whatever the machine.
+  disk), whatever the machine;
+- `slow_run=<seconds>`: every generation stays that much longer in the engine before it runs (a
+  long generation, whatever the model), and can be aborted meanwhile like a real one;
+- `black_hole`: every generation (the canary's too) fails at once with an engine error, the
+  engine staying alive: a worker that fails fast without dying.
 
 An unknown item is an error at start (a drill that silently does nothing would prove nothing).
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAULTS = "poison=<marker>, die_on_start, slow_start=<seconds>"
+FAULTS = "poison=<marker>, die_on_start, slow_start=<seconds>, slow_run=<seconds>, black_hole"
 
 
 @dataclass(frozen=True)
@@ -27,27 +31,32 @@ class Drill:
     poison: str = ""
     die_on_start: bool = False
     slow_start_s: float = 0.0
+    slow_run_s: float = 0.0
+    black_hole: bool = False
 
 
 def parse_drill(text: str) -> Drill:
     """Parse a `VIGIL_DRILL` value; ValueError naming the bad item otherwise."""
-    poison, die, slow = "", False, 0.0
+    poison, die, hole, seconds = "", False, False, {"slow_start": 0.0, "slow_run": 0.0}
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        if item.startswith("poison="):
-            poison = item.split("=", 1)[1]
+        name, _, value = item.partition("=")
+        if name == "poison":
+            poison = value
             if not poison:
                 raise ValueError("poison= needs a marker")
         elif item == "die_on_start":
             die = True
-        elif item.startswith("slow_start="):
+        elif item == "black_hole":
+            hole = True
+        elif name in seconds:
             try:
-                slow = float(item.split("=", 1)[1])
+                seconds[name] = float(value)
             except ValueError:
-                raise ValueError("slow_start= needs a number of seconds") from None
-            if not 0 <= slow <= 3600:
-                raise ValueError("slow_start= must be 0 to 3600 seconds")
+                raise ValueError(f"{name}= needs a number of seconds") from None
+            if not 0 <= seconds[name] <= 3600:
+                raise ValueError(f"{name}= must be 0 to 3600 seconds")
         else:
             raise ValueError(f"unknown fault {item!r} (known: {FAULTS})")
-    return Drill(poison, die, slow)
+    return Drill(poison, die, seconds["slow_start"], seconds["slow_run"], hole)

@@ -19,7 +19,7 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | overloaded (raised by `.delay` only:    |
 |                  |                                            | the caller retries; nothing was sent)   |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
-|                  |                                            | canary_failed                           |
+|                  |                                            | canary_failed, engine_start_failed      |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
 |                  |                                            | attempts_exhausted, request_lost        |
 |                  |                                            | (raised by `r.get()`: Redis has no      |
@@ -55,6 +55,9 @@ ENGINE_ERROR = "engine_error"
 CUDA_CONTEXT_LOST = "cuda_context_lost"
 REPEATED_ENGINE_DEATH = "repeated_engine_death"
 CANARY_FAILED = "canary_failed"
+# This worker cannot start an engine for a model that another worker serves: its own copy of the
+# weights, its configuration or its device is at fault, not the model or the request.
+ENGINE_START_FAILED = "engine_start_failed"
 # Terminal outcomes
 DEADLINE_EXCEEDED = "deadline_exceeded"
 JOB_DELETED = "job_deleted"

@@ -29,7 +29,9 @@ RETRIES = Counter("vigil_retries", "Attempts this worker handed back for a retry
 DROPPED = Counter(
     "vigil_deliveries_dropped", "Deliveries that ran nothing or whose result lost: "
     "duplicate_delivery (the request had ended), stale (an older dispatch), given_back (worker "
-    "stopping or quarantined: requeued untouched), duplicate_result (another result won).",
+    "stopping or quarantined: requeued untouched), avoided (its last attempt failed on this "
+    "worker and another serves the pool: requeued untouched), duplicate_result (another result "
+    "won).",
     ["pool", "reason"], registry=REGISTRY)
 HOUSEKEEPING = Histogram(
     "vigil_housekeeping_duration_seconds", "Housekeeping runs that held their lock "

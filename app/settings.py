@@ -82,6 +82,10 @@ DEFAULT_HEALTH_WINDOW_S = 3600.0
 DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
+# How long a request waits for memory when no engine can start for memory pressure (a co-tenant
+# holding the card), from the squeeze's first refusal: five minutes outlast a co-tenant's batch
+# job step, while a card that stays full fails the request well before its deadline.
+DEFAULT_MEMORY_PRESSURE_WINDOW_S = 300.0
 # How often beat checks that quarantined workers really stopped consuming.
 DEFAULT_HEALTH_TICK_S = 30.0
 # How often beat's reconcile makes every worker of a pool consume all of the pool's job queues.
@@ -184,6 +188,7 @@ class VigilSettings(BaseSettings):
     stall_timeout: float = Field(DEFAULT_STALL_TIMEOUT_S, ge=0, description="0 disables the "
                                  "engine-progress watchdog.")
     max_canary_failures: int = Field(DEFAULT_MAX_CANARY_FAILURES, ge=1, le=100)
+    memory_pressure_window: float = Field(DEFAULT_MEMORY_PRESSURE_WINDOW_S, gt=0)
     health_tick_interval: float = Field(DEFAULT_HEALTH_TICK_S, gt=0)
     job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "
                                     "this long is abandoned (default: request_deadline).")
@@ -225,7 +230,12 @@ class VigilSettings(BaseSettings):
         "vllm", description="The engine a worker runs: vllm, instant (no model: overhead "
         "benchmarks) or drill (vLLM plus the faults of VIGIL_DRILL).")
     drill: str = Field("", description="The faults a drill engine injects, comma-separated: "
-                       "poison=<marker>, die_on_start, slow_start=<seconds> (app/drills.py).")
+                       "poison=<marker>, die_on_start, slow_start=<seconds>, slow_run=<seconds>, "
+                       "black_hole (app/drills.py).")
+    # The witness (workers/engine/witness.py): each worker appends every generation its engine
+    # finished to <dir>/<pid>.jsonl, for checks that must not trust Vigil's own records.
+    witness_dir: Path | None = Field(None, description="Where workers write down every finished "
+                                     "generation (tests and the soak; off by default).")
     # Prometheus metrics (app/metrics.py). Off by default: every worker process serves its own
     # endpoint, so workers sharing a host need a port each (set it per worker line).
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of this worker's /metrics; "
@@ -239,7 +249,7 @@ class VigilSettings(BaseSettings):
         return check_url(v)
 
     @field_validator("models_file", "redis_tls_ca_file", "redis_tls_cert_file",
-                     "redis_tls_key_file", mode="before")
+                     "redis_tls_key_file", "witness_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v

@@ -64,6 +64,9 @@ class Soak:
         self.drain_timeout = drain_timeout or request_timeout + 60 + 60 + 120
         self.stranded_s = max(STRANDED_S, 3 * reap_timeout)
         self.env = fleet_env(cache_dir, reap_timeout, request_timeout)
+        # The engines' witness of every generation they finished (workers/engine/witness.py).
+        self.witness_dir = logdir / "witness"
+        self.env["VIGIL_WITNESS_DIR"] = str(self.witness_dir)
         self.fleet = Fleet(logdir, self.env)
         self.stop = threading.Event()
         self.producer_done = threading.Event()
@@ -272,7 +275,8 @@ class Soak:
         rep = SoakReport(requests=self.n, accepted=len(self.ids),
                          submit_retries=dict(self.submit_retries), kills=self.kills,
                          wall_s=wall, logdir=str(self.logdir),
-                         settings={k: v for k, v in self.env.items() if k != "VIGIL_CACHE_DIR"}
+                         settings={k: v for k, v in self.env.items()
+                                   if k not in ("VIGIL_CACHE_DIR", "VIGIL_WITNESS_DIR")}
                          | {"beats": self.beats_n, "window": self.window,
                             "max_tokens": self.max_tokens, "rate": self.rate,
                             "worker_kill_every": self.worker_every,
@@ -288,6 +292,7 @@ class Soak:
         # "Start" is after warm-up: once a tenth of the requests (at least 50) ended.
         findings.rss_figures(rep, self.rss, self.rss_ready, warm=max(50, self.n // 10))
         findings.check_backend(rep, recs, self.seed)
+        findings.tally_witness(rep, recs, self.witness_dir)
         findings.read_logs(rep, self.logdir)
         return rep
 

@@ -215,6 +215,26 @@ def check_backend(rep: SoakReport, recs: dict[str, dict | None], seed: int) -> N
         rep.backend_checked += 1
 
 
+def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Path) -> None:
+    """Fill the witness figures: the generations the engines wrote down (no Vigil code reads
+    them), how many each request had, and each succeeded record that no finished generation of
+    its attempt, with its token count, backs."""
+    from workers.engine.witness import read_witness
+
+    seen = read_witness(witness_dir) if witness_dir.is_dir() else {}
+    rep.witness_generations = sum(len(g) for g in seen.values())
+    rep.generations_per_request = dict(sorted(Counter(len(seen.get(rid, []))
+                                                      for rid in recs).items()))
+    for rid, rec in recs.items():
+        if rec is None or rec["status"] != "SUCCEEDED" or not rec["result"]:
+            continue
+        res = json.loads(rec["result"])
+        if not any(g["attempt"] == res["attempts"] and g["tokens"] == res["completion_tokens"]
+                   for g in seen.get(rid, [])):
+            rep.witness_mismatches += 1
+            rep.witness_mismatch_ids.append(rid)
+
+
 def read_logs(rep: SoakReport, logdir: Path) -> None:
     """From every process's log: reaps per dead instance, requests the reaper's audit published
     again, and ERROR/CRITICAL/Traceback lines per log with one sample of each kind (at most 15)."""

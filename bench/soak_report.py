@@ -38,6 +38,12 @@ class SoakReport:
     requeued_twice: int = 0  # one dispatch begun (hence published) more than once
     failed_twice: int = 0  # more than one terminal outcome in the history
     wrong_results: int = 0  # succeeded with a token count other than asked (ignore_eos)
+    # The engines' witness (workers/engine/witness.py), outside Vigil's records: generations
+    # finished, how many requests had N of them, and stored results no generation backs.
+    witness_generations: int = 0
+    generations_per_request: dict[int, int] = field(default_factory=dict)
+    witness_mismatches: int = 0
+    witness_mismatch_ids: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)  # vigil:stats (own Redis: this run only)
     attempts: dict[int, int] = field(default_factory=dict)
     reaps: dict[str, int] = field(default_factory=dict)  # dead instance -> times reaped
@@ -76,7 +82,8 @@ class SoakReport:
         """What breaks the goal: lost, duplicated, requeued twice, failed twice, wrong token
         counts, requests not accepted, instances reaped twice, backend disagreements."""
         out = []
-        for name in ("lost", "duplicates", "requeued_twice", "failed_twice", "wrong_results"):
+        for name in ("lost", "duplicates", "requeued_twice", "failed_twice", "wrong_results",
+                     "witness_mismatches"):
             if getattr(self, name):
                 out.append(f"{name} {getattr(self, name)}")
         if self.accepted < self.requests:
@@ -116,6 +123,9 @@ class SoakReport:
              f"duplicate_results {self.stats.get('duplicate_results', 0)}"),
             ("requeued twice / failed twice", f"{self.requeued_twice} / {self.failed_twice}"),
             ("wrong token counts", str(self.wrong_results)),
+            ("witness (engines)", f"{self.witness_generations} generations finished; requests "
+             f"by generations: {fmt_counts(self.generations_per_request) or '-'}; stored "
+             f"results no generation backs: {self.witness_mismatches}"),
             ("deliveries dropped", f"duplicate {self.stats.get('duplicate_deliveries', 0)}, "
              f"stale {self.stats.get('stale_deliveries', 0)}"),
             ("attempts", fmt_counts(self.attempts)),

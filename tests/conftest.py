@@ -20,6 +20,9 @@ UNSERVED_MODEL = "unserved-model"
 # One model cache for the run (the tiny model is built once, ~5 s); reuse the developer's cache
 # when VIGIL_TEST_CACHE_DIR is set.
 CACHE_DIR = Path(os.environ.get("VIGIL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="vigil-test-"))
+# Every worker of the run writes down each generation its engine finished here (the witness,
+# workers/engine/witness.py); the exactly-once checks compare it with the stored results.
+WITNESS_DIR = Path(tempfile.mkdtemp(prefix="vigil-witness-"))
 
 
 def pytest_configure(config):
@@ -27,6 +30,7 @@ def pytest_configure(config):
     _redis = EmbeddedRedis().start()
     os.environ["VIGIL_REDIS_URL"] = _redis.url
     os.environ["VIGIL_CACHE_DIR"] = str(CACHE_DIR)
+    os.environ["VIGIL_WITNESS_DIR"] = str(WITNESS_DIR)
     # A pool that no test worker serves (never loaded): requests for it can only end by deadline.
     models = CACHE_DIR / "test-models.json"
     models.write_text(json.dumps({"models": [
@@ -227,7 +231,9 @@ def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny
 def assert_each_ran_to_a_result_once(store, request_ids) -> None:
     """Exactly once, per request, from its own history: one attempt succeeded, and no attempt
     is left open (a second run that lost its finish leaves its attempt open). Unlike the global
-    `duplicate_results` counter, this cannot be moved by other tests' stragglers."""
+    `duplicate_results` counter, this cannot be moved by other tests' stragglers. And from a
+    witness outside Vigil's records (`assert_witnessed`)."""
+    assert_witnessed(store, request_ids)
     bad = {}
     for rid in request_ids:
         h = store.history(rid)
@@ -236,6 +242,33 @@ def assert_each_ran_to_a_result_once(store, request_ids) -> None:
         if succeeded != 1 or still_open:
             bad[rid] = [(e["worker"], e["outcome"], e["error"]) for e in h]
     assert not bad, f"requests not run to a result exactly once: {bad}"
+
+
+def assert_witnessed(store, request_ids) -> dict[str, int]:
+    """The engines' witness (workers/engine/witness.py, written by the engine side, read by no
+    Vigil code) agrees with the stored results: each request has exactly one stored result, and
+    a generation its engine finished in that attempt produced as many tokens. Returns the number
+    of finished generations per request (a request handed on after its engine finished shows
+    more than one)."""
+    import json
+
+    from workers.engine.witness import read_witness
+
+    seen = read_witness(WITNESS_DIR)
+    bad, generations = {}, {}
+    for rid in request_ids:
+        rec = store.get(rid) or {}
+        generations[rid] = len(seen.get(rid, []))
+        if rec.get("status") != "SUCCEEDED" or not rec.get("result"):
+            bad[rid] = f"no stored result ({rec.get('status')})"
+            continue
+        res = json.loads(rec["result"])
+        if not any(g["attempt"] == res["attempts"] and g["tokens"] == res["completion_tokens"]
+                   for g in seen.get(rid, [])):
+            bad[rid] = (f"stored attempt {res['attempts']}, {res['completion_tokens']} tokens; "
+                        f"the witness saw {seen.get(rid)}")
+    assert not bad, f"stored results the engines' witness does not back: {bad}"
+    return generations
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:

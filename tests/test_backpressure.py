@@ -45,6 +45,27 @@ def test_a_job_at_its_cap_is_accepted_one_over_refused_and_a_finished_request_fr
     assert store.r.scard(keys.job_requests("j")) == 3
 
 
+def test_concurrent_producers_never_overshoot_the_caps(settings):
+    """Given 8 producers (threads, each with its own connection) racing 200 submits each into
+    one job capped at 150 and a pool capped at 120, then exactly 120 are accepted, the rest
+    refused with nothing written: the count and the write are one script."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def produce(p: int) -> list[int]:
+        own = RequestStore(connect(settings), settings.result_ttl)
+        return [own.create(f"c{p}-{i}", fields(job="race"), max_per_job=150, max_per_pool=120)
+                for i in range(200)]
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = [x for batch in pool.map(produce, range(8)) for x in batch]
+    store = RequestStore(connect(settings), settings.result_ttl)
+    assert sum(o >= CREATED for o in outcomes) == 120
+    assert set(outcomes) <= {CREATED, 2, OVERLOADED_POOL, OVERLOADED_JOB}
+    assert store.r.scard(keys.pool_requests("tiny-llama")) == 120
+    assert store.r.scard(keys.job_requests("race")) == 120
+    assert store.r.zcard(keys.DEADLINES) == 120
+
+
 def test_the_pool_cap_counts_every_job_of_the_pool_and_only_that_pool(store):
     assert store.create("a", fields(job="j1"), max_per_pool=2) >= CREATED
     assert store.create("b", fields(job="j2"), max_per_pool=2) >= CREATED

@@ -268,3 +268,46 @@ def test_a_request_stuck_in_a_running_engine_is_a_wedge_reported_to_the_ledger(m
         host.generate(req(), A, "stuck", 0.2)
     wait_until(lambda: f.engines[0].cancelled == 1)
     assert len(failures) == 1 and failures[0].startswith("timeout: request stuck")
+
+
+# -- a worker that fails without dying -------------------------------------------------------------
+class BlackHole(Factory):
+    """A live engine that answers every request at once with an error (it never dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate.set()
+        self.fail_runs_with = RuntimeError("the engine refused it at once")
+
+
+def test_fast_failures_of_a_live_engine_reach_the_health_ledger(make_host):
+    """Given a live engine that fails every request at once with an engine error, then each
+    failure is retried (engine_error) and reported like a wedge, so the worker's ledger can
+    quarantine it; a completed request reports a success."""
+    f = BlackHole()
+    failures: list[str] = []
+    host = make_host(f, on_failure=failures.append)
+    for i in range(3):
+        with pytest.raises(TransientError, match="^engine_error: "):
+            host.generate(req(), A, f"void{i}", 5)
+    assert len(failures) == 3 and all(x.startswith("fast failure: engine_error: ") for x in failures)
+    assert f.builds() == [("build", "model-a")]  # alive all along: never rebuilt
+
+
+def test_a_start_that_fails_for_a_model_another_worker_serves_is_this_workers_fault(make_host):
+    """Given a model whose files this worker cannot load while another worker serves it, then
+    the start failure is not the model's (no model_not_found for the request) but this
+    worker's: engine_start_failed, and the worker leaves (on_fatal) with its requests handed
+    back; without another worker serving it, it is the model's fault as before."""
+    from app.errors import WorkerFatalError
+
+    fatal: list = []
+    gone = Factory(fail=FileNotFoundError("no such file: /models/tiny-llama"))
+    host = make_host(gone, served_elsewhere=lambda model: True, on_fatal=fatal.append)
+    with pytest.raises(WorkerFatalError, match="^engine_start_failed: .*another worker serves"):
+        host.generate(req(), A, "r1", 5)
+    assert len(fatal) == 1 and fatal[0].code == "engine_start_failed"
+    alone = make_host(Factory(fail=FileNotFoundError("no such file: /models/tiny-llama")),
+                      served_elsewhere=lambda model: False)
+    with pytest.raises(RequestError, match="^model_not_found: "):
+        alone.generate(req(), A, "r2", 5)

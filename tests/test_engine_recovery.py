@@ -352,3 +352,18 @@ def test_engines_dead_on_arrival_count_as_deaths_and_make_the_worker_leave(make_
     with pytest.raises(WorkerFatalError, match="^repeated_engine_death: "):
         host.generate(req("x"), A, "r", 10)
     assert len(calls) == 1 and host.loads == 3
+
+
+def test_a_request_rerun_max_runs_times_in_one_worker_goes_back_to_the_queue():
+    """The bound on re-runs inside one worker (MAX_RUNS, 8): a suspect that has run that often
+    is not run again here; its verdict sends it back to the queue (engine_restarting, attempt
+    + 1), where VIGIL_MAX_ATTEMPTS bounds it."""
+    from workers.engine.suspects import MAX_RUNS, Ticket, runnable
+
+    t = Ticket(req("x"), "x-1")
+    t.runs = MAX_RUNS - 1
+    assert runnable(t) and t.verdict is None
+    t.runs = MAX_RUNS
+    assert not runnable(t)
+    assert isinstance(t.verdict, TransientError) and t.verdict.code == "engine_restarting"
+    assert MAX_RUNS == 8

@@ -40,6 +40,32 @@ def test_invalid_setting_names_the_environment_variable(monkeypatch):
         load_settings()
 
 
+def test_an_unknown_drill_fault_stops_the_process_at_start_naming_it(monkeypatch):
+    """A drill that silently does nothing would prove nothing, and a worker that fails every
+    engine start for it would fail requests (issue 14): the setting is refused at start."""
+    monkeypatch.setenv("VIGIL_DRILL", "poison=X,explode_now")
+    with pytest.raises(SettingsError, match="VIGIL_DRILL: .*unknown fault 'explode_now'"):
+        load_settings()
+    for good in ("black_hole", "slow_start=2.5,slow_run=1", "poison=P,die_on_start"):
+        monkeypatch.setenv("VIGIL_DRILL", good)
+        assert load_settings().drill == good
+
+
+def test_a_gpu_worker_on_a_host_without_cuda_refuses_to_start_naming_the_fix(capsys):
+    """`vigil worker --gpu 0` where CUDA is not usable must not join the fleet (it would take
+    requests it can never run): it exits 2 naming the cause and the fixes."""
+    import torch
+
+    from app.ops.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a usable GPU")
+    assert main(["worker", "--gpu", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot use GPU 0" in err and "--cpu" in err and "CUDA_VISIBLE_DEVICES" in err
+    assert "not compiled with CUDA" in err or "no NVIDIA driver" in err
+
+
 @pytest.mark.parametrize("argv", [["-c", "from app import app"],
                                   ["-m", "app.ops.cli", "worker", "--cpu"]])
 def test_invalid_redis_url_fails_at_start_naming_the_variable(argv):

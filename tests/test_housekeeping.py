@@ -224,3 +224,42 @@ def test_a_message_received_but_not_begun_by_a_dead_worker_is_requeued(store):
     store.hold("held", 5)
     assert store.begin("held", 0, "w", 5, T0, 3).action == "stale"
     assert not store.r.sismember(keys.inflight(5), "held")
+
+
+def test_a_heartbeat_landing_mid_reap_keeps_the_workers_entry_set_and_ledger(store):
+    """Given a silent worker holding two requests, when its heartbeat lands while the reaper is
+    handing back the first one (a starved heartbeat thread catching up), then the reaper hands
+    back nothing more and drops nothing: the worker keeps its entry, the request it still holds
+    in its in-flight set, and its health ledger (compare and delete on last_seen)."""
+    from app.state.health import HealthLedger
+
+    register(store, 1, "slow@h", T0)
+    run_on(store, 1, "a")
+    run_on(store, 1, "b")
+    HealthLedger(store.r, window=3600, threshold=3).failure(1, T0, "timeout")
+
+    class HeartbeatDuringRepublish(Published):
+        def __call__(self, rid, rec, dispatch):
+            super().__call__(rid, rec, dispatch)
+            store.workers.write(1, {"name": "slow@h"}, T0 + 499)  # the heartbeat lands now
+
+    published = HeartbeatDuringRepublish()
+    assert reap(store, T0 + 500, published) == {}
+    assert len(published) == 1
+    kept = ({"a", "b"} - {published[0][0]}).pop()
+    assert store.r.exists(keys.worker(1)) and store.r.exists(keys.health(1))
+    assert store.inflight_ids(1) == [kept] and store.get(kept)["status"] == "RUNNING"
+    assert store.workers.last_seen(1) == T0 + 499
+
+
+def test_a_workers_finish_refreshes_its_last_seen_but_never_registers_it_again(store):
+    register(store, 7, "busy@h", T0)
+    run_on(store, 7, "done-here", now=T0)
+    store.finish("done-here", 7, T0 + 90, result={"text": "ok"})
+    assert store.workers.last_seen(7) == T0 + 90  # a starved heartbeat is not silence
+    run_on(store, 8, "unregistered", now=T0)
+    store.finish("unregistered", 8, T0 + 90, result={"text": "ok"})
+    assert store.workers.last_seen(8) is None  # a reaped worker is not brought back
+    add(store, "swept", deadline_s=1)
+    store.finish("swept", 0, T0 + 95, error_kind="TerminalError", error="deadline_exceeded: x")
+    assert store.workers.last_seen(0) is None and store.workers.last_seen(7) == T0 + 90

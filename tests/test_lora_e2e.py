@@ -30,6 +30,7 @@ def adapters():
     return {
         "good": build_tiny_adapter(base, ROOT / "good", seed=1),
         "other": build_tiny_adapter(base, ROOT / "other", seed=2),
+        "third": build_tiny_adapter(base, ROOT / "third", seed=3),
         "rank16": build_tiny_adapter(base, ROOT / "rank16", rank=16),
         "wide": build_tiny_adapter(base, ROOT / "wide", hidden_size=64),
     }
@@ -105,3 +106,26 @@ def test_an_adapter_still_being_written_keeps_its_request_pending_until_it_is_co
     out = r.get(timeout=300)
     assert out["token_ids"] == greedy(PROMPTS[0], adapters["good"]).get(timeout=120)["token_ids"]
     assert out["attempts"] == 1  # the waits did not use up attempts
+
+
+def test_a_third_adapter_evicts_the_least_recently_used_one_on_the_real_engine(
+        warm_worker, adapters):
+    """Given the engine's two adapter slots (max_loras 2), when a third adapter is asked for
+    after the other two, then the least recently used one is evicted (vigil_lora_evictions),
+    the third loads, outputs stay each adapter's own, and the engine is neither restarted nor
+    reloaded; the evicted one loads again through the same gate when asked for."""
+    prompt = PROMPTS[1]
+    firsts = {k: greedy(prompt, adapters[k]).get(timeout=120)["token_ids"]
+              for k in ("good", "other")}
+    before = warm_worker.entry()
+    third = greedy(prompt, adapters["third"]).get(timeout=120)["token_ids"]
+    again = greedy(prompt, adapters["good"]).get(timeout=120)["token_ids"]
+    from app.local.embedded import wait_for
+
+    after = wait_for(lambda: (lambda e: e if int(e["lora_evictions"]) >= int(
+        before["lora_evictions"]) + 2 else None)(warm_worker.entry()), 10,
+        what="the heartbeat to report the evictions")
+    assert int(after["lora_loads"]) >= int(before["lora_loads"]) + 2
+    assert third not in firsts.values() and again == firsts["good"]
+    assert after["engine_restarts"] == before["engine_restarts"]
+    assert after["engine_loads"] == before["engine_loads"]

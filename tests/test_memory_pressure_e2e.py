@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.worker
 # weights). The holder then keeps what the worker measures as free below that need, so the start
 # must be refused; after it exits, there is room again.
 HEADROOM_GIB = 3.0
+# How long the holder keeps the memory once the squeeze began.
+HOLD_S = 60
 # How far below the model's need (plus its smallest KV cache) the holder keeps free memory.
 HOLD_MARGIN_GIB = 0.75
 mem_worker_need = [0.0]  # the memory_gib the worker was told (set by the fixture)
@@ -49,9 +52,9 @@ while not select.select([sys.stdin], [], [], 0.02)[0]:
 """
 
 
-def start_mem_worker(redis_server, tmp, name: str, pools: str) -> RunningWorker:
-    """A worker on `pools`, no preload, short retry backoff, and a models file saying
-    roomy-llama needs (free memory right now - HEADROOM_GIB) besides its KV cache."""
+def start_mem_worker(redis_server, tmp, name: str, pools: str, **env) -> RunningWorker:
+    """A worker on `pools`, no preload, and a models file saying roomy-llama needs (free memory
+    right now - HEADROOM_GIB) besides its KV cache."""
     from tests.conftest import CACHE_DIR
 
     free_gib = probe_memory(*worker_device()).free / GiB
@@ -63,10 +66,8 @@ def start_mem_worker(redis_server, tmp, name: str, pools: str) -> RunningWorker:
         models.append(m)
     path = tmp / f"{name.split('@')[0]}-models.json"
     path.write_text(json.dumps({"models": models}))
-    w = RunningWorker(redis_server, name, tmp,
-                      pools=pools,
-                      VIGIL_MODELS_FILE=str(path), VIGIL_PRELOAD="0",
-                      VIGIL_RETRY_BACKOFF="1", VIGIL_RETRY_BACKOFF_MAX="2", VIGIL_MAX_ATTEMPTS="5")
+    w = RunningWorker(redis_server, name, tmp, pools=pools, VIGIL_MODELS_FILE=str(path),
+                      VIGIL_PRELOAD="0", **env)
     w.wait_registered()
     return w
 
@@ -75,7 +76,8 @@ def start_mem_worker(redis_server, tmp, name: str, pools: str) -> RunningWorker:
 def mem_worker(redis_server, tmp_path_factory):
     """The fault pools' worker for the tests that need no memory squeeze."""
     w = start_mem_worker(redis_server, tmp_path_factory.mktemp("mem"), "mem@testhost",
-                         f"{CORRUPT_MODEL},{MISSING_MODEL}")
+                         f"{CORRUPT_MODEL},{MISSING_MODEL}", VIGIL_RETRY_BACKOFF="1",
+                         VIGIL_RETRY_BACKOFF_MAX="2")
     try:
         yield w
     finally:
@@ -108,13 +110,15 @@ def test_missing_model_files_fail_once_with_model_not_found(mem_worker, store):
         ("failed", "model_not_found")]
 
 
-def test_memory_pressure_at_engine_start_is_retried_and_lands_once_memory_frees(
+def test_memory_pressure_at_engine_start_waits_for_the_memory_and_lands_once_it_frees(
         redis_server, store, tmp_path):
-    """Given another process holding memory so that the worker measures less free memory than
-    the model's floor, when a request arrives, then the start is refused as memory_pressure and
-    the request is retried (same id, next attempt); once the holder exits, a retry starts the
-    engine and the request succeeds. (Its own worker, told the model's need just now: memory
-    other processes took or freed since the module started cannot skew it.)"""
+    """Given another process holding memory for a minute so that the worker measures less free
+    memory than the model's floor, when a request arrives, then each start is refused as
+    memory_pressure and the request waits for the memory, at the default settings: its start is
+    tried again at least every 15 s without using up an attempt, for up to
+    VIGIL_MEMORY_PRESSURE_WINDOW (300 s); once the holder exits, a retry starts the engine and
+    the request succeeds, on its first counted attempt. (Its own worker, told the model's need
+    just now: memory other processes took or freed since cannot skew it.)"""
     worker = start_mem_worker(redis_server, tmp_path, "squeeze@testhost", ROOMY_MODEL)
     try:
         _squeeze_and_release(worker, store)
@@ -132,17 +136,27 @@ def _squeeze_and_release(mem_worker, store):
                               env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(REPO))
     try:
         assert holder.stdout.readline().strip() == b"held"
+        held_at = time.monotonic()
         r = generate.delay(model=ROOMY_MODEL, prompt="room to breathe", max_tokens=8)
         wait_for(lambda: any(h["error"] == "memory_pressure" and h["outcome"] == "retry"
                              for h in store.history(r.id)), 120,
                  what="a start refused for memory pressure")
+        # A co-tenant holding the card for a minute: far more than the old attempt-bounded
+        # retries (3 attempts, ~6 s) would have waited.
+        wait_for(lambda: time.monotonic() - held_at >= HOLD_S, HOLD_S + 5, interval=0.5,
+                 what="the holder's minute")
+        assert store.get(r.id)["status"] in ("PENDING", "RUNNING")  # still waiting, not failed
     finally:
         holder.kill()
         holder.wait()
+    released_at = time.time()
     out = r.get(timeout=300)
     history = store.history(r.id)
-    assert out["completion_tokens"] == 8 and out["attempts"] == len(history) >= 2
+    assert out["completion_tokens"] == 8 and out["attempts"] == 1 and len(history) >= 4
     assert [h["outcome"] for h in history] == ["retry"] * (len(history) - 1) + ["succeeded"]
     assert all(h["error"] == "memory_pressure" for h in history[:-1])
+    starts = [h["started_at"] for h in history]
+    assert max(b - a for a, b in zip(starts, starts[1:])) <= 15 + 5  # tried again at least
+    assert history[-1]["started_at"] - released_at <= 15 + 5  # every 15 s (+ engine start)
     log = mem_worker.log.read_text()
     assert "not enough free memory to start roomy-llama" in log

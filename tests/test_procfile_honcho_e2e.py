@@ -87,14 +87,15 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
         redis_server, tmp_path):
     """Given the Procfile with its GPU worker as a CPU worker, when `honcho start` runs it against
     the suite's Redis, then the worker serves a request from a separate producer, Flower (started
-    by the Procfile's `vigil flower` line) lists the worker behind basic auth and beat is up; and
+    by the Procfile's `vigil flower` line) lists the worker and the housekeeper behind basic auth
+    and beat is up; and
     when honcho gets SIGTERM it stops every process and none of theirs survives (the worker's
     engine processes and orphan guard included)."""
     procfile = tmp_path / "Procfile"
     procfile.write_text(cpu_procfile((REPO / "Procfile").read_text()))
     procs = parse_procfile(procfile.read_text()).processes
     assert procs["cpu1"] == "vigil worker --cpu --name cpu1@%h"
-    assert set(procs) == {"cpu1", "beat", "flower"}
+    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower"}
     (tmp_path / "empty.env").write_text("")
     url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
     redis.Redis.from_url(url).flushdb()
@@ -134,9 +135,9 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
         out = json.loads(stdout.strip().splitlines()[-1])
         assert out["worker"].startswith("cpu1@") and out["completion_tokens"] == 8
         workers = wait_for(running(lambda: (w := flower_workers()) and
-                                   any(n.startswith("cpu1@") for n in w) and w),
-                           120, 0.5, "Flower to list cpu1")
-        assert len(workers) == 1
+                                   {n.split("@")[0] for n in w} == {"cpu1", "housekeeper"}
+                                   and w), 120, 0.5, "Flower to list cpu1 and the housekeeper")
+        assert len(workers) == 2
         assert requests.get(f"http://127.0.0.1:{port}/api/workers",
                             timeout=10).status_code == 401
         wait_for(running(lambda: "beat: Starting" in log.read_text()), 60, 0.5, "beat")

@@ -176,3 +176,16 @@ def test_worker_ready_marks_the_worker_ready_only_after_its_preload_ends(monkeyp
     monkeypatch.setattr(runtime, "get_runtime", lambda name="": NoPreload())
     lifecycle._on_worker_ready(sender=None)
     assert marked.is_set()
+
+
+def test_instance_ids_are_63_random_bits_never_the_pid():
+    """A worker instance id is uuid4's 63 low bits: positive, fits a signed 64-bit integer (and
+    survives Redis and Lua as the string it is stored as), differs at every start, and is never
+    the PID, which recurs across restarts."""
+    import os
+
+    from workers.runtime import new_instance_id
+
+    ids = {new_instance_id() for _ in range(2000)}
+    assert len(ids) == 2000 and all(0 < i < 2**63 for i in ids)
+    assert os.getpid() not in ids and max(ids).bit_length() > 60

@@ -61,6 +61,9 @@ def test_a_short_soak_with_two_beats_loses_nothing_and_runs_nothing_twice(tmp_pa
     assert rep["requeued_twice"] == 0 and rep["failed_twice"] == 0
     assert rep["stats"].get("duplicate_results", 0) == 0
     assert rep["wrong_results"] == 0
+    # The engines' own witness backs every stored result (generations per request: reported).
+    assert rep["witness_mismatches"] == 0, rep["witness_mismatch_ids"]
+    assert rep["witness_generations"] >= rep["succeeded"]
     assert set(rep["failed_by_code"]) <= ALLOWED_FAILURES, rep["failed_by_code"]
     assert rep["succeeded"] == N - sum(rep["failed_by_code"].values())
     # The killed instance was reaped exactly once although two beats sent every reap.

@@ -198,3 +198,61 @@ def test_backoff_is_jittered_and_capped():
     xs = [backoff(a, 2.0, 10.0, rng) for a in range(1, 10) for _ in range(20)]
     assert all(0 <= x <= 10.0 for x in xs) and len(set(xs)) > 100
     assert all(backoff(1, 2.0, 10.0, rng) <= 2.0 for _ in range(50))
+
+
+def test_a_retry_avoids_the_worker_it_failed_on_while_another_healthy_one_serves(runtime):
+    """Given a request whose attempt failed transiently on worker A, when its retry reaches A
+    again while another live HEALTHY worker B serves the pool, then A gives it back untouched
+    (no attempt used, not held by A) and B runs it; with A alone, A runs it again."""
+    from workers.service import GiveBack
+
+    a = runtime([MemoryError("KV blocks")])
+    b = runtime()
+    a.heartbeat.beat()
+    b.heartbeat.beat()  # B registers: live, HEALTHY, serving tiny-llama
+    create(a.store, "avoid-a")
+    with pytest.raises(RetryLater):
+        serve(a, "avoid-a", 0, KW)  # attempt 1 fails on A
+    with pytest.raises(GiveBack):
+        serve(a, "avoid-a", 1, KW)
+    rec = a.store.get("avoid-a")
+    assert (rec["status"], rec["attempts"]) == ("PENDING", "1")
+    assert not a.store.r.sismember(keys.inflight(a.instance_id), "avoid-a")
+    assert serve(b, "avoid-a", 1, KW)["attempts"] == 2
+    assert [h["instance"] for h in a.store.history("avoid-a")] == [str(a.instance_id),
+                                                                    str(b.instance_id)]
+
+
+def test_a_retry_runs_again_on_the_worker_it_failed_on_when_no_other_serves(runtime):
+    a = runtime([MemoryError("KV blocks")])
+    a.heartbeat.beat()
+    create(a.store, "alone")
+    with pytest.raises(RetryLater):
+        serve(a, "alone", 0, KW)
+    out = serve(a, "alone", 1, KW)
+    assert out["attempts"] == 2 and a.engine.calls == 2
+
+
+def test_memory_pressure_waits_by_time_not_attempts_then_ends(runtime):
+    """Given starts refused for memory pressure, then the request waits without using up
+    attempts (even with max_attempts 1), retried at least every 15 s, the squeeze's start kept
+    in its record; once VIGIL_MEMORY_PRESSURE_WINDOW has passed since that start, the next
+    refusal ends it attempts_exhausted saying so."""
+    from app.errors import TransientError
+    from tests.conftest import wait_until
+
+    squeeze = [TransientError.of("memory_pressure", "not enough free memory")] * 5
+    rt = runtime(squeeze, max_attempts=1, memory_pressure_window=1.0, retry_backoff=60.0,
+                 retry_backoff_max=600.0)
+    create(rt.store, "squeezed")
+    for dispatch in range(3):
+        with pytest.raises(RetryLater) as ei:
+            serve(rt, "squeezed", dispatch, KW)
+        assert ei.value.countdown <= 15.0
+        rec = rt.store.get("squeezed")
+        assert (rec["status"], rec["attempts"]) == ("PENDING", "0")
+    since = float(rt.store.get("squeezed")["pressure_since"])
+    wait_until(lambda: time.time() - since > 1.0, 5)
+    with pytest.raises(TerminalError, match="^attempts_exhausted: no engine could start for "
+                                           "memory pressure"):
+        serve(rt, "squeezed", 3, KW)

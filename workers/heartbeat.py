@@ -32,9 +32,11 @@ class Heartbeat:
 
     def __init__(self, client: redis.Redis, instance_id: int, name: str, interval: float,
                  fields: Callable[[], dict], clock: Callable[[], float] = time.time,
-                 on_redis_back: Callable[[], None] | None = None):
+                 on_redis_back: Callable[[], None] | None = None,
+                 after_beat: Callable[[], None] | None = None):
         """`on_redis_back` runs (in its own thread) after a write succeeds following a failed
-        one, or when Redis' run_id changed since the last write: Redis was away or restarted."""
+        one, or when Redis' run_id changed since the last write: Redis was away or restarted.
+        `after_beat` runs on the heartbeat thread after every write (its errors are logged)."""
         self.r = client
         self.registry = WorkerRegistry(client)
         self.instance_id = instance_id
@@ -48,6 +50,7 @@ class Heartbeat:
         self.started_at = clock()
         self.has_pinged = False
         self.on_redis_back = on_redis_back
+        self.after_beat = after_beat
         self._run_id: str | None = None
         self._failed = False
 
@@ -90,7 +93,17 @@ class Heartbeat:
             except (redis.RedisError, TransientError) as e:  # blips must not kill the heartbeat
                 log.warning("heartbeat failed: %s", e)
                 self._failed = True
+            else:
+                self._after_beat()
             self._stop.wait(MIN_GAP_S)
+
+    def _after_beat(self) -> None:
+        if self.after_beat is None:
+            return
+        try:
+            self.after_beat()
+        except Exception as e:  # nor must what rides on it
+            log.warning("after the heartbeat: %s", e)
 
     def _watch_redis(self) -> None:
         run_id = server_run_id(self.r)

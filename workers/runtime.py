@@ -22,19 +22,23 @@ from app.requests import publish
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
 from app.settings import VigilSettings, get_settings
 from app.state.conn import connect
-from app.state.health import HealthLedger
+from app.state.health import HEALTHY, HealthLedger
 from app.state.queues import pool_of, pool_queues
+from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.engine.vllm import engine_env_defaults
+from workers.engine.witness import Witness
 from workers.heartbeat import Heartbeat
 from workers.orphan_guard import OrphanGuard
 from workers.quarantine import QuarantineActions, WorkerHealth
 
 log = logging.getLogger("vigil.worker")
 
+# How long a worker trusts its last look at which other workers serve a pool.
+OTHERS_CACHE_S = 2.0
 # Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
 # context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
 EXIT_WORKER_BROKEN = 70
@@ -74,7 +78,8 @@ class WorkerRuntime:
         self.consumer = None  # Celery's consumer, set at worker_ready
         self.guard = OrphanGuard() if guard else None
         self.device = worker_device()
-        self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill)),
+        witness = Witness(settings.witness_dir) if settings.witness_dir else None
+        self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness),
                                idle_cleanup=settings.idle_cleanup,
                                on_change=self._engine_changed,
                                planner=self.plan_memory if engine in MODEL_ENGINES else None,
@@ -82,8 +87,10 @@ class WorkerRuntime:
                                stall_timeout=settings.stall_after,
                                engine_start_timeout=settings.engine_start_timeout,
                                on_failure=lambda reason: self.health.failure(reason),
-                               on_success=lambda: self.health.success())
+                               on_success=lambda: self.health.success(),
+                               served_elsewhere=self.served_elsewhere)
         self.leaving: WorkerFatalError | None = None
+        self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(
             HealthLedger(self.client, window=settings.failure_window,
                          threshold=settings.failure_threshold),
@@ -95,7 +102,8 @@ class WorkerRuntime:
             max_canary_failures=settings.max_canary_failures)
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields,
-                                   on_redis_back=self.reclaim_orphans)
+                                   on_redis_back=self.reclaim_orphans,
+                                   after_beat=self.abort_ended)
 
     @property
     def pools(self) -> list[str]:
@@ -108,6 +116,38 @@ class WorkerRuntime:
         pools = [p for p in map(pool_of, queues) if p]
         # Possibly none: a drained or quarantined worker consumes no pool.
         return sorted(p for p in pools if p in self.registry)
+
+    def others_serve(self, pool: str) -> bool:
+        """True when another live, HEALTHY worker consumes `pool` (read from the registry at
+        most every OTHERS_CACHE_S per pool): a request that failed here then goes to it rather
+        than run here again. False when Redis cannot say."""
+        now = time.monotonic()
+        cached = self._others.get(pool)
+        if cached is not None and now - cached[0] < OTHERS_CACHE_S:
+            return cached[1]
+        try:
+            entries = self.store.workers.entries()
+        except Exception as e:
+            log.warning("cannot read the registry: %s", e)
+            return False
+        wall = time.time()
+        answer = any(e.instance != str(self.instance_id) and pool in e.pools
+                     and e.health_state == HEALTHY and e.live(wall, self.settings.live_window)
+                     for e in entries)
+        self._others[pool] = (now, answer)
+        return answer
+
+    def served_elsewhere(self, model: str) -> bool:
+        """True when another live worker's engine holds `model` now: a start of it that fails
+        here is then this worker's fault, not the model's. False when Redis cannot say."""
+        try:  # no outage grace: this runs on the engine loop, which must not wait on Redis
+            entries = WorkerRegistry(self.client).entries()
+        except Exception as e:
+            log.warning("cannot read the registry: %s", e)
+            return False
+        now = time.time()
+        return any(e.instance != str(self.instance_id) and e.model == model
+                   and e.live(now, self.settings.live_window) for e in entries)
 
     def plan_memory(self, spec: ModelSpec) -> MemoryPlan:
         """Measure free memory on this worker's device and size `spec`'s engine start to it."""
@@ -168,6 +208,22 @@ class WorkerRuntime:
                              app.backend, self.settings.max_attempts)
         self._aborted = self.host.abort_in_flight()
         return done
+
+    def abort_ended(self) -> int:
+        """Abort, in the engine, every request this worker runs whose record has ended elsewhere
+        (the deadline sweep, a job delete, the reaper's decision) or is gone: nobody will read
+        what it generates. Run after each heartbeat, so such work stops within one heartbeat
+        interval. Returns how many it aborted."""
+        running = self.host.request_ids()
+        if not running:
+            return 0
+        ended = set(self.store.ended(sorted(running)))
+        if not ended:
+            return 0
+        n = self.host.abort_requests(ended)
+        if n:
+            log.warning("aborted %d request(s) that ended elsewhere while they ran", n)
+        return n
 
     def reclaim_orphans(self) -> int:
         """After Redis was away or restarted: hand back (same id, next dispatch) every request

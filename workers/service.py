@@ -11,9 +11,9 @@ import random
 import time
 
 from app import metrics
-from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING, WEDGED,
-                        WORKER_LOST, RequestError, TerminalError, TransientError, VigilError,
-                        WorkerFatalError, error_from_record)
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
+                        MEMORY_PRESSURE, WEDGED, WORKER_LOST, RequestError, TerminalError,
+                        TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.models import ModelRegistry
 from app.requests.publish import publish
@@ -25,6 +25,14 @@ from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
+
+
+# A request waiting for memory (a start refused for memory pressure) tries again at least this
+# often, so it starts soon after a co-tenant lets go of the card.
+MEMORY_RETRY_MAX_S = 15.0
+# A worker that gives back a request it failed before waits this long first, so another
+# worker's consumer, not its own, takes the message back off the queue.
+AVOID_PAUSE_S = 0.2
 
 
 class RetryLater(Exception):
@@ -81,7 +89,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         raise GiveBack(request_id)
     # A worker seen within the reap window is alive: a copy of what it runs is not run again.
     live = s.live_window
-    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live)
+    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live,
+                       avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
@@ -95,6 +104,10 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     if b.action == "busy":  # its live owner finishes it (or the reaper requeues it)
         metrics.dropped(pool, "duplicate_delivery")
         raise StaleDelivery(request_id)
+    if b.action == "avoid":  # its last attempt failed here, and another healthy worker serves
+        metrics.dropped(pool, "avoided")
+        time.sleep(AVOID_PAUSE_S)  # let another worker's consumer take it first
+        raise GiveBack(request_id)
     if b.action == "expired":
         return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
                                                       "passed before a worker could run it"), pool)
@@ -124,6 +137,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id) from None
     except TransientError as e:
+        if e.code == MEMORY_PRESSURE:
+            return _wait_for_memory(rt, request_id, dispatch, b.attempts, e, pool)
         if e.code != LORA_ADAPTER_PENDING:
             return _retry(rt, request_id, dispatch, b.attempts, e, pool)
         # The adapter is still being written: not the request's fault and nothing ran, so the
@@ -172,6 +187,33 @@ def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
         raise RetryLater(e, countdown) from None
     metrics.dropped(pool, "stale")
     raise StaleDelivery(request_id) from None  # someone else owns it now
+
+
+def _wait_for_memory(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
+                     e: VigilError, pool: str) -> dict:
+    """No engine could start for lack of free memory (a co-tenant holds the card): not the
+    request's fault and nothing ran, so the attempt is given back and the request waits for the
+    memory, bounded by time (VIGIL_MEMORY_PRESSURE_WINDOW from the squeeze's first refusal,
+    within its deadline), not by attempts; the start is tried again at least every
+    MEMORY_RETRY_MAX_S. Past the window the request ends attempts_exhausted."""
+    s = rt.settings
+    now = time.time()
+    rec = rt.store.get(request_id) or {}
+    since = float(rec.get("pressure_since") or now)
+    if now - since >= s.memory_pressure_window:
+        return _fail(rt, request_id, TerminalError.of(ATTEMPTS_EXHAUSTED, (
+            f"no engine could start for memory pressure for {now - since:.0f} s "
+            f"(VIGIL_MEMORY_PRESSURE_WINDOW {s.memory_pressure_window:g} s); last error: {e}")),
+            pool)
+    if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), now=now, refund=True,
+                        pressure=True):
+        metrics.retried(pool, e.code)
+        log.info("request %s: %s; waiting for memory (%.0f s so far)", request_id, e,
+                 now - since)
+        raise RetryLater(e, min(MEMORY_RETRY_MAX_S, backoff(
+            dispatch + 1, s.retry_backoff, s.retry_backoff_max))) from None
+    metrics.dropped(pool, "stale")
+    raise StaleDelivery(request_id) from None
 
 
 def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dict:

@@ -41,7 +41,9 @@ def reap_workers(store: RequestStore, now: float, republish: Republish,
 
     Each request it held is handed back (app/fleet/handback.py: published again under its next
     dispatch, or ended when out of attempts or past its deadline, told to `backend`); then the
-    worker's registry entry, in-flight set and ledger are dropped. Returns {worker name:
+    worker's registry entry, in-flight set and ledger are dropped, only if its `last_seen` is
+    still the one the scan read (compare and delete: a worker whose heartbeat, or a finish,
+    landed mid-reap is alive and keeps them). Returns {worker name:
     (requeued, failed)}; {} when another reaper holds the lock or `reap_timeout` is 0.
 
     Silence is counted from `redis_started_at` at the earliest (when Redis last started): no
@@ -56,12 +58,17 @@ def reap_workers(store: RequestStore, now: float, republish: Republish,
         report: dict[str, tuple[int, int]] = {}
         reaped_pools: set[str] = set()
         republished: set[str] = set()
-        for inst, window in _due_workers(store, now, reap_timeout, registration_grace, chunk,
-                                         max_reaps, redis_started_at):
+        for inst, window, last_seen in _due_workers(store, now, reap_timeout,
+                                                    registration_grace, chunk, max_reaps,
+                                                    redis_started_at):
+            if store.workers.last_seen(inst) != last_seen:
+                continue  # it heartbeat since the scan: alive after all
             name = store.workers.name(inst) or f"instance {inst}"
             reaped_pools.update(store.workers.pools(inst))
             requeued = failed = 0
             for rid in store.inflight_ids(inst):
+                if store.workers.last_seen(inst) != last_seen:
+                    break  # it heartbeat mid-reap: what it still holds stays with it
                 try:
                     outcome = hand_back_one(store, now, rid, inst, republish, backend,
                                             max_attempts)
@@ -72,7 +79,12 @@ def reap_workers(store: RequestStore, now: float, republish: Republish,
                 failed += outcome == "failed"
                 if outcome == "requeued":
                     republished.add(rid)
-            store.workers.drop(inst)
+            if not store.workers.drop_if_unchanged(inst, last_seen):
+                # A heartbeat landed mid-reap: it keeps its entry, in-flight set and ledger.
+                # What was handed back already runs elsewhere too; the first result wins.
+                log.warning("worker %s (instance %s) heartbeat during its reap; kept its entry "
+                            "(%d request(s) already handed back)", name, inst, requeued + failed)
+                continue
             metrics.REAPED_WORKERS.inc()
             metrics.REAPED_REQUESTS.labels("requeued").inc(requeued)
             metrics.REAPED_REQUESTS.labels("failed").inc(failed)
@@ -90,9 +102,10 @@ def reap_workers(store: RequestStore, now: float, republish: Republish,
 
 def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: float,
                  chunk: int, max_reaps: int, since: float = 0.0):
-    """Yield (instance, window) for each worker past its window, least recently seen first:
-    `reap_timeout` once it pinged, `grace` before. The caller drops each yielded entry before
-    the next chunk is read, so only the skipped ones (still in their grace) shift the offset."""
+    """Yield (instance, window, last_seen) for each worker past its window, least recently seen
+    first: `reap_timeout` once it pinged, `grace` before. The caller drops each yielded entry
+    before the next chunk is read (or it heartbeat since, which takes it out of the silent range
+    too), so only the skipped ones (still in their grace) shift the offset."""
     grace = max(grace, reap_timeout)
     skipped = yielded = 0
     while yielded < max_reaps:
@@ -104,7 +117,7 @@ def _due_workers(store: RequestStore, now: float, reap_timeout: float, grace: fl
             if max(last_seen, since) >= now - window:
                 skipped += 1  # within its grace (not ready yet), or Redis started since
                 continue
-            yield inst, window
+            yield inst, window, last_seen
             yielded += 1
             if yielded >= max_reaps:
                 return

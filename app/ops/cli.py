@@ -53,7 +53,30 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     ]
 
 
+def cuda_problem(gpu: int) -> str | None:
+    """Why GPU `gpu` cannot be used from this host (None when it can): a worker that cannot work
+    must not join the fleet and take requests."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (install the gpu extra)"
+    if torch.version.cuda is None:
+        return "this PyTorch is a CPU build: Torch not compiled with CUDA enabled"
+    if not torch.cuda.is_available():
+        return "CUDA is not usable here: no NVIDIA driver or no device visible"
+    if gpu >= torch.cuda.device_count():
+        return f"there is no GPU {gpu} (this host shows {torch.cuda.device_count()})"
+    return None
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
+    if args.gpu is not None:
+        problem = cuda_problem(args.gpu)
+        if problem:
+            print(f"vigil worker: cannot use GPU {args.gpu}: {problem}. Run `vigil worker --cpu` "
+                  "on a host without a GPU; otherwise check the NVIDIA driver (nvidia-smi) and "
+                  "that CUDA_VISIBLE_DEVICES does not hide the device", file=sys.stderr)
+            return 2
     s = get_settings()
     reg = get_registry()
     for p in [p for p in (args.pools or "").split(",") if p]:

@@ -42,7 +42,8 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
-started_at, finished_at, result (result JSON), error_kind, error, last_error, history.
+started_at, finished_at, result (result JSON), error_kind, error, last_error, history,
+pressure_since (when a memory squeeze that keeps refusing its engine start began).
 
 history: a JSON list, one entry per attempt begun (oldest first, the newest 32 kept), written by
 the Lua scripts in app/state/store.py in the same step as the status change:

@@ -70,12 +70,15 @@ return 1
 # KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats, KEYS[4] worker registry
 # zset. ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix,
 # claim token (a claim retried after its reply was lost returns its own run again), live window
-# (an owner seen this recently is alive: its same-dispatch copy is 'busy', not run twice).
+# (an owner seen this recently is alive: its same-dispatch copy is 'busy', not run twice),
+# avoid ('1': another healthy worker serves the pool, so a request whose last attempt failed
+# transiently on this very worker is given back untouched, 'avoid', instead of run here again).
 # The request leaves its previous holder's in-flight set (a worker keeps a request it released
 # for a retry there until someone begins it: see RELEASE). A run appends an open attempt to
 # `history`.
 # -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
-#  | {'busy', owner} | {'expired'} | {'exhausted', attempts, last_error} | {'run', attempts}
+#  | {'busy', owner} | {'expired'} | {'avoid'} | {'exhausted', attempts, last_error}
+#  | {'run', attempts}
 BEGIN = HISTORY_HELPERS + """
 local rec = KEYS[1]
 local st = redis.call('HGET', rec, 'status')
@@ -111,6 +114,15 @@ if st == 'RUNNING' and dispatch == current then
 end
 local deadline = tonumber(redis.call('HGET', rec, 'deadline_at') or '0')
 if deadline > 0 and tonumber(ARGV[5]) > deadline then return {'expired'} end
+if ARGV[10] == '1' and st == 'PENDING' then
+  local h = read_history(rec)
+  local last = h[#h]
+  if last and last.instance == ARGV[4] and last.outcome == 'retry'
+      and last.error ~= 'lora_adapter_pending' then
+    redis.call('SREM', KEYS[2], ARGV[1])  -- given back: this worker no longer holds it
+    return {'avoid'}
+  end
+end
 local attempts = tonumber(redis.call('HGET', rec, 'attempts') or '0')
 if attempts >= tonumber(ARGV[6]) then
   return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
@@ -131,14 +143,17 @@ return {'run', tostring(attempts)}
 """
 
 # KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
-# KEYS[4] deadline index. ARGV: request_id, status, result, error_kind, error, now, ttl,
-# inflight key prefix (to drop the id from its owner's set too: the sweeper finishes requests
-# that a worker holds), finishing instance, job and pool pending-set prefixes.
+# KEYS[4] deadline index, KEYS[5] worker registry. ARGV: request_id, status, result, error_kind,
+# error, now, ttl, inflight key prefix (to drop the id from its owner's set too: the sweeper
+# finishes requests that a worker holds), finishing instance, job and pool pending-set prefixes.
 # -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
 # Only a winning write closes an attempt in `history` (the finisher's open one, else the last if
-# open) as succeeded / failed.
+# open) as succeeded / failed. A worker instance's finish also counts as its heartbeat: its
+# `last_seen` moves up (only if it is registered: a reaped worker is not brought back), so a
+# worker whose heartbeat thread is starved while it serves is not taken for dead.
 FINISH = HISTORY_HELPERS + """
 local rec = KEYS[1]
+if ARGV[9] ~= '0' then redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[6], ARGV[9]) end
 redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 local owner = redis.call('HGET', rec, 'instance')
@@ -162,8 +177,10 @@ return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
 """
 
 # KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
-# now. Hands a RUNNING request back to the queue for a retry, closing its attempt in `history`
-# (outcome 'retry', the code of last_error); a no-op (0) if it is no longer ours.
+# now, refund ('1': the attempt is given back), pressure ('1': a start refused for memory
+# pressure: `pressure_since` keeps when the squeeze began; '0' forgets it). Hands a RUNNING
+# request back to the queue for a retry, closing its attempt in `history` (outcome 'retry', the
+# code of last_error); a no-op (0) if it is no longer ours.
 # The id stays in this worker's in-flight set: the retry's message is an ETA message that this
 # worker's consumer holds unacked until it is due, so if the worker dies now the reaper must
 # still find the request (the next BEGIN, anywhere, removes it from the set).
@@ -179,6 +196,11 @@ end
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', ARGV[3], 'last_error', ARGV[4])
 if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
+if ARGV[7] == '1' then
+  redis.call('HSETNX', KEYS[1], 'pressure_since', ARGV[5])
+else
+  redis.call('HDEL', KEYS[1], 'pressure_since')
+end
 close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
 return 1
 """

@@ -17,6 +17,17 @@ from app.state import keys
 from app.state.calls import Calls, decoded
 from app.state.health import HEALTHY
 
+# KEYS[1] vigil:workers, KEYS[2] the entry, KEYS[3] its in-flight set, KEYS[4] its ledger.
+# ARGV: instance, the last_seen the caller read. Drops the worker only if its last_seen is still
+# that one: a heartbeat (or a finish) that landed since means it is alive. -> 1 dropped, 0 kept.
+_DROP_IF_UNCHANGED = """
+local seen = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if seen and tonumber(seen) ~= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
+
 
 def _split(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
@@ -144,6 +155,21 @@ class WorkerRegistry:
                                                   for k, v in entry.items()})
         pipe.zadd(keys.WORKERS, {str(instance): now})
         self._call(pipe.execute)
+
+    def last_seen(self, instance: int | str) -> float | None:
+        """The worker's last heartbeat (or finish), None when it is not registered."""
+        seen = self._call(self.r.zscore, keys.WORKERS, str(instance))
+        return float(seen) if seen is not None else None
+
+    def drop_if_unchanged(self, instance: int | str, last_seen: float) -> bool:
+        """The reaper's drop: remove the worker (entry, in-flight set, ledger) only if its
+        `last_seen` is still `last_seen`, atomically; False when a heartbeat landed since (it is
+        alive: it keeps all three)."""
+        return bool(self._call(
+            self.r.register_script(_DROP_IF_UNCHANGED),
+            keys=[keys.WORKERS, keys.worker(instance), keys.inflight(instance),
+                  keys.health(instance)],
+            args=[str(instance), repr(float(last_seen))]))
 
     def drop(self, instance: int | str) -> None:
         """Remove a worker instance: its entry, its in-flight set and its health ledger (a clean

@@ -176,15 +176,18 @@ class RequestStore:
             self.unlock(name, owner)
 
     def begin(self, request_id: str, dispatch: int, worker: str, instance: int, now: float,
-              max_attempts: int, live_window: float = 0.0) -> Begin:
+              max_attempts: int, live_window: float = 0.0, avoid_own_failures: bool = False
+              ) -> Begin:
         """Claim a delivery for this worker: mark RUNNING and count the attempt, or say why not
-        ("busy": the same copy already runs here, or on a worker seen within `live_window`)."""
+        ("busy": the same copy already runs here, or on a worker seen within `live_window`;
+        "avoid": with `avoid_own_failures`, its last attempt failed transiently on this very
+        worker, so it is given back untouched for another one)."""
         reply = self._call(
             self._begin,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.WORKERS],
             # A token per claim: a claim retried after a lost reply finds itself, not a rival.
             args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight(""),
-                  uuid.uuid4().hex, live_window],
+                  uuid.uuid4().hex, live_window, "1" if avoid_own_failures else "0"],
         )
         action = reply[0].decode()
         if action == "done":
@@ -198,11 +201,14 @@ class RequestStore:
     def finish(self, request_id: str, instance: int, now: float, *, result: dict | None = None,
                error_kind: str = "", error: str = "") -> tuple[bool, Outcome]:
         """Set the terminal outcome once. Returns (won, stored outcome): a losing writer gets the
-        outcome that was already there and the attempt is counted as a duplicate result."""
+        outcome that was already there and the attempt is counted as a duplicate result. A
+        worker instance's finish (instance not 0) also moves its registry `last_seen` to `now`,
+        if it is registered."""
         status = keys.SUCCEEDED if result is not None else keys.FAILED
         reply = self._call(
             self._finish,
-            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES],
+            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES,
+                  keys.WORKERS],
             args=[request_id, status, json.dumps(result) if result is not None else "",
                   error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
                   keys.job_requests(""), keys.pool_requests("")],
@@ -210,16 +216,19 @@ class RequestStore:
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
 
     def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
-                now: float | None = None, refund: bool = False) -> bool:
+                now: float | None = None, refund: bool = False, pressure: bool = False) -> bool:
         """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped),
         closing its attempt 'retry' at `now` (default: the clock). With `refund`, the attempt is
         not counted against max_attempts (the request was not at fault and did not run: e.g. its
-        LoRA adapter is still being written); its deadline still bounds it."""
+        LoRA adapter is still being written, or no engine could start for memory pressure); its
+        deadline still bounds it. With `pressure`, the record keeps when the memory squeeze
+        began (`pressure_since`, the first such release); any other release forgets it."""
         now = time.time() if now is None else now
         return bool(self._call(
             self._release,
             keys=[keys.request(request_id), keys.inflight(instance)],
-            args=[request_id, instance, next_dispatch, last_error, now, "1" if refund else "0"],
+            args=[request_id, instance, next_dispatch, last_error, now, "1" if refund else "0",
+                  "1" if pressure else "0"],
         ))
 
     def get(self, request_id: str) -> dict[str, str] | None:

@@ -11,8 +11,9 @@ those happened:
 - `HandedBack`: the worker stopped taking requests (stopping or quarantined) and handed this one
   back to the queue; drop this delivery;
 - `TransientError(wedged)`: it got no answer within its timeout inside the running engine, or
-  the stall watchdog aborted it; both are reported through `on_failure` (the health ledger), a
-  completed request through `on_success`;
+  the stall watchdog aborted it; both are reported through `on_failure` (the health ledger), and
+  so is a fast failure of a live engine (`allocation_failed`, `engine_error`); a completed
+  request is reported through `on_success`;
 - `TransientError(engine_restarting)`: it waited for an engine (a drain, a load, a recovery)
   past the bound it was given; not wedge evidence, nothing is reported.
 
@@ -27,10 +28,14 @@ import logging
 import threading
 from typing import Any, Callable, Coroutine
 
-from app.errors import ENGINE_RESTARTING, WEDGED, TransientError, VigilError
+from app.errors import (ALLOCATION_FAILED, ENGINE_ERROR, ENGINE_RESTARTING, WEDGED, TransientError,
+                        VigilError)
 
 log = logging.getLogger("vigil.engine")
 
+# Failures of a live engine that count as evidence against the worker, like a wedge: an engine
+# that answers every request at once with one of these would otherwise keep taking requests.
+FAST_FAILURES = frozenset({ALLOCATION_FAILED, ENGINE_ERROR})
 ABORTED = "aborted"
 STALLED = "stalled"
 
@@ -146,6 +151,8 @@ class LoopBridge:
         except VigilError as e:
             if e.code == WEDGED:  # no answer from the running engine within its timeout
                 self._on_failure(f"timeout: {e.detail}")
+            elif e.code in FAST_FAILURES:  # a live engine failing at once: a black hole
+                self._on_failure(f"fast failure: {e}")
             raise type(e)(str(e)) from None
         finally:
             with self._lock:
@@ -166,6 +173,11 @@ class LoopBridge:
         for f in futures:
             f.cancel()  # the engine aborts the request (CancelledError inside generate)
         return len(futures)
+
+    def request_ids(self) -> set[str]:
+        """The Vigil request ids of every request on the loop now (in the engine or waiting)."""
+        with self._lock:
+            return {rid.rsplit("-", 1)[0] for rid in self._futures.values()}
 
     def cancel_requests(self, request_ids: set[str]) -> int:
         """Cancel the requests of these Vigil request ids (engine ids are `<id>-<attempt>`);

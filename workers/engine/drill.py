@@ -20,6 +20,7 @@ from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
 from workers.engine.vllm import VllmEngine, engine_core_pids
+from workers.engine.witness import Witness
 
 log = logging.getLogger("vigil.drill")
 
@@ -27,12 +28,13 @@ log = logging.getLogger("vigil.drill")
 class DrillEngine(VllmEngine):
     """VllmEngine with the faults of `drill` (the worker's VIGIL_DRILL)."""
 
-    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *, drill: Drill):
+    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *, drill: Drill,
+                 witness: Witness | None = None):
         self.drill = drill
         log.warning("DRILL ENGINE for %s: injecting %s", spec.name, self.drill)
         if drill.slow_start_s:
             time.sleep(drill.slow_start_s)  # synchronous, on the loop, as the real build is
-        super().__init__(spec, plan)
+        super().__init__(spec, plan, witness=witness)
         if self.drill.die_on_start:
             self.kill_core()
             deadline = time.monotonic() + 15
@@ -45,6 +47,10 @@ class DrillEngine(VllmEngine):
         self.kill()
 
     async def run(self, req: GenerateRequest, request_id: str, adapter=None) -> EngineOutput:
+        if self.drill.black_hole:
+            raise RuntimeError("drill: black hole (every generation fails at once)")
+        if self.drill.slow_run_s:
+            await asyncio.sleep(self.drill.slow_run_s)  # cancelled by an abort, as a run is
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:
             task = asyncio.ensure_future(super().run(req, request_id, adapter))
             await asyncio.sleep(0.05)  # in the engine's batch, then the crash

@@ -34,7 +34,8 @@ import logging
 import time
 from typing import Callable
 
-from app.errors import REPEATED_ENGINE_DEATH, WEDGED, TransientError, VigilError, WorkerFatalError
+from app.errors import (ENGINE_START_FAILED, REPEATED_ENGINE_DEATH, WEDGED, RequestError,
+                        TransientError, VigilError, WorkerFatalError)
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
@@ -67,7 +68,8 @@ class EngineHost:
                  on_fatal: Callable[[WorkerFatalError], None] | None = None,
                  stall_timeout: float = 0.0, engine_start_timeout: float = 900.0,
                  on_failure: Callable[[str], None] | None = None,
-                 on_success: Callable[[], None] | None = None):
+                 on_success: Callable[[], None] | None = None,
+                 served_elsewhere: Callable[[str], bool] | None = None):
         self._factory = factory
         self._planner = planner
         self._idle_cleanup = idle_cleanup
@@ -76,6 +78,9 @@ class EngineHost:
         self._clock = clock
         self._shutdown_timeout = shutdown_timeout
         self._engine_start_timeout = engine_start_timeout
+        # Is this model served by another worker right now? Then a start that fails here is
+        # this worker's fault (its copy of the weights, its device), not the model's.
+        self._served_elsewhere = served_elsewhere or (lambda model: False)
         self._start_took: dict[str, float] = {}  # model -> seconds its last start took
         # collaborators
         self._bridge = LoopBridge(on_failure=on_failure, on_success=on_success)
@@ -162,6 +167,10 @@ class EngineHost:
         engine, waiting for it, or parked as suspects. Their callers get `Aborted`. Returns how
         many it found."""
         return self._bridge.cancel_requests(request_ids)
+
+    def request_ids(self) -> set[str]:
+        """The Vigil request ids this host is running or admitting now."""
+        return self._bridge.request_ids()
 
     @property
     def accepting(self) -> bool:
@@ -378,7 +387,11 @@ class EngineHost:
                 if self._streak.broken:
                     self._go_fatal(self._broken_error(spec))
                     continue
-                self._load(spec)
+                try:
+                    self._load(spec)
+                except WorkerFatalError as e:  # its requests go back untouched; it leaves
+                    self._go_fatal(e)
+                    continue
                 if self._engine.dead:  # dead on arrival: a death like any other
                     self._note_death(self._engine, RuntimeError(
                         "the engine was dead as soon as it had started"))
@@ -437,6 +450,11 @@ class EngineHost:
             self._engine = self._factory(spec, plan)
         except BaseException as e:
             err = classify_load_failure(e, plan, self._planner, spec)
+            if isinstance(err, RequestError) and self._served_elsewhere(spec.name):
+                err = WorkerFatalError.of(ENGINE_START_FAILED, (
+                    f"this worker cannot start {spec.name}, which another worker serves, so "
+                    f"the fault is this worker's (its copy of the weights, its configuration "
+                    f"or its device): {err}"))
             self._last_failure = (spec.name, self._clock(), err)
             self._state = "failed"
             log.error("engine for %s failed to load: %s", spec.name, err)

@@ -16,6 +16,7 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
+from workers.engine.witness import Witness
 
 
 def engine_env_defaults() -> None:
@@ -35,8 +36,10 @@ def engine_env_defaults() -> None:
 class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
-    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None):
+    def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
+                 witness: Witness | None = None):
         engine_env_defaults()
+        self.witness = witness
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -110,6 +113,8 @@ class VllmEngine:
                                             lora_request=self._lora(adapter)):
             final = out
         comp = final.outputs[0]
+        if self.witness is not None:
+            self.witness.finished(request_id, len(comp.token_ids))
         return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
                             len(final.prompt_token_ids or ()))
 
