@@ -4,7 +4,8 @@
     python -m bench.soak --requests 2000 --json             # the report as JSON on stdout
 
 Self-contained (bench/README.md says what it runs and reports): a private Redis, a steady and a
-victim `vigil worker --cpu` and `--beats` celery beats (bench/soak_fleet.py); here, a producer
+victim `vigil worker --cpu`, `--beats` celery beats and the housekeeper (bench/soak_fleet.py;
+`--no-housekeeper` leaves beat's tasks to the workers, as before it existed); here, a producer
 thread calling `generate.delay` (`--rate` per second, at most `--window` requests open) and a
 supervisor thread that, while the producer submits, SIGKILLs the victim's whole process group
 every `--worker-kill-every` s (and starts a fresh one) and an EngineCore every
@@ -14,7 +15,8 @@ every `--worker-kill-every` s (and starts a fresh one) and an EngineCore every
 Kills land at any moment: the producer never pauses for them. A message a dying consumer takes
 with it (a BRPOP Redis answers on the dead socket) is published again by the reaper's audit
 (app/fleet/message_audit.py), so a lost request is a bug. The report (bench/soak_report.py, filled by
-bench/soak_findings.py) comes from Vigil's own records once every request ended, or the drain
+bench/soak_findings.py) comes from Vigil's own records, and from the engines' witness of every
+generation they finished (workers/engine/witness.py), once every request ended, or the drain
 gave up: at `--drain-timeout`, or once every open request has had no message anywhere for longer
 than a reap and its audit take (`stranded_s`). Exit status 1 when anything was lost, ran to a
 result twice, was requeued twice for one dispatch or failed twice.
@@ -52,8 +54,10 @@ class Soak:
     def __init__(self, *, requests: int, worker_kill_every: float, engine_kill_every: float,
                  beats: int, max_tokens: int, window: int, rate: float, kill_worker_at: list[int],
                  kill_engine_at: list[int], reap_timeout: float, request_timeout: float,
-                 drain_timeout: float | None, logdir: Path, cache_dir: str, seed: int, say):
+                 drain_timeout: float | None, logdir: Path, cache_dir: str, seed: int, say,
+                 housekeeper: bool = True):
         self.n = requests
+        self.housekeeper = housekeeper
         self.worker_every, self.engine_every = worker_kill_every, engine_kill_every
         self.beats_n, self.max_tokens, self.window, self.rate = beats, max_tokens, window, rate
         self.kill_worker_at, self.kill_engine_at = sorted(kill_worker_at), sorted(kill_engine_at)
@@ -208,6 +212,8 @@ class Soak:
         for name in (STEADY, VICTIM):
             fleet.start_worker(name)
         fleet.start_beats(self.beats_n)
+        if self.housekeeper:
+            fleet.start_housekeeper()
         fleet.wait_ready((STEADY, VICTIM))
         self.rss_ready = self._sample()
         self.say(f"workers ready after {time.monotonic() - started:.0f} s; submitting")
@@ -277,7 +283,8 @@ class Soak:
                          wall_s=wall, logdir=str(self.logdir),
                          settings={k: v for k, v in self.env.items()
                                    if k not in ("VIGIL_CACHE_DIR", "VIGIL_WITNESS_DIR")}
-                         | {"beats": self.beats_n, "window": self.window,
+                         | {"beats": self.beats_n, "housekeeper": self.housekeeper,
+                            "window": self.window,
                             "max_tokens": self.max_tokens, "rate": self.rate,
                             "worker_kill_every": self.worker_every,
                             "engine_kill_every": self.engine_every})
@@ -308,7 +315,7 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
              kill_engine_at: list[int] | None = None, reap_timeout: float = 10,
              request_timeout: float = 120, drain_timeout: float | None = None,
              logdir: str | Path | None = None, cache_dir: str | None = None, seed: int = 0,
-             say=print) -> SoakReport:
+             say=print, housekeeper: bool = True) -> SoakReport:
     """Run one soak (module docstring) and return its report. Starts and stops everything it
     needs (Redis, workers, beats), even on an exception or Ctrl-C; must run in a process whose
     Celery app is not built yet. Kills go by progress when `kill_worker_at` / `kill_engine_at`
@@ -324,7 +331,7 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
                 window=window, rate=rate, kill_worker_at=list(kill_worker_at or []),
                 kill_engine_at=list(kill_engine_at or []), reap_timeout=reap_timeout,
                 request_timeout=request_timeout, drain_timeout=drain_timeout, logdir=logdir,
-                cache_dir=cache, seed=seed, say=say)
+                cache_dir=cache, seed=seed, say=say, housekeeper=housekeeper)
     report = None
     try:
         report = soak.run()
@@ -350,6 +357,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-engine-at", type=int, action="append", default=[], metavar="N",
                    help="kill an EngineCore once N requests ended (repeatable)")
     p.add_argument("--beats", type=int, default=2, help="celery beats running at once")
+    p.add_argument("--no-housekeeper", action="store_true",
+                   help="run beat's tasks on the workers only, as without `vigil housekeeper`")
     p.add_argument("--max-tokens", type=int, default=32,
                    help="tokens per request: each asks a random count in [max/4, max]")
     p.add_argument("--window", type=int, default=192,
@@ -386,7 +395,8 @@ def main(argv=None) -> int:
                    max_tokens=a.max_tokens, window=a.window, rate=a.rate,
                    kill_worker_at=a.kill_worker_at, kill_engine_at=a.kill_engine_at,
                    reap_timeout=a.reap_timeout, request_timeout=a.request_timeout,
-                   drain_timeout=a.drain_timeout, logdir=a.logdir, seed=a.seed, say=say)
+                   drain_timeout=a.drain_timeout, logdir=a.logdir, seed=a.seed, say=say,
+                   housekeeper=not a.no_housekeeper)
     data = rep.to_dict()
     if a.report:
         Path(a.report).write_text(json.dumps(data, indent=1))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from app.local.embedded import (REPO, EmbeddedRedis, start_process, start_worker, stop_process,
-                                vigil_env, wait_for)
+                                start_housekeeper, vigil_env, wait_for)
 
 MODEL = "tiny-llama"
 QUEUE = f"vigil.pool.{MODEL}"
@@ -102,6 +102,11 @@ class Fleet:
                 [sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
                  "-s", str(self.logdir / f"beat{i}-schedule")],
                 vigil_env(self.redis.url, **self.env), self.logdir / f"beat{i}.log")
+
+    def start_housekeeper(self) -> None:
+        """Start the housekeeper (beat's tasks on threads of its own), as the Procfile does."""
+        self.procs["housekeeper"] = start_housekeeper(self.redis.url,
+                                                      self.logdir / "housekeeper.log", **self.env)
 
     def wait_ready(self, names: tuple[str, ...], timeout: float = 600) -> None:
         """Wait until every named worker's engine is loaded; raises if one exits first."""
