@@ -18,6 +18,9 @@ from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore
 
+# The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
+APP_NAME = "vigil"
+
 
 class VigilCelery(Celery):
     """Celery, except that the results it hands out (`generate.delay(...)`, `app.AsyncResult(id)`)
@@ -73,19 +76,18 @@ def _beat_schedule(s: VigilSettings) -> dict:
     # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/fleet/jobs.py).
     sched["vigil.reconcile"] = (s.reconcile_interval, "vigil.reconcile", {})
     sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
+    # vigil.generate sent to another app's default queue (no `queue=`): moved to be forwarded.
+    if s.foreign_queue_names:
+        sched["vigil.foreign_queues"] = (s.foreign_queue_scan_interval, "vigil.foreign_queues",
+                                         {})
     return {name: {"task": task, "schedule": every, "kwargs": kwargs,
                    "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
             for name, (every, task, kwargs) in sched.items()}
 
 
-def create_app(settings: VigilSettings | None = None,
-               registry: ModelRegistry | None = None) -> Celery:
-    """Build Vigil's Celery app. Connects to nothing: safe at import."""
-    s = settings or get_settings()
-    reg = registry or get_registry()
-    app = VigilCelery("vigil", broker=s.redis_url, backend=s.redis_url,
-                      include=["tasks.inference", "tasks.housekeeping"])
-    app.vigil_settings, app.vigil_registry = s, reg
+def celery_config(s: VigilSettings, reg: ModelRegistry) -> dict:
+    """Every Celery setting of Vigil's app, broker and backend included, as one dict (create_app
+    applies it; the tests hand it to pytest-celery's `celery_app` fixture). Connects to nothing."""
     redis_opts = {
         # Above the longest request + backoff: a healthy long generation is never redelivered.
         "visibility_timeout": s.visibility_timeout,
@@ -100,7 +102,8 @@ def create_app(settings: VigilSettings | None = None,
         **redis_conn.transport_options(s),
     }
     tls = redis_conn.tls_options(s)
-    app.conf.update(
+    return dict(
+        broker_url=s.redis_url, result_backend=s.redis_url,
         # JSON only, both ways: no pickle anywhere on the wire.
         task_serializer="json", result_serializer="json",
         accept_content=["json"], result_accept_content=["json"],
@@ -111,8 +114,8 @@ def create_app(settings: VigilSettings | None = None,
         # delivered again (Vigil's record makes the second delivery exactly-once).
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        # One message per thread at a time: the threads pool itself is the batch feeding the engine;
-        # prefetching more would strand messages on a worker that might die.
+        # One message per thread at a time: the threads pool itself is the batch feeding the
+        # engine; prefetching more would strand messages on a worker that might die.
         worker_prefetch_multiplier=1,
         broker_transport_options=redis_opts,
         # rediss://: the broker and the backend verify Redis' certificate against one CA and
@@ -157,4 +160,15 @@ def create_app(settings: VigilSettings | None = None,
         # harmless; each expires before its next run so a backlog of them never piles up.
         beat_schedule=_beat_schedule(s),
     )
+
+
+def create_app(settings: VigilSettings | None = None,
+               registry: ModelRegistry | None = None) -> Celery:
+    """Build Vigil's Celery app. Connects to nothing: safe at import."""
+    s = settings or get_settings()
+    reg = registry or get_registry()
+    app = VigilCelery(APP_NAME, broker=s.redis_url, backend=s.redis_url,
+                      include=["tasks.inference", "tasks.housekeeping"])
+    app.vigil_settings, app.vigil_registry = s, reg
+    app.conf.update(celery_config(s, reg))
     return app

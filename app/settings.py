@@ -90,6 +90,9 @@ DEFAULT_MEMORY_PRESSURE_WINDOW_S = 300.0
 DEFAULT_HEALTH_TICK_S = 30.0
 # How often beat's reconcile makes every worker of a pool consume all of the pool's job queues.
 DEFAULT_RECONCILE_S = 30.0
+# How often beat looks for vigil.generate messages on other Celery apps' default queues (a
+# producer that sent without `queue=`) and moves them to vigil.housekeeping to be forwarded.
+DEFAULT_FOREIGN_QUEUE_SCAN_S = 2.0
 # Pools the reconcile gives a worker per pass: each costs an engine start somewhere; a burst of
 # new pools is spread over passes instead of stopping every worker at once.
 DEFAULT_RECONCILE_CONCURRENCY = 4
@@ -193,6 +196,14 @@ class VigilSettings(BaseSettings):
     job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "
                                     "this long is abandoned (default: request_deadline).")
     reconcile_interval: float = Field(DEFAULT_RECONCILE_S, gt=0)
+    foreign_queues: str = Field("celery", description="Comma-separated queues of other Celery "
+                                "apps (Celery's default queue, `celery`, where a producer that "
+                                "sends vigil.generate without `queue=` lands) that beat scans "
+                                "for vigil.generate messages to forward; every other message "
+                                "there is left in place. Empty: no scan.")
+    foreign_queue_scan_interval: float = Field(DEFAULT_FOREIGN_QUEUE_SCAN_S, gt=0,
+                                               description="How often beat scans "
+                                               "foreign_queues.")
     reconcile_concurrency: int = Field(DEFAULT_RECONCILE_CONCURRENCY, ge=1, le=1000)
     preload: bool = Field(True, description="Load the first pool's engine at worker start.")
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="Built models "
@@ -345,6 +356,11 @@ class VigilSettings(BaseSettings):
     def job_lease_s(self) -> float:
         """How long a job lives without a submit or poll: `job_lease`, else the deadline."""
         return self.job_lease if self.job_lease is not None else self.request_deadline
+
+    @property
+    def foreign_queue_names(self) -> list[str]:
+        """`foreign_queues` as a list (no empty names)."""
+        return [q.strip() for q in self.foreign_queues.split(",") if q.strip()]
 
     @property
     def live_window(self) -> float:

@@ -14,8 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from app.local.embedded import (REPO, EmbeddedRedis, start_process, start_worker, stop_process,
-                                start_housekeeper, vigil_env, wait_for)
+from app.local.embedded import (REPO, EmbeddedRedis, start_housekeeper, start_process,
+                                start_worker, stop_process, vigil_env, wait_for)
 
 MODEL = "tiny-llama"
 QUEUE = f"vigil.pool.{MODEL}"

@@ -7,6 +7,7 @@ import time
 from app import app, control
 from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
 from app.fleet.deadlines import sweep_deadlines
+from app.fleet.foreign_queues import move_foreign_messages
 from app.fleet.jobs import delete_job, expire_jobs
 from app.fleet.message_audit import audit_after_restart
 from app.fleet.reaper import reap_workers
@@ -91,3 +92,12 @@ def job_leases() -> int:
     store = shared_store()
     return expire_jobs(store, now, get_settings().job_lease_s,
                        lambda name, reason: delete_job(store, name, reason, now))
+
+
+@app.task(name="vigil.foreign_queues", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+          acks_late=True)
+def foreign_queues() -> int:
+    """Move vigil.generate messages sent to other Celery apps' queues (VIGIL_FOREIGN_QUEUES:
+    Celery's default, `celery`) to vigil.housekeeping, to be validated and forwarded to their
+    pools (app/fleet/foreign_queues.py); returns how many moved."""
+    return move_foreign_messages(shared_store(), get_settings().foreign_queue_names)

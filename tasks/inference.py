@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery.exceptions import Ignore, Reject
 
 from app import app
-from app.errors import TransientError
+from app.errors import RequestError, TerminalError, TransientError, WorkerFatalError
 from app.requests.models import get_registry
 from app.settings import get_settings
 from app.state.queues import is_pool_queue
@@ -17,16 +17,22 @@ from app.state.store import shared_store
 from tasks.base import VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
-from workers.service import GiveBack, RetryLater, StaleDelivery, backoff, forward, serve
+from workers.service import GiveBack, StaleDelivery, forward, serve
 
 # Importing it connects the worker's start-up/shutdown signal handlers and control commands.
 WORKER_HOOKS = lifecycle
 
 
-@app.task(base=VigilTask, bind=True, name="vigil.generate")
+# Retried (docs/api.md, "Retries"): the fleet's and the worker's failures, through the one retry
+# path (VigilTask.retry) with the backoff, jitter and max_retries VigilTask reads from settings.
+# Never retried: the request's own errors and the ends Vigil decided.
+@app.task(base=VigilTask, bind=True, name="vigil.generate",
+          autoretry_for=(TransientError, WorkerFatalError),
+          dont_autoretry_for=(RequestError, TerminalError))
 def generate(self, **kwargs) -> dict:
     """Generate text for one request; returns the stored result dict (see GenerateResult). A
-    message that reached a queue no pool owns is forwarded to its pool's queue instead."""
+    message that reached a queue no pool owns is forwarded to its pool's queue instead. Raises
+    the request's typed error when it ends failed; a retryable one is retried by Celery."""
     queue = (self.request.delivery_info or {}).get("routing_key")
     try:
         if lifecycle.housekeeper() or (queue and not is_pool_queue(queue)):
@@ -35,13 +41,6 @@ def generate(self, **kwargs) -> dict:
             raise Ignore()
         rt = get_runtime(self.request.hostname or "")
         return serve(rt, self.request.id, self.request.retries or 0, kwargs)
-    except RetryLater as r:
-        raise self.retry(exc=r.error, countdown=r.countdown, max_retries=None)
-    except TransientError as e:  # Vigil's own state was unreachable (redis_unavailable): the
-        # request is not at fault, so it goes back to the queue (a later delivery takes it over)
-        s = get_settings()
-        countdown = backoff(self.request.retries + 1, s.retry_backoff, s.retry_backoff_max)
-        raise self.retry(exc=e, countdown=countdown, max_retries=None)
     except StaleDelivery:
         raise Ignore()
     except GiveBack:  # stopping: back on the queue, untouched, for another worker

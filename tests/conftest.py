@@ -103,6 +103,44 @@ def settings(redis_db1_url):
     return load_settings(redis_url=redis_db1_url, cache_dir=CACHE_DIR)
 
 
+# -- pytest-celery (celery.contrib.pytest's fixtures, re-exported by its plugin) ---------------
+@pytest.fixture()
+def celery_config(settings) -> dict:
+    """The configuration of pytest-celery's `celery_app`: Vigil's own (app/celery_app.py), on
+    the Redis tier's flushed database 1, with the test process' logging left alone."""
+    from app.celery_app import celery_config as vigil_celery_config
+    from app.requests.models import get_registry
+
+    return {**vigil_celery_config(settings, get_registry()), "worker_hijack_root_logger": False}
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    """The pool of pytest-celery's in-process `celery_worker`: threads, as Vigil's workers."""
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_includes() -> list[str]:
+    """Imported before the in-process worker starts: the ping task its start-up check sends."""
+    return ["celery.contrib.testing.tasks"]
+
+
+@pytest.fixture()
+def inprocess_worker(celery_app, celery_includes, celery_worker_pool, celery_worker_parameters):
+    """celery.contrib.pytest's `celery_worker`, by another name: an in-process worker of
+    `celery_app` (threads pool), started once it answers a ping and stopped after the test.
+    pytest-celery 1.3 gives the name `celery_worker` to its Docker-container worker, which
+    this machine cannot run (docs/testing.md)."""
+    from celery.contrib.testing import worker
+
+    for module in celery_includes:
+        celery_app.loader.import_task_module(module)
+    with worker.start_worker(celery_app, pool=celery_worker_pool,
+                             **celery_worker_parameters) as w:
+        yield w
+
+
 # -- worker tier -----------------------------------------------------------------------------
 def worker_entry(client, name: str) -> dict[str, str] | None:
     """The registry hash of the live worker called `name` (Celery node name), if any."""

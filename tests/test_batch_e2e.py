@@ -15,7 +15,7 @@ import pytest
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.ops import batch_file as batch
 from app.ops.cli import main
-from app.requests.models import get_registry
+from app.requests.models import TINY_MAX_POSITIONS, get_registry
 from app.state.store import RequestStore
 from tests.conftest import UNSERVED_MODEL
 
@@ -67,8 +67,9 @@ def test_a_batch_writes_openai_shaped_outputs_and_errors(warm_worker, store, tmp
         chat("chat2", [{"role": "system", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "Alice reads"}]}],
              max_completion_tokens=3),
-        "{this is not json",                                               # line 5
-        completion("c1", "a duplicate custom_id"),                         # line 6
+        chat("chat3", hello, temperature=0, ignore_eos=True),  # no max_tokens: rest of context
+        "{this is not json",                                               # line 6
+        completion("c1", "a duplicate custom_id"),                         # line 7
         {**completion("emb", "x"), "url": "/v1/embeddings"},
         completion("nomodel", "x", model="gpt-9"),
         completion("badtype", "x", max_tokens="5"),
@@ -80,7 +81,7 @@ def test_a_batch_writes_openai_shaped_outputs_and_errors(warm_worker, store, tmp
     outs = read_jsonl(tmp_path / "mixed.output.jsonl")
     errs = read_jsonl(tmp_path / "mixed.errors.jsonl")
 
-    assert sorted(o["custom_id"] for o in outs) == ["c1", "c2", "chat1", "chat2"]
+    assert sorted(o["custom_id"] for o in outs) == ["c1", "c2", "chat1", "chat2", "chat3"]
     by_id = {o["custom_id"]: o for o in outs}
     for cid, o in by_id.items():
         rid = batch.request_id_for(job, cid)
@@ -107,6 +108,10 @@ def test_a_batch_writes_openai_shaped_outputs_and_errors(warm_worker, store, tmp
     stored = json.loads(store.get(batch.request_id_for(job, "chat1"))["request"])
     assert stored["prompt_token_ids"] == ids
     assert by_id["chat2"]["response"]["body"]["usage"]["completion_tokens"] <= 3
+    # A chat line without max_tokens runs to the end of tiny-llama's 512-token context.
+    chat3 = by_id["chat3"]["response"]["body"]
+    assert chat3["usage"]["completion_tokens"] == TINY_MAX_POSITIONS - len(ids)
+    assert chat3["choices"][0]["finish_reason"] == "length"
 
     codes = {(e["custom_id"], e["error"]["code"]) for e in errs}
     assert codes == {(None, "invalid_request"), ("c1", "invalid_request"),
@@ -115,8 +120,8 @@ def test_a_batch_writes_openai_shaped_outputs_and_errors(warm_worker, store, tmp
                      ("notemplate", "invalid_request")}
     assert len(errs) == 7 and all(e["response"] is None for e in errs)
     msg = {e["custom_id"]: e["error"]["message"] for e in errs}
-    assert msg[None].startswith("line 5: not valid JSON")
-    assert msg["c1"] == "line 6: duplicate custom_id 'c1'"
+    assert msg[None].startswith("line 6: not valid JSON")
+    assert msg["c1"] == "line 7: duplicate custom_id 'c1'"
     assert "max_tokens" in msg["badtype"] and "chat" in msg["notemplate"]
     assert store.get(batch.request_id_for(job, "badtype")) is None  # refused before Redis
 

@@ -26,8 +26,12 @@ def fake_render(model, messages):
     return [len(messages), len(model)]
 
 
+def fake_budget(model, prompt_tokens):
+    return 64 - prompt_tokens  # a 64-token context
+
+
 def to_req(obj, render=fake_render):
-    return batch.to_request(obj, 7, "job-1", render)
+    return batch.to_request(obj, 7, "job-1", render, fake_budget)
 
 
 def refused(obj, *words, render=fake_render):
@@ -117,6 +121,35 @@ def test_a_chat_line_is_rendered_by_the_models_template():
                   "job": "job-1"}
     assert seen == [("tiny-llama", [{"role": "system", "content": "be brief"},
                                     {"role": "user", "content": "a\nb"}])]
+
+
+def test_a_chat_line_without_max_tokens_gets_the_rest_of_the_context_a_completion_16():
+    """Given a chat line that names no max_tokens (or null), then it asks the rest of the model's
+    context after its prompt (chat_budget), as OpenAI's and vLLM's chat endpoints do; a
+    completions line names none and so keeps the request's default (16), as OpenAI's legacy
+    endpoint does; a model whose context is unknown keeps 16 too."""
+    chat = line(url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}])
+    assert to_req(chat)[1]["max_tokens"] == 64 - 2
+    assert to_req({**chat, "body": {**chat["body"], "max_tokens": None}})[1]["max_tokens"] == 62
+    assert "max_tokens" not in to_req(line(prompt="x"))[1]
+    assert "max_tokens" not in batch.to_request(chat, 7, "j", fake_render, lambda m, n: None)[1]
+
+
+def test_rest_of_context_reads_the_registry_and_the_cap(monkeypatch):
+    from app.ops.batch_run import rest_of_context
+    from app.requests.models import TINY_MAX_POSITIONS, get_registry
+    from app.settings import get_settings
+
+    assert get_registry().get("tiny-llama").max_model_len == TINY_MAX_POSITIONS
+    assert rest_of_context("tiny-llama", 10) == TINY_MAX_POSITIONS - 10
+    assert rest_of_context("tiny-llama", TINY_MAX_POSITIONS) == 1  # ends prompt_too_long
+    monkeypatch.setenv("VIGIL_MAX_TOKENS_CAP", "7")
+    get_settings.cache_clear()
+    try:
+        assert rest_of_context("tiny-llama", 10) == 7
+    finally:
+        monkeypatch.delenv("VIGIL_MAX_TOKENS_CAP")
+        get_settings.cache_clear()
 
 
 @pytest.mark.parametrize("obj, words", [
@@ -246,6 +279,7 @@ def run(tmp_path, fleet, window=2, job="j", **kw):
     src = tmp_path / "in.jsonl"
     return run_batch(src, tmp_path / "out.jsonl", tmp_path / "err.jsonl", job, window,
                      submit=fleet.submit, poll=fleet.poll, render_chat=fake_render,
+                     chat_budget=fake_budget,
                      sleep=lambda s: None, **kw)
 
 
@@ -313,7 +347,7 @@ def test_usage_errors_are_refused_before_anything_is_written(tmp_path):
         run(tmp_path, fleet, window=0)
     with pytest.raises(BatchUsageError, match="three different files"):
         run_batch(tmp_path / "in.jsonl", tmp_path / "in.jsonl", tmp_path / "e", "j", 1,
-                  submit=fleet.submit, poll=fleet.poll, render_chat=fake_render)
+                  submit=fleet.submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
     assert not fleet.submitted and not (tmp_path / "err.jsonl").exists()
 
 
@@ -325,12 +359,12 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp
     def submit(rid, kwargs):
         with pytest.raises(BatchUsageError, match="another vigil batch"):
             run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err2.jsonl",
-                      "j", 1, submit=fleet.submit, poll=fleet.poll, render_chat=fake_render)
+                      "j", 1, submit=fleet.submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
         inner.append(rid)
         fleet.submit(rid, kwargs)
 
     run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl", "j", 1,
-              submit=submit, poll=fleet.poll, render_chat=fake_render)
+              submit=submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
     assert len(inner) == 1 and len(read_jsonl(tmp_path / "out.jsonl")) == 1
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.worker
 # must be refused; after it exits, there is room again.
 HEADROOM_GIB = 3.0
 # How long the holder keeps the memory once the squeeze began.
-HOLD_S = 60
+HOLD_S = 20
 # How far below the model's need (plus its smallest KV cache) the holder keeps free memory.
 HOLD_MARGIN_GIB = 0.75
 mem_worker_need = [0.0]  # the memory_gib the worker was told (set by the fixture)
@@ -112,7 +112,7 @@ def test_missing_model_files_fail_once_with_model_not_found(mem_worker, store):
 
 def test_memory_pressure_at_engine_start_waits_for_the_memory_and_lands_once_it_frees(
         redis_server, store, tmp_path):
-    """Given another process holding memory for a minute so that the worker measures less free
+    """Given another process holding memory for 20 s so that the worker measures less free
     memory than the model's floor, when a request arrives, then each start is refused as
     memory_pressure and the request waits for the memory, at the default settings: its start is
     tried again at least every 15 s without using up an attempt, for up to
@@ -141,10 +141,10 @@ def _squeeze_and_release(mem_worker, store):
         wait_for(lambda: any(h["error"] == "memory_pressure" and h["outcome"] == "retry"
                              for h in store.history(r.id)), 120,
                  what="a start refused for memory pressure")
-        # A co-tenant holding the card for a minute: far more than the old attempt-bounded
+        # A co-tenant holding the card for 20 s: far more than the old attempt-bounded
         # retries (3 attempts, ~6 s) would have waited.
         wait_for(lambda: time.monotonic() - held_at >= HOLD_S, HOLD_S + 5, interval=0.5,
-                 what="the holder's minute")
+                 what="the holder's 20 s")
         assert store.get(r.id)["status"] in ("PENDING", "RUNNING")  # still waiting, not failed
     finally:
         holder.kill()

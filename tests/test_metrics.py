@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import metrics
-from app.errors import RequestError
+from app.errors import RequestError, TransientError
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.reaper import reap_workers
 from app.state.conn import connect
@@ -22,7 +22,7 @@ from tests.test_store_and_service import KW, Scripted, create
 from workers import metrics_server
 from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime
-from workers.service import RetryLater, StaleDelivery, serve
+from workers.service import StaleDelivery, serve
 
 pytestmark = pytest.mark.redis
 POOL = "tiny-llama"
@@ -75,7 +75,7 @@ def test_serve_counts_outcomes_by_code_attempts_retries_and_dropped_deliveries(r
               series("vigil_deliveries_dropped_total", pool=POOL, reason="duplicate_delivery"))
     rt = runtime([MemoryError("KV blocks")])
     create(rt.store, "m1")
-    with pytest.raises(RetryLater):
+    with pytest.raises(TransientError):
         serve(rt, "m1", 0, KW)
     with pytest.raises(StaleDelivery):
         serve(rt, "m1", 0, KW)

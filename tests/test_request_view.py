@@ -37,14 +37,6 @@ def store(settings):
     return RequestStore(connect(settings), settings.result_ttl)
 
 
-@pytest.fixture()
-def celery_db1(settings):
-    """Vigil's Celery app on database 1: its messages are real kombu messages."""
-    app = create_app(settings, get_registry())
-    yield app
-    app.close()
-
-
 def create(store, rid, now=None, **kw):
     req = parse_request({**KW, **kw})
     assert store.create(rid, record_fields(req, now or time.time(), 3600))
@@ -66,15 +58,15 @@ def view(store, settings, rid, **kw):
 
 
 def test_a_queued_request_with_no_worker_says_so_and_gives_its_place_in_the_queue(
-        store, settings, celery_db1):
+        store, settings, celery_app):
     """Given no worker for tiny-llama and eight messages in its queue, the sixth published being
     ours, then the request waits because no live worker serves the pool, five messages ahead."""
     for i in range(5):
-        publish(celery_db1, f"before-{i}")
+        publish(celery_app, f"before-{i}")
     create(store, "r1")
-    publish(celery_db1, "r1")
+    publish(celery_app, "r1")
     for i in range(2):
-        publish(celery_db1, f"after-{i}")
+        publish(celery_app, f"after-{i}")
     w = view(store, settings, "r1")
     assert w["status"] == "PENDING" and w["queue"] == QUEUE
     assert (w["position"], w["queue_length"]) == (6, 8)
@@ -83,7 +75,7 @@ def test_a_queued_request_with_no_worker_says_so_and_gives_its_place_in_the_queu
     assert w["summary"] == "; ".join(w["reasons"]) and w["held_by"] == []
 
 
-def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, celery_db1):
+def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, celery_app):
     """Given the only worker serving tiny-llama quarantined by three failures, then a queued
     request says every worker serving its pool is quarantined."""
     worker(store.r, 7, "sick@h")
@@ -91,17 +83,17 @@ def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, cel
     for i in range(3):
         ledger.failure(7, time.time() + i, "stall: no progress")
     create(store, "r1")
-    publish(celery_db1, "r1")
+    publish(celery_app, "r1")
     w = view(store, settings, "r1")
     assert w["reasons"][0] == ("pool tiny-llama: every worker serving it is quarantined or "
                                "restarting")
     assert w["position"] == 1 and w["pool_workers"] == []
 
 
-def test_a_served_pool_gives_only_the_queue_position(store, settings, celery_db1):
+def test_a_served_pool_gives_only_the_queue_position(store, settings, celery_app):
     worker(store.r, 5, "ok@h")
     create(store, "r1")
-    publish(celery_db1, "r1")
+    publish(celery_app, "r1")
     w = view(store, settings, "r1")
     assert w["reasons"] == [f"position ~1 of 1 in queue {QUEUE}"]
     assert w["pool_workers"] == ["ok@h"] and w["why_unserved"] == ""
@@ -199,29 +191,31 @@ def test_describe_shows_the_error_code_of_a_failed_request(store, settings):
                           "message": "prompt_too_long: 700 tokens > 512"}
 
 
-def test_async_result_info_of_a_waiting_request_is_the_summary(store, settings, celery_db1):
+def test_async_result_info_of_a_waiting_request_is_the_summary(store, settings):
     """Given a queued request with no worker, then AsyncResult.info (PENDING, and RETRY after a
     retry is stored) is the waiting summary, while `result` stays Celery's own value; once the
-    request has a result, info is that result."""
+    request has a result, info is that result. (Vigil's own app class: pytest-celery's
+    `celery_app` is a plain Celery app, whose results know nothing of Vigil.)"""
+    celery_app = create_app(settings, get_registry())
     create(store, "r1")
-    publish(celery_db1, "r1")
-    r = celery_db1.AsyncResult("r1")
+    publish(celery_app, "r1")
+    r = celery_app.AsyncResult("r1")
     assert r.state == states.PENDING and r.result is None
     assert r.info["summary"] == f"pool tiny-llama: no live worker serves it; position ~1 of 1 " \
                                 f"in queue {QUEUE}"
-    celery_db1.backend.mark_as_retry("r1", TransientError("wedged: slow"))
-    r = celery_db1.AsyncResult("r1")
+    celery_app.backend.mark_as_retry("r1", TransientError("wedged: slow"))
+    r = celery_app.AsyncResult("r1")
     assert r.state == states.RETRY and isinstance(r.result, TransientError)
     assert r.info["request_id"] == "r1" and r.info["position"] == 1
-    celery_db1.backend.mark_as_done("r1", {"text": "x"})
-    assert celery_db1.AsyncResult("r1").info == {"text": "x"}
-    assert celery_db1.AsyncResult("unknown-id").info is None  # no record: Celery's own None
+    celery_app.backend.mark_as_done("r1", {"text": "x"})
+    assert celery_app.AsyncResult("r1").info == {"text": "x"}
+    assert celery_app.AsyncResult("unknown-id").info is None  # no record: Celery's own None
 
 
-def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
+def test_vigil_request_command_json_and_not_found(store, settings, celery_app):
     url = settings.redis_url
     create(store, "r1")
-    publish(celery_db1, "r1")
+    publish(celery_app, "r1")
     out = subprocess.run([sys.executable, "-m", "app.ops.cli", "request", "r1", "--json"],
                          env=vigil_env(url), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -240,14 +234,14 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_db1):
     assert store.r.exists(keys.request("r1"))  # read-only
 
 
-def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_db1):
+def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_app):
     """Given a request of job eval-7 behind another of the same job, then its place is counted in
     the job's own queue (app/fleet/jobs.py), not the pool's."""
     from app.state.queues import job_queue
 
     create(store, "r1", job="eval-7")
     for rid in ("ahead", "r1"):
-        celery_db1.send_task("vigil.generate", kwargs={**KW, "job": "eval-7"}, task_id=rid,
+        celery_app.send_task("vigil.generate", kwargs={**KW, "job": "eval-7"}, task_id=rid,
                              queue=job_queue("tiny-llama", "eval-7"))
     w = view(store, settings, "r1")
     assert w["queue"] == "vigil.pool.tiny-llama.job.eval-7" and w["position"] == 2

@@ -64,3 +64,64 @@ def test_status_json_from_the_command_line_hides_credentials(redis_db1_url):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["redis"] == redis_db1_url
     assert "s3cret" not in out.stdout + out.stderr
+
+
+def _snapshot() -> dict:
+    """A snapshot as collect() returns it: long host names, a long failure, three pools."""
+    failure = ("stall: the engine made no progress for 120 s while 37 requests waited on it; "
+               "aborted them and restarted the engine core process")
+    workers = [{"name": f"gpu{i}@inference-node-{i:02d}.cluster.example.internal",
+                "instance_id": f"24856{i}931", "state": state, "streak": streak,
+                "last_failure": failure if streak else "", "quarantines": 0, "live": True,
+                "last_seen_s": 3.2, "pools": ["tiny-llama", "roomy-llama"],
+                "model": "tiny-llama", "engine_state": "ready", "in_flight": 12,
+                "engine_restarts": 0, "device": "cuda:0", "free_bytes": 30 << 30,
+                "total_bytes": 80 << 30}
+               for i, (state, streak) in enumerate((("HEALTHY", 0), ("SUSPECT", 1),
+                                                    ("QUARANTINED", 3), ("RESTARTING", 0)))]
+    pools = [{"pool": "tiny-llama", "pending": 40, "running": 36, "oldest_waiting_s": 12.0,
+              "workers": [w["name"] for w in workers[:2]], "why_unserved": ""},
+             {"pool": "unserved-model", "pending": 3, "running": 0, "oldest_waiting_s": 300.0,
+              "workers": [], "why_unserved": "no live worker serves it"}]
+    return {"redis": "127.0.0.1:6379/0", "at": 2000.0, "workers": workers, "pools": pools,
+            "jobs": [{"name": "eval-7", "pending": 40, "replicas": 1, "last_active": 1990.0}]}
+
+
+def _rendered(wide: bool, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from app.ops.status import render
+
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(render(_snapshot(), wide))
+    return console.file.getvalue().splitlines()
+
+
+def test_status_fits_80_columns_with_every_state_whole_and_one_line_per_worker():
+    """Given four workers with 50-character names, two pools and a long last failure, when
+    status renders in an 80-column terminal, then no line is wider than 80, every state is
+    written whole, each worker takes one line (no column wraps down the screen), and the last
+    failure is left to --wide / --json."""
+    lines = _rendered(False, 80)
+    assert max(len(x) for x in lines) <= 80
+    text = "\n".join(lines)
+    for state in ("HEALTHY", "SUSPECT", "QUARANTINED", "RESTARTING"):
+        assert sum(state in x for x in lines) == 1, text
+    worker_lines = [x for x in lines if "@inference-node" in x or "gpu" in x]
+    assert len(worker_lines) == 4, text
+    for header in ("name", "state", "streak", "in flight", "last seen", "pools"):
+        assert header in text
+    assert "stall" not in text and "instance" not in text
+    assert "no live worker serves it" in text
+
+
+def test_status_wide_adds_instance_engine_memory_and_a_shortened_last_failure():
+    lines = _rendered(True, 260)
+    text = "\n".join(lines)
+    for header in ("instance", "engine", "memory free/total", "last failure", "served by"):
+        assert header in text
+    assert "stall: the engine made no progress for 120 s" in text and "…" in text
+    assert "restarted the engine core process" not in text  # the full text is in --json
+    assert "248562931" in text and "30.0/80.0 GiB cuda:0" in text

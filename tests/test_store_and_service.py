@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.errors import RequestError, TerminalError
+from app.errors import RequestError, TerminalError, TransientError, backoff, retry_countdown
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
 from app.state import keys
@@ -16,7 +16,7 @@ from app.state.store import RequestStore
 from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
-from workers.service import RetryLater, StaleDelivery, backoff, serve
+from workers.service import StaleDelivery, serve
 
 pytestmark = pytest.mark.redis
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
@@ -164,9 +164,9 @@ def test_bad_kwargs_in_the_worker_fail_the_request_with_a_typed_error(runtime):
 def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
     rt = runtime([MemoryError("KV blocks"), MemoryError("KV blocks")], max_attempts=2)
     create(rt.store, "t1")
-    with pytest.raises(RetryLater) as ei:
+    with pytest.raises(TransientError) as ei:
         serve(rt, "t1", 0, KW)
-    assert ei.value.error.code == "allocation_failed"
+    assert ei.value.code == "allocation_failed" and ei.value.attempt == 1
     assert rt.store.get("t1")["status"] == "PENDING"
     with pytest.raises(StaleDelivery):
         serve(rt, "t1", 0, KW)  # the superseded copy of dispatch 0
@@ -178,7 +178,7 @@ def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
 def test_a_transient_failure_then_success_lands_once(runtime):
     rt = runtime([MemoryError("KV blocks")])
     create(rt.store, "t2")
-    with pytest.raises(RetryLater):
+    with pytest.raises(TransientError):
         serve(rt, "t2", 0, KW)
     assert serve(rt, "t2", 1, KW)["attempts"] == 2
 
@@ -211,7 +211,7 @@ def test_a_retry_avoids_the_worker_it_failed_on_while_another_healthy_one_serves
     a.heartbeat.beat()
     b.heartbeat.beat()  # B registers: live, HEALTHY, serving tiny-llama
     create(a.store, "avoid-a")
-    with pytest.raises(RetryLater):
+    with pytest.raises(TransientError):
         serve(a, "avoid-a", 0, KW)  # attempt 1 fails on A
     with pytest.raises(GiveBack):
         serve(a, "avoid-a", 1, KW)
@@ -227,7 +227,7 @@ def test_a_retry_runs_again_on_the_worker_it_failed_on_when_no_other_serves(runt
     a = runtime([MemoryError("KV blocks")])
     a.heartbeat.beat()
     create(a.store, "alone")
-    with pytest.raises(RetryLater):
+    with pytest.raises(TransientError):
         serve(a, "alone", 0, KW)
     out = serve(a, "alone", 1, KW)
     assert out["attempts"] == 2 and a.engine.calls == 2
@@ -238,7 +238,6 @@ def test_memory_pressure_waits_by_time_not_attempts_then_ends(runtime):
     attempts (even with max_attempts 1), retried at least every 15 s, the squeeze's start kept
     in its record; once VIGIL_MEMORY_PRESSURE_WINDOW has passed since that start, the next
     refusal ends it attempts_exhausted saying so."""
-    from app.errors import TransientError
     from tests.conftest import wait_until
 
     squeeze = [TransientError.of("memory_pressure", "not enough free memory")] * 5
@@ -246,9 +245,10 @@ def test_memory_pressure_waits_by_time_not_attempts_then_ends(runtime):
                  retry_backoff_max=600.0)
     create(rt.store, "squeezed")
     for dispatch in range(3):
-        with pytest.raises(RetryLater) as ei:
+        with pytest.raises(TransientError) as ei:
             serve(rt, "squeezed", dispatch, KW)
-        assert ei.value.countdown <= 15.0
+        assert not ei.value.uses_attempt
+        assert retry_countdown(ei.value, dispatch, 60.0, 600.0) <= 15.0
         rec = rt.store.get("squeezed")
         assert (rec["status"], rec["attempts"]) == ("PENDING", "0")
     since = float(rt.store.get("squeezed")["pressure_since"])

@@ -15,6 +15,7 @@ from celery.signals import (task_received, task_revoked, worker_init, worker_rea
                             worker_shutdown, worker_shutting_down)
 from celery.worker.control import control_command
 
+from app.celery_app import APP_NAME
 from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging
@@ -32,8 +33,18 @@ def housekeeper() -> bool:
     return get_settings().role == "housekeeper"
 
 
+def vigil_worker(sender) -> bool:
+    """True when a worker signal comes from a worker of Vigil's own app. Another Celery app's
+    worker in the same process (a test's in-process `celery_worker`) gets no runtime, engine or
+    registry entry from these hooks."""
+    app = getattr(sender, "app", None)
+    return app is None or getattr(app, "main", None) == APP_NAME
+
+
 @worker_init.connect
 def _on_worker_init(sender=None, **_):
+    if not vigil_worker(sender):
+        return
     s = get_settings()
     configure_vllm_logging(s.cache_dir, s.log_level)
     if not s.log_payloads:
@@ -52,7 +63,7 @@ def _on_worker_init(sender=None, **_):
 
 @worker_ready.connect
 def _on_worker_ready(sender=None, **_):
-    if housekeeper():
+    if housekeeper() or not vigil_worker(sender):
         return
     rt = runtime.get_runtime()
     _consume_job_queues(sender, rt)
@@ -134,7 +145,7 @@ def _on_worker_shutting_down(sender=None, **_):
     """SIGTERM/SIGINT: hand in-flight requests back to the queue at once, instead of making
     them wait for this worker's warm shutdown or the reaper. Runs on its own thread: this
     signal is sent from inside Celery's signal handler, where Redis I/O must not happen."""
-    if housekeeper():
+    if housekeeper() or runtime.installed() is None:
         return
 
     def _run():
@@ -150,6 +161,8 @@ def _on_worker_shutting_down(sender=None, **_):
 
 @worker_shutdown.connect
 def _on_worker_shutdown(sender=None, **_):
+    if not vigil_worker(sender):
+        return
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
     metrics_server.stop()

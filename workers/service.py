@@ -2,46 +2,37 @@
 "Serve").
 
 Celery-free so it is testable without a broker: the task passes in the delivery's id and
-dispatch number, and gets back the stored result, a VigilError to raise, or a `RetryLater`.
+dispatch number, and gets back the stored result or a VigilError to raise. A retryable error
+(TransientError, WorkerFatalError) is raised only once the record names the next dispatch (or,
+when Vigil's own state was unreachable, with the record untouched: the next delivery takes the
+request over); the task's one retry path (tasks/base.py) publishes that dispatch after the
+delay the error's properties say (app/errors.py).
 """
 from __future__ import annotations
 
 import logging
-import random
 import time
 
 from app import metrics
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
-                        MEMORY_PRESSURE, WEDGED, WORKER_LOST, RequestError, TerminalError,
-                        TransientError, VigilError, WorkerFatalError, error_from_record)
+                        MEMORY_PRESSURE, WORKER_LOST, RequestError, TerminalError, TransientError,
+                        VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.models import ModelRegistry
-from app.requests.publish import publish
+from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
 from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
 from app.settings import VigilSettings
-from app.state.store import Outcome, RequestStore
+from app.state.store import CREATED_NEW_JOB_QUEUE, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
 
 
-# A request waiting for memory (a start refused for memory pressure) tries again at least this
-# often, so it starts soon after a co-tenant lets go of the card.
-MEMORY_RETRY_MAX_S = 15.0
 # A worker that gives back a request it failed before waits this long first, so another
 # worker's consumer, not its own, takes the message back off the queue.
 AVOID_PAUSE_S = 0.2
-
-
-class RetryLater(Exception):
-    """This attempt failed transiently; publish the request again after `countdown` seconds."""
-
-    def __init__(self, error: VigilError, countdown: float):
-        super().__init__(str(error))
-        self.error = error
-        self.countdown = countdown
 
 
 class StaleDelivery(Exception):
@@ -50,11 +41,6 @@ class StaleDelivery(Exception):
 
 class GiveBack(Exception):
     """The worker is stopping: put this message back on its queue untouched for another worker."""
-
-
-def backoff(attempt: int, base: float, cap: float, rng: random.Random = random) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**(attempt-1))]."""
-    return rng.uniform(0, min(cap, base * (2 ** max(0, attempt - 1))))
 
 
 def _outcome(o: Outcome) -> dict:
@@ -133,7 +119,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         if rt.store.release(request_id, rt.instance_id, dispatch + 1,
                             "worker_lost: the worker stopped"):
             metrics.retried(pool, WORKER_LOST)
-            raise RetryLater(TransientError.of(WORKER_LOST, "the worker stopped"), 0) from None
+            raise TransientError.of(WORKER_LOST, "the worker stopped") from None
         metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id) from None
     except TransientError as e:
@@ -145,9 +131,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         # attempt is given back; the request's deadline bounds the wait.
         if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), refund=True):
             metrics.retried(pool, e.code)
-            # Backoff grows with the dispatch: the attempt count stays put while it waits.
-            raise RetryLater(e, backoff(dispatch + 1, s.retry_backoff,
-                                        s.retry_backoff_max)) from None
+            raise e from None  # no attempt used: the backoff grows with the dispatch
         metrics.dropped(pool, "stale")
         raise StaleDelivery(request_id) from None
     except WorkerFatalError as e:
@@ -172,7 +156,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
 
 def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
            e: VigilError, pool: str) -> dict:
-    """The fleet's or the worker's fault: retry (RetryLater), or fail when out of attempts."""
+    """The fleet's or the worker's fault: retry (raise `e`, the record naming the next
+    dispatch), or fail when out of attempts."""
     s = rt.settings
     if attempts >= s.max_attempts:
         return _fail(rt, request_id, TerminalError.of(
@@ -180,11 +165,8 @@ def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
     if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
         metrics.retried(pool, e.code)
         log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
-        # A broken worker or a wedged engine is not the fleet being busy: another worker
-        # can take the request now (the reflex of docs/architecture.md, "Wedge detection").
-        countdown = 0 if isinstance(e, WorkerFatalError) or e.code == WEDGED else backoff(
-            attempts, s.retry_backoff, s.retry_backoff_max)
-        raise RetryLater(e, countdown) from None
+        e.attempt = attempts  # its backoff grows with the attempts the record counts
+        raise e from None
     metrics.dropped(pool, "stale")
     raise StaleDelivery(request_id) from None  # someone else owns it now
 
@@ -195,7 +177,7 @@ def _wait_for_memory(rt: WorkerRuntime, request_id: str, dispatch: int, attempts
     request's fault and nothing ran, so the attempt is given back and the request waits for the
     memory, bounded by time (VIGIL_MEMORY_PRESSURE_WINDOW from the squeeze's first refusal,
     within its deadline), not by attempts; the start is tried again at least every
-    MEMORY_RETRY_MAX_S. Past the window the request ends attempts_exhausted."""
+    MEMORY_RETRY_MAX_S (app/errors.py). Past the window the request ends attempts_exhausted."""
     s = rt.settings
     now = time.time()
     rec = rt.store.get(request_id) or {}
@@ -210,8 +192,7 @@ def _wait_for_memory(rt: WorkerRuntime, request_id: str, dispatch: int, attempts
         metrics.retried(pool, e.code)
         log.info("request %s: %s; waiting for memory (%.0f s so far)", request_id, e,
                  now - since)
-        raise RetryLater(e, min(MEMORY_RETRY_MAX_S, backoff(
-            dispatch + 1, s.retry_backoff, s.retry_backoff_max))) from None
+        raise e from None
     metrics.dropped(pool, "stale")
     raise StaleDelivery(request_id) from None
 
@@ -241,7 +222,13 @@ def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSetting
         return
     rec = store.get(request_id)
     if rec is None:
-        store.create(request_id, record_fields(req, time.time(), settings.request_deadline))
+        created = store.create(request_id, record_fields(req, time.time(),
+                                                         settings.request_deadline))
+        if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
+            try:
+                announce_queue(store.workers, spec.name, req.job)
+            except Exception as e:  # beat's reconcile repairs it
+                log.warning("could not announce job %s's queue: %s", req.job, e)
         rec = store.get(request_id) or {}
     if rec.get("status") in ("SUCCEEDED", "FAILED"):
         return  # a duplicate of a request that has ended: nothing to run

@@ -3,16 +3,20 @@
 Starts a private Redis, one CPU worker (real vLLM engine, tiny-llama built locally), the
 housekeeper, beat and Flower; a separate producer process sends prompts as `generate.delay` does
 and shows progress; then a summary, the Flower URL, and a clean shutdown that leaves no process
-behind.
+behind. With `keep` (`vigil demo --keep`) the fleet and Flower stay up after the summary, to be
+looked at (Flower, `vigil status`), until Ctrl-C or SIGTERM; then the same clean shutdown.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 import requests
@@ -33,8 +37,23 @@ def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
         return False
 
 
-def run_demo(n: int = 100, max_tokens: int = 32) -> int:
-    """Run the demo; 0 when every prompt got a result."""
+def hold_until_interrupted() -> None:
+    """Block until Ctrl-C (SIGINT) or SIGTERM; both return normally."""
+    stop = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_demo(n: int = 100, max_tokens: int = 32, keep: bool = False,
+             hold: Callable[[], None] = hold_until_interrupted) -> int:
+    """Run the demo; 0 when every prompt got a result. With `keep`, the fleet and Flower stay
+    up after the summary until `hold` returns (Ctrl-C or SIGTERM), then stop cleanly."""
     console = Console()
     logs = Path(tempfile.mkdtemp(prefix="vigil-demo-"))
     cache = os.environ.get("VIGIL_CACHE_DIR") or str(Path.home() / ".cache" / "vigil")
@@ -70,12 +89,19 @@ def run_demo(n: int = 100, max_tokens: int = 32) -> int:
         rc = subprocess.call([sys.executable, "-m", "app.local.demo_producer", "--n", str(n),
                               "--max-tokens", str(max_tokens)],
                              env=vigil_env(rds.url, **env), cwd=str(REPO))
+        lasts = "it keeps running until Ctrl-C" if keep else "it stops with the demo"
         if _flower_ok(fport, ("vigil", fpass)) or _wait_flower(fport, ("vigil", fpass)):
             console.print(f"Flower: http://127.0.0.1:{fport}  (user [bold]vigil[/], password "
-                          f"[bold]{fpass}[/]) — it stops with the demo")
+                          f"[bold]{fpass}[/]) — {lasts}", soft_wrap=True)
         else:
             console.print(f"[yellow]Flower did not answer; see {logs / 'flower.log'}[/]")
         console.print(f"logs: {logs}")
+        if keep:
+            console.print(f"the fleet keeps running (Redis {rds.url}; try "
+                          f"[bold]VIGIL_REDIS_URL={rds.url} vigil status[/]); "
+                          "press Ctrl-C to stop it", soft_wrap=True)
+            sys.stdout.flush()
+            hold()
         return rc
     finally:
         with console.status("shutting down (worker stops its engine cleanly)..."):

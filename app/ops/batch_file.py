@@ -36,6 +36,10 @@ PASSTHROUGH = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos
 NO_OP = {"n": (1,), "stream": (False,), "user": None}
 
 RenderChat = Callable[[str, list], list[int]]
+# chat_budget(model, prompt_tokens): the max_tokens of a chat line that names none (the rest of
+# the model's context, as OpenAI's and vLLM's chat endpoints give it), or None when the model's
+# context is not known (then the request's own default, 16, applies).
+ChatBudget = Callable[[str, int], "int | None"]
 
 
 def request_id_for(job: str, custom_id: str) -> str:
@@ -79,9 +83,12 @@ def read_custom_id(text: str, lineno: int) -> tuple[str, dict]:
     return cid, obj
 
 
-def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat) -> tuple[str, dict]:
+def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat,
+               chat_budget: ChatBudget) -> tuple[str, dict]:
     """(kind, GenerateRequest kwargs) for a parsed line. `render_chat(model, messages)` turns chat
-    messages into prompt token ids with the model's chat template (app/requests/chat.py). Raises
+    messages into prompt token ids with the model's chat template (app/requests/chat.py); a chat
+    line without `max_tokens` gets `chat_budget(model, prompt tokens)` (the rest of the context),
+    a completions line keeps the request's default, 16, as OpenAI's legacy endpoint does. Raises
     RequestError: invalid_request for a bad envelope or body, or what `render_chat` raises. The
     values themselves (types, bounds) are checked later by `generate.apply_async`."""
     extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
@@ -103,7 +110,12 @@ def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat) -> tup
     if kind == COMPLETION:
         kwargs |= _prompt(body, lineno)
     else:
-        kwargs["prompt_token_ids"] = render_chat(model, normalize_messages(body, lineno))
+        ids = render_chat(model, normalize_messages(body, lineno))
+        kwargs["prompt_token_ids"] = ids
+        if "max_tokens" not in kwargs:
+            budget = chat_budget(model, len(ids))
+            if budget is not None:
+                kwargs["max_tokens"] = budget
     return kind, kwargs
 
 

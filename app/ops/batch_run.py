@@ -149,7 +149,7 @@ class _Files:
 
 
 def run_batch(src: Path, out: Path, err: Path, job: str, window: int, *, submit: Submit,
-              poll: Poll, render_chat: batch.RenderChat,
+              poll: Poll, render_chat: batch.RenderChat, chat_budget: batch.ChatBudget,
               on_progress: Callable[[Tally], None] = lambda t: None,
               poll_interval: float = POLL_INTERVAL_S, sleep=time.sleep, clock=time.time) -> Tally:
     """Process every line of `src`; returns the tally once every submitted request has ended and
@@ -214,7 +214,7 @@ def run_batch(src: Path, out: Path, err: Path, job: str, window: int, *, submit:
                 while len(inflight) >= window:
                     collect(wait=True)
                 try:
-                    kind, kwargs = batch.to_request(obj, n, job, render_chat)
+                    kind, kwargs = batch.to_request(obj, n, job, render_chat, chat_budget)
                     submit(rid, kwargs)
                 except RequestError as e:
                     fail(batch.batch_id(rid), cid, e)
@@ -278,7 +278,7 @@ def run_command(src: str | Path, job: str | None = None, output: str | Path | No
         with _progress(job, quiet) as on_progress:
             tally = run_batch(src, out, err, job, window, submit=celery_submit,
                               poll=_store_poll(), render_chat=_chat_templates(),
-                              on_progress=on_progress)
+                              chat_budget=rest_of_context, on_progress=on_progress)
     except BatchUsageError as e:
         print(f"vigil batch: {e}", file=sys.stderr)
         return 2
@@ -298,6 +298,17 @@ def _store_poll() -> Poll:
 
 def _chat_templates() -> batch.RenderChat:
     return ChatTemplates(get_registry(), build_if_local)
+
+
+def rest_of_context(model: str, prompt_tokens: int) -> int | None:
+    """The max_tokens of a chat line that names none: what is left of the model's context
+    (`max_model_len`) after its prompt, at most VIGIL_MAX_TOKENS_CAP and at least 1 (a prompt
+    that fills the context then ends prompt_too_long); None when the registry does not give
+    the model's context."""
+    spec = get_registry().get(model)
+    if not spec.max_model_len:
+        return None
+    return max(1, min(get_settings().max_tokens_cap, spec.max_model_len - prompt_tokens))
 
 
 class _progress:

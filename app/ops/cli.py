@@ -3,11 +3,11 @@
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
     vigil housekeeper                    # beat's tasks on their own threads, no engine
-    vigil status [--json] [--watch S]    # workers (health state, streak) and pools
+    vigil status [--wide|--json] [--watch S]  # workers (health state, streak) and pools
     vigil job create|list|delete NAME    # jobs (app/fleet/jobs.py)
     vigil model build-tiny DIR           # build tiny-llama (random weights, local tokenizer)
     vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
-    vigil demo                           # the end-to-end demo (make demo)
+    vigil demo [--keep]                  # the end-to-end demo (make demo); --keep: stay up
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
     vigil request ID [--json]            # one request: status, attempts, and why it waits
 """
@@ -165,7 +165,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    return run_status(as_json=args.json, watch=args.watch)
+    return run_status(as_json=args.json, watch=args.watch, wide=args.wide)
 
 
 def _cmd_job(args: argparse.Namespace) -> int:
@@ -206,7 +206,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(n=args.n, max_tokens=args.max_tokens)
+    return run_demo(n=args.n, max_tokens=args.max_tokens, keep=args.keep)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="workers (health, in flight, memory) and pools")
     st.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh until Ctrl-C")
+    st.add_argument("--wide", action="store_true", help="every column: instance, engine, "
+                    "memory, last failure (the default fits 80 columns)")
     st.set_defaults(func=_cmd_status)
 
     j = sub.add_parser("job", help="jobs: named submitter sessions (app/fleet/jobs.py)")
@@ -276,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the end-to-end demo on a private Redis")
     d.add_argument("--n", type=int, default=100, help="prompts to send")
     d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--keep", action="store_true", help="leave the fleet and Flower running "
+                   "after the summary, until Ctrl-C")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("batch", help="run an OpenAI Batch input file (JSONL) through Vigil; "

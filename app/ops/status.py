@@ -1,7 +1,8 @@
 """`vigil status`: the fleet as Redis sees it (app/fleet/snapshot.py), as tables or JSON.
 
-    vigil status            # tables
-    vigil status --json     # one JSON object, for scripts
+    vigil status            # tables that fit an 80-column terminal
+    vigil status --wide     # every column (instance, engine, memory, last failure)
+    vigil status --json     # one JSON object, for scripts (last failures in full)
     vigil status --watch 2  # refresh every 2 s until Ctrl-C
 
 Read-only; credentials never appear: Redis is shown as host:port/db only.
@@ -12,6 +13,7 @@ import json
 import time
 
 import redis
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -25,43 +27,80 @@ from app.state.conn import connect
 GiB = 1 << 30
 
 
-def render(snap: dict):
-    """Rich tables for a snapshot."""
-    wt = Table(title=f"workers  ({snap['redis']})", title_justify="left")
-    for col in ("name", "instance", "state", "streak", "pools", "engine", "in flight",
-                "last seen", "memory free/total", "last failure"):
-        wt.add_column(col)
-    colors = {"HEALTHY": "green", "SUSPECT": "yellow", "QUARANTINED": "red",
-              "RESTARTING": "magenta"}
+# A last failure as `vigil status --wide` shows it; the full text is in `--json` and in
+# `vigil request ID`.
+FAILURE_CHARS = 48
+STATE_COLORS = {"HEALTHY": "green", "SUSPECT": "yellow", "QUARANTINED": "red",
+                "RESTARTING": "magenta"}
+
+
+def shorten(text: str, n: int) -> str:
+    """`text` on one line, at most `n` characters (an ellipsis marks a cut)."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _table(title: str) -> Table:
+    # A rule under the header and two spaces between columns: no borders to spend width on.
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                 padding=(0, 1, 0, 0))
+
+
+def render(snap: dict, wide: bool = False):
+    """Rich tables for a snapshot. By default the columns an operator looks for, fitting 80
+    columns: the state is never cut (long names and pool lists are, with an ellipsis); `wide`
+    adds instance, engine, memory and the last failure (shortened: full text in --json)."""
+    wt = _table(f"workers  ({snap['redis']})")
+    wt.add_column("name", overflow="ellipsis", no_wrap=True, max_width=None if wide else 24)
+    if wide:
+        wt.add_column("instance", no_wrap=True)
+    wt.add_column("state", no_wrap=True, min_width=11)  # QUARANTINED, whole
+    wt.add_column("streak", no_wrap=True, justify="right", min_width=6)
+    wt.add_column("in flight", no_wrap=True, justify="right", min_width=9)
+    wt.add_column("last seen", no_wrap=True, min_width=9)
+    wt.add_column("pools", overflow="ellipsis", no_wrap=True)
+    if wide:
+        for col in ("engine", "memory free/total", "last failure"):
+            wt.add_column(col, no_wrap=True)
     for w in snap["workers"]:
-        mem = ""
-        if w["free_bytes"] is not None and w["total_bytes"]:
-            mem = f"{w['free_bytes'] / GiB:.1f}/{w['total_bytes'] / GiB:.1f} GiB {w['device']}"
-        seen = f"{w['last_seen_s']:.0f} s ago" + ("" if w["live"] else " (silent)")
-        wt.add_row(w["name"], w["instance_id"],
-                   f"[{colors.get(w['state'], 'white')}]{w['state']}[/]", str(w["streak"]),
-                   ",".join(w["pools"]), f"{w['model'] or '-'} {w['engine_state']}",
-                   str(w["in_flight"]), seen, mem, w["last_failure"][:60])
-    pt = Table(title="pools", title_justify="left")
-    for col in ("pool", "waiting", "oldest", "running", "served by", "why unserved"):
-        pt.add_column(col)
+        seen = f"{w['last_seen_s']:.0f} s" + ("" if w["live"] else " silent")
+        state = f"[{STATE_COLORS.get(w['state'], 'white')}]{w['state']}[/]"
+        row = [w["name"], *([w["instance_id"]] if wide else []), state, str(w["streak"]),
+               str(w["in_flight"]), seen, ",".join(w["pools"])]
+        if wide:
+            mem = ""
+            if w["free_bytes"] is not None and w["total_bytes"]:
+                mem = (f"{w['free_bytes'] / GiB:.1f}/{w['total_bytes'] / GiB:.1f} GiB "
+                       f"{w['device']}")
+            row += [f"{w['model'] or '-'} {w['engine_state']}", mem,
+                    shorten(w["last_failure"], FAILURE_CHARS)]
+        wt.add_row(*row)
+    pt = _table("pools")
+    pt.add_column("pool", overflow="ellipsis", no_wrap=True)
+    for col in ("waiting", "oldest", "running"):
+        pt.add_column(col, no_wrap=True, justify="right")
+    if wide:
+        pt.add_column("served by")
+    pt.add_column("why unserved")
     for p in snap["pools"]:
         oldest = "" if p["oldest_waiting_s"] is None else f"{p['oldest_waiting_s']:.0f} s"
+        why = (f"[red]{p['why_unserved']}[/]" if p["why_unserved"] and p["pending"] else
+               p["why_unserved"])
         pt.add_row(p["pool"], str(p["pending"]), oldest, str(p["running"]),
-                   ", ".join(p["workers"]),
-                   f"[red]{p['why_unserved']}[/]" if p["why_unserved"] and p["pending"] else
-                   p["why_unserved"])
-    jt = Table(title="jobs", title_justify="left")
-    for col in ("job", "open requests", "replicas", "last active"):
-        jt.add_column(col)
+                   *([", ".join(p["workers"])] if wide else []), why)
+    jt = _table("jobs")
+    jt.add_column("job", overflow="ellipsis", no_wrap=True)
+    for col in ("open requests", "replicas", "last active"):
+        jt.add_column(col, no_wrap=True)
     for j in snap.get("jobs", []):
         jt.add_row(j["name"], str(j["pending"]), str(j["replicas"]),
                    f"{snap['at'] - j['last_active']:.0f} s ago")
     return Group(wt, pt, jt)
 
 
-def run_status(as_json: bool = False, watch: float | None = None) -> int:
-    """Print the fleet once (or every `watch` seconds); 0 on success, 1 if Redis is unreachable."""
+def run_status(as_json: bool = False, watch: float | None = None, wide: bool = False) -> int:
+    """Print the fleet once (or every `watch` seconds; `wide`: every column); 0 on success, 1 if
+    Redis is unreachable."""
     s = get_settings()
     client = connect(s)
     reg = get_registry()
@@ -71,12 +110,12 @@ def run_status(as_json: bool = False, watch: float | None = None) -> int:
             print(json.dumps(collect(client, s, reg)))
             return 0
         if not watch:
-            console.print(render(collect(client, s, reg)))
+            console.print(render(collect(client, s, reg), wide))
             return 0
-        with Live(render(collect(client, s, reg)), console=console, auto_refresh=False) as live:
+        with Live(render(collect(client, s, reg), wide), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(render(collect(client, s, reg)), refresh=True)
+                live.update(render(collect(client, s, reg), wide), refresh=True)
     except redis.RedisError as e:
         console.print(f"[red]cannot reach Redis at {redacted_url(s.redis_url)}: "
                       f"{type(e).__name__}[/]")

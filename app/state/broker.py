@@ -15,6 +15,7 @@ import json
 
 import redis
 
+from app.state.lua import MOVE_MESSAGE
 from app.state.queues import POOL_QUEUE_GLOB
 
 # kombu's Redis transport: messages delivered and not yet acked.
@@ -30,6 +31,51 @@ def message_id(raw: bytes) -> str | None:
         return json.loads(raw)["headers"]["id"]
     except (ValueError, KeyError, TypeError):
         return None
+
+
+# kombu's Redis transport keeps a queue's prioritised messages in sub-lists named
+# "<queue>\x06\x16<step>" (its default priority steps 3, 6, 9; step 0 is the queue itself).
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (3, 6, 9)
+
+
+def task_name(raw: bytes) -> str | None:
+    """The task name (`headers.task`) of one kombu message as stored in a queue list, or None
+    when the entry is not a protocol-2 task message."""
+    try:
+        task = json.loads(raw)["headers"]["task"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return task if isinstance(task, str) else None
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold `queue`'s messages: the queue's own and its priority
+    sub-lists."""
+    return [queue] + [f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+
+
+def messages_of_task(client: redis.Redis, list_key: str, task: str, *, limit: int,
+                     chunk: int = CHUNK) -> list[bytes]:
+    """The messages of `task` among the first `limit` entries of one queue list, read `chunk`
+    entries at a time (LRANGE, nothing taken). The list may move while it is read: a message
+    can be missed (the next scan finds it) or read twice (moving it twice moves it once)."""
+    needle = task.encode()
+    found: list[bytes] = []
+    start = 0
+    while start < limit:
+        items = client.lrange(list_key, start, min(limit, start + chunk) - 1)
+        found.extend(raw for raw in items if needle in raw and task_name(raw) == task)
+        if len(items) < chunk:
+            break
+        start += chunk
+    return found
+
+
+def move_message(client: redis.Redis, src: str, dst: str, raw: bytes) -> bool:
+    """Move one message, byte for byte, from list `src` to queue `dst` in one step (Lua:
+    MOVE_MESSAGE); False when it was no longer in `src` (a consumer or another scan took it)."""
+    return bool(client.register_script(MOVE_MESSAGE)(keys=[src, dst], args=[raw]))
 
 
 def depths(client: redis.Redis, queues: list[str]) -> list[int]:

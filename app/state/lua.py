@@ -231,3 +231,15 @@ UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+# KEYS[1] the queue a message sits in, KEYS[2] the queue to move it to. ARGV[1] the message,
+# byte for byte. Takes that one message out of KEYS[1] (its first occurrence, wherever the list
+# has moved since it was read) and pushes it where a new message goes on KEYS[2], in one step:
+# it is never in both queues and never in neither. -> 1 moved, 0 it was no longer there.
+MOVE_MESSAGE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""

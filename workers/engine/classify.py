@@ -4,7 +4,7 @@ Ordered like vLLM's own front end: our own errors pass through; client errors th
 are the request's fault (never retried); a dead engine or an allocation failure is the fleet's
 (retried, bounded); a lost device context is the worker's. Anything unrecognised is treated as
 transient: retrying an unknown failure a bounded number of times is cheaper than failing a good
-request forever (STYLE.md: a retryable signal is never turned permanent by a broad except).
+request forever (a retryable signal is never turned permanent by a broad except).
 """
 from __future__ import annotations
 
