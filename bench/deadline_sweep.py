@@ -3,10 +3,13 @@
     python -m bench.deadline_sweep [--records 100000]
 
 Starts a private Redis, writes N expired PENDING records (pipelined, with the same Lua script the
-producer uses), sweeps them with `app.fleet.deadlines.sweep_deadlines`, and reports the sweeper's
-peak Python memory (tracemalloc) and time, against the same sweep over a 1,000-record backlog in
-the same run. The last line is `ratio R` = peak memory (N) / peak memory (1,000): ~1 means the
-sweep's memory does not grow with the backlog.
+producer uses), sweeps them with `app.fleet.deadlines.sweep_deadlines` telling Celery's real Redis
+result backend (as beat's task does), checks from Redis that every record ended FAILED and every
+request has its Celery result key, and reports the sweeper's peak Python memory (tracemalloc),
+time and Redis round trips (Redis' own `total_commands_processed` and the sweep's chunks),
+against the same sweep over a 1,000-record backlog in the same run. The last line is `ratio R`
+= peak memory (N) / peak memory (1,000): ~1 means the sweep's memory does not grow with the
+backlog.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import argparse
 import time
 import tracemalloc
 
+from app.celery_app import create_app
 from app.fleet.deadlines import sweep_deadlines
 from app.local.embedded import EmbeddedRedis
 from app.requests.schemas import parse_request
@@ -24,43 +28,38 @@ from app.state.store import RequestStore
 
 
 def fill(store: RequestStore, n: int, prefix: str) -> None:
+    """N expired PENDING records, written by the producer's own script (CREATE), pipelined."""
     req = parse_request({"model": "tiny-llama", "prompt": "a prompt of some length " * 20,
                          "deadline_s": 1})
     fields = record_fields(req, 1000.0, 3600)
     for start in range(0, n, 1000):
         with store.r.pipeline(transaction=False) as pipe:
-            s = RequestStore(pipe, 3600)  # same scripts, queued on the pipeline
             for i in range(start, min(n, start + 1000)):
-                s._create(keys=[f"vigil:req:{prefix}{i}", "vigil:deadlines"],
-                          args=[f"{prefix}{i}", 1001.0, *sum(([k, v] for k, v in fields.items()), [])],
-                          client=pipe)
+                script_keys, args = store.create_call(f"{prefix}{i}", fields, 1000.0)
+                store._create(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 
 
-class CountingBackend:
-    """Stands in for Celery's result backend: counts the failures the sweep tells it."""
-
-    def __init__(self):
-        self.failed = 0
-
-    def mark_as_failure(self, task_id, exc):
-        self.failed += 1
-
-    def mark_as_done(self, task_id, result):
-        pass
+def count_keys(client, pattern: str) -> int:
+    return sum(1 for _ in client.scan_iter(match=pattern, count=10_000))
 
 
-def measure(store: RequestStore, n: int, prefix: str) -> tuple[float, float, int]:
+def measure(store: RequestStore, backend, n: int, prefix: str) -> tuple[float, float, int, int]:
+    """(peak KiB, seconds, requests failed, Redis commands) of one sweep over n records."""
     fill(store, n, prefix)
-    told = CountingBackend()
+    before = store.r.info("stats")["total_commands_processed"]
     tracemalloc.start()
     t = time.perf_counter()
-    failed = sweep_deadlines(store, 2000.0, told)
+    failed = sweep_deadlines(store, 2000.0, backend)
     elapsed = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert failed == told.failed == n, (failed, told.failed, n)
-    return peak / 1024, elapsed, failed
+    commands = store.r.info("stats")["total_commands_processed"] - before - 1
+    assert failed == n, (failed, n)
+    assert store.r.zcard("vigil:deadlines") == 0
+    assert count_keys(store.r, f"celery-task-meta-{prefix}*") == n
+    assert store.get(f"{prefix}{n - 1}")["status"] == "FAILED"
+    return peak / 1024, elapsed, failed, commands
 
 
 def main(argv=None) -> int:
@@ -69,12 +68,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rds = EmbeddedRedis().start()
     try:
-        store = RequestStore(connect(load_settings(redis_url=rds.url)), 3600)
-        base_kib, base_s, _ = measure(store, 1000, "base-")
-        kib, secs, n = measure(store, a.records, "big-")
-        print(f"baseline: 1000 records swept in {base_s:.2f} s, peak {base_kib:.0f} KiB")
+        settings = load_settings(redis_url=rds.url)
+        store = RequestStore(connect(settings), 3600)
+        app = create_app(settings)
+        base_kib, base_s, _, base_cmds = measure(store, app.backend, 1000, "base-")
+        kib, secs, n, cmds = measure(store, app.backend, a.records, "big-")
+        print(f"baseline: 1000 records swept in {base_s:.2f} s, peak {base_kib:.0f} KiB, "
+              f"{base_cmds} Redis commands")
         print(f"backlog : {n} records swept in {secs:.2f} s ({n / secs:.0f}/s), "
-              f"peak {kib:.0f} KiB; Redis used {rds.client().info('memory')['used_memory_human']}")
+              f"peak {kib:.0f} KiB; {cmds} Redis commands ({cmds / n:.2f} per request); "
+              f"Redis used {rds.client().info('memory')['used_memory_human']}")
         print(f"ratio {kib / base_kib:.2f}")
     finally:
         rds.stop()

@@ -12,7 +12,7 @@ from app.requests.submit import record_fields
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import NeverTold, Told
+from tests.conftest import UNSERVED_MODEL, NeverTold, Told, wait_until
 
 pytestmark = pytest.mark.redis
 T0 = 1_000_000.0
@@ -46,6 +46,61 @@ def test_the_sweep_reads_in_chunks_and_finishes_a_large_backlog(store):
     told = Told()
     assert sweep_deadlines(store, T0 + 2, told, chunk=100) == 250
     assert len(set(told.ids)) == 250
+
+
+def test_the_sweep_writes_celerys_own_results_in_one_pipeline_and_wakes_a_waiting_get(
+        store, settings):
+    """Given a producer already waiting in `r.get()` and a second request nobody waits on, when
+    the sweep ends both through Celery's real Redis result backend (its pipelined write), then
+    the waiter wakes with deadline_exceeded, a later `get()` reads the same from the backend,
+    the state is FAILURE, and the result keys expire as Celery's own do."""
+    from app.celery_app import create_app
+    from app.errors import TerminalError
+
+    app = create_app(settings)
+    add(store, "waited", deadline_s=1)
+    add(store, "unwatched", deadline_s=1)
+    seen = {}
+
+    def wait():
+        try:
+            app.AsyncResult("waited").get(timeout=20)
+        except TerminalError as e:
+            seen["error"] = str(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    key = app.backend.get_key_for_task("waited")
+    # It waits subscribed to its result's channel: the PUBLISH is what must wake it.
+    wait_until(lambda: store.r.pubsub_numsub(key)[0][1] == 1, 10)
+    assert sweep_deadlines(store, T0 + 2, app.backend) == 2
+    waiter.join(timeout=20)
+    assert seen["error"].startswith("deadline_exceeded: ")
+    r = app.AsyncResult("unwatched")
+    assert r.state == "FAILURE"
+    with pytest.raises(TerminalError, match="^deadline_exceeded: "):
+        r.get(timeout=5)
+    ttl = store.r.ttl(app.backend.get_key_for_task("unwatched"))
+    assert 0 < ttl <= settings.result_ttl
+    app.close()
+
+
+def test_the_sweep_says_why_a_pool_was_unserved_only_for_that_pools_requests(store):
+    """Given two expired requests in a chunk, one in a pool the reconcile found unserved (its
+    reason recorded), then only that one's deadline_exceeded carries the reason."""
+    from app.state.jobs import set_unserved
+
+    req = parse_request({"model": UNSERVED_MODEL, "prompt": "x", "deadline_s": 1})
+    assert store.create("unserved", record_fields(req, T0, 3600))
+    add(store, "served", deadline_s=1)
+    set_unserved(store.r, UNSERVED_MODEL, "no worker has 9.0 GiB free", T0)
+    told = Told()
+    assert sweep_deadlines(store, T0 + 2, told) == 2
+    errors = dict(told)
+    assert errors["unserved"].endswith("; no worker has 9.0 GiB free")
+    assert errors["served"] == ("deadline_exceeded: the request did not end before its deadline "
+                                "(no worker finished it in time)")
+    assert store.get("unserved")["error"] == errors["unserved"]
 
 
 def test_a_result_written_first_wins_over_the_sweep(store):

@@ -15,13 +15,18 @@ the caller asks to tell the stored outcome whoever wrote it (`tell_always`).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Protocol
 
+from celery import states
+from celery.backends.redis import RedisBackend
+
 from app import metrics
 from app.errors import VigilError, error_from_record
 from app.state.keys import FAILED
+from app.state.results import set_and_publish_many
 from app.state.store import Outcome, RequestStore
 
 log = logging.getLogger("vigil.outcomes")
@@ -69,6 +74,61 @@ def end_request(store: RequestStore, request_id: str, *, error: VigilError | Non
             log.warning("request %s ended, but Celery's result backend could not be told: %s",
                         request_id, e)
     return won, stored
+
+
+def end_requests_failed(store: RequestStore, request_ids: list[str], error: VigilError, *,
+                        now: float | None = None, backend: Backend | None = None) -> int:
+    """`end_request` with `error` for many requests at once, as the sweeper (instance 0): one
+    script call for every finish (each set-once, as `end_request`'s; a request whose pool the
+    reconcile found unserved gets its reason after the error), the metric per won end, and the
+    won ends told to `backend` (in one pipeline when it is Celery's Redis backend). Returns how
+    many this call won. Raises TransientError(redis_unavailable) when Redis cannot be reached
+    (nothing was written)."""
+    if not request_ids:
+        return 0
+    now = time.time() if now is None else now
+    ends = store.finish_failed_many(request_ids, str(error), type(error).__name__, now)
+    won = []
+    for rid, (w, stored, pool) in zip(request_ids, ends):
+        if w:
+            metrics.request_ended(pool, stored.status, stored.error)
+            won.append((rid, stored))
+    if backend is not None and won:
+        try:
+            tell_backend_many(backend, won)
+        except Exception as e:  # the record is the truth: a waiting r.get() reads it too
+            log.warning("%d requests ended, but Celery's result backend could not be told: %s",
+                        len(won), e)
+    return len(won)
+
+
+def tell_backend_many(backend: Backend, outcomes: list[tuple[str, Outcome]]) -> None:
+    """`tell_backend` for many outcomes. On Celery's Redis result backend, each result is what
+    Celery itself would write (its meta, encoded by the backend, with the backend's expiry,
+    published for waiting `get()`s), all in one script call (app/state/results.py) instead of
+    two round trips per result (Celery reads the key first, to keep a SUCCESS: a won end here
+    has no result before it); the meta is built once per distinct outcome. Any other backend
+    is told one by one."""
+    if not isinstance(backend, RedisBackend):
+        for rid, stored in outcomes:
+            tell_backend(backend, rid, stored)
+        return
+    metas: dict[tuple, dict] = {}
+    items = []
+    for rid, stored in outcomes:
+        if stored.status == FAILED:
+            shape = (states.FAILURE, stored.error_kind, stored.error)
+        else:
+            shape = (states.SUCCESS, json.dumps(stored.result, sort_keys=True))
+        meta = metas.get(shape)
+        if meta is None:
+            value = (error_from_record(stored.error_kind, stored.error)
+                     if stored.status == FAILED else stored.result)
+            meta = metas[shape] = backend._get_result_meta(
+                result=backend.encode_result(value, shape[0]), state=shape[0], traceback=None,
+                request=None)
+        items.append((backend.get_key_for_task(rid), backend.encode({**meta, "task_id": rid})))
+    set_and_publish_many(backend.client, items, backend.expires)
 
 
 def tell_backend(backend: Backend, request_id: str, stored: Outcome) -> None:

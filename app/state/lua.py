@@ -151,29 +151,60 @@ return {'run', tostring(attempts)}
 # open) as succeeded / failed. A worker instance's finish also counts as its heartbeat: its
 # `last_seen` moves up (only if it is registered: a reaped worker is not brought back), so a
 # worker whose heartbeat thread is starved while it serves is not taken for dead.
-FINISH = HISTORY_HELPERS + """
-local rec = KEYS[1]
-if ARGV[9] ~= '0' then redis.call('ZADD', KEYS[5], 'XX', 'GT', ARGV[6], ARGV[9]) end
-redis.call('SREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-local owner = redis.call('HGET', rec, 'instance')
-if owner then redis.call('SREM', ARGV[8] .. owner, ARGV[1]) end
-local job = redis.call('HGET', rec, 'job')
-if job then redis.call('SREM', ARGV[10] .. job, ARGV[1]) end
-local pool = redis.call('HGET', rec, 'pool')
-if pool then redis.call('SREM', ARGV[11] .. pool, ARGV[1]) end
-local st = redis.call('HGET', rec, 'status')
-if st == 'SUCCEEDED' or st == 'FAILED' then
-  redis.call('HINCRBY', KEYS[3], 'duplicate_results', 1)
-  local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
-  return {0, st, f[1] or '', f[2] or '', f[3] or ''}
+FINISH_FN = """
+-- f: the record's {instance, job, pool, status} when the caller read them already, else nil.
+local function finish_one(rec, finisher_inflight, stats, deadlines, workers, rid, status,
+                          result, ekind, err, now, ttl, inflight_prefix, instance, job_prefix,
+                          pool_prefix, f)
+  if instance ~= '0' then redis.call('ZADD', workers, 'XX', 'GT', now, instance) end
+  redis.call('SREM', finisher_inflight, rid)
+  redis.call('ZREM', deadlines, rid)
+  f = f or redis.call('HMGET', rec, 'instance', 'job', 'pool', 'status')
+  if f[1] then redis.call('SREM', inflight_prefix .. f[1], rid) end
+  if f[2] then redis.call('SREM', job_prefix .. f[2], rid) end
+  if f[3] then redis.call('SREM', pool_prefix .. f[3], rid) end
+  if f[4] == 'SUCCEEDED' or f[4] == 'FAILED' then
+    redis.call('HINCRBY', stats, 'duplicate_results', 1)
+    local g = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
+    return {0, f[4], g[1] or '', g[2] or '', g[3] or ''}
+  end
+  redis.call('HSET', rec, 'status', status, 'result', result, 'error_kind', ekind,
+             'error', err, 'finished_at', now)
+  close_attempt(rec, instance, now, status == 'SUCCEEDED' and 'succeeded' or 'failed', err)
+  redis.call('EXPIRE', rec, tonumber(ttl))
+  return {1, status, result, ekind, err}
 end
-redis.call('HSET', rec, 'status', ARGV[2], 'result', ARGV[3], 'error_kind', ARGV[4],
-           'error', ARGV[5], 'finished_at', ARGV[6])
-close_attempt(rec, ARGV[9], ARGV[6], ARGV[2] == 'SUCCEEDED' and 'succeeded' or 'failed',
-              ARGV[5])
-redis.call('EXPIRE', rec, tonumber(ARGV[7]))
-return {1, ARGV[2], ARGV[3], ARGV[4], ARGV[5]}
+"""
+FINISH = HISTORY_HELPERS + FINISH_FN + """
+return finish_one(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
+                  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
+"""
+
+# KEYS[1] stats, KEYS[2] deadline index, KEYS[3] worker registry, KEYS[4] the finishing
+# instance's in-flight set. ARGV: error_kind, error, now, ttl, in-flight set prefix, finishing
+# instance, job and pool pending-set prefixes, request key prefix, pool-state key prefix, then
+# the request ids. FINISH for many requests ending FAILED with one error at once (the deadline
+# sweep's chunk), each the same set-once finish; a request whose pool has an unserved reason (the
+# reconcile's, in its pool-state hash) gets "; <reason>" after the error. -> 6 values per
+# request, in order: won, status, result, error_kind, error (the stored ones when it lost), pool.
+FINISH_FAILED_MANY = HISTORY_HELPERS + FINISH_FN + """
+local out = {}
+local reasons = {}
+for i = 11, #ARGV do
+  local rec = ARGV[9] .. ARGV[i]
+  local f = redis.call('HMGET', rec, 'instance', 'job', 'pool', 'status')
+  local pool = f[3] or ''
+  if reasons[pool] == nil then
+    reasons[pool] = (pool ~= '' and redis.call('HGET', ARGV[10] .. pool, 'reason')) or ''
+  end
+  local err = ARGV[2]
+  if reasons[pool] ~= '' then err = err .. '; ' .. reasons[pool] end
+  local r = finish_one(rec, KEYS[4], KEYS[1], KEYS[2], KEYS[3], ARGV[i], 'FAILED', '',
+                       ARGV[1], err, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], f)
+  for _, v in ipairs(r) do table.insert(out, v) end
+  table.insert(out, pool)
+end
+return out
 """
 
 # KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
@@ -242,4 +273,20 @@ if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
   return 1
 end
 return 0
+"""
+
+# ARGV[1] expiry in seconds (0: none), then (key, value) pairs. Celery's Redis result backend
+# writes each result as SET (with its expiry) then PUBLISH on the same key (the channel a
+# waiting get() listens on); this is that write for many results in one call. -> how many.
+SET_AND_PUBLISH_MANY = """
+local ttl = tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  if ttl > 0 then
+    redis.call('SET', ARGV[i], ARGV[i + 1], 'EX', ttl)
+  else
+    redis.call('SET', ARGV[i], ARGV[i + 1])
+  end
+  redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
+end
+return (#ARGV - 1) / 2
 """

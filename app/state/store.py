@@ -18,7 +18,7 @@ from app.settings import get_settings
 from app.state import jobs, keys
 from app.state.calls import Calls
 from app.state.conn import connect, server_run
-from app.state.lua import BEGIN, CREATE, FINISH, RELEASE, REQUEUE, UNLOCK
+from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB
 from app.state.registry import WorkerRegistry
 
@@ -89,6 +89,7 @@ class RequestStore:
         self._create = client.register_script(CREATE)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)
+        self._finish_failed_many = client.register_script(FINISH_FAILED_MANY)
         self._release = client.register_script(RELEASE)
         self._unlock = client.register_script(UNLOCK)
         self._requeue = client.register_script(REQUEUE)
@@ -101,6 +102,14 @@ class RequestStore:
         or OVERLOADED_JOB / OVERLOADED_POOL: the job already has `max_per_job`, or the pool
         `max_per_pool`, open requests (0: no cap). Every refusal writes nothing; the count and
         the write are one script, so concurrent producers cannot overshoot a cap."""
+        script_keys, args = self.create_call(request_id, fields, now, max_per_job=max_per_job,
+                                             max_per_pool=max_per_pool)
+        return int(self._call(self._create, keys=script_keys, args=args))
+
+    def create_call(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
+                    max_per_job: int = 0, max_per_pool: int = 0) -> tuple[list[str], list]:
+        """The keys and arguments of `create`'s script (CREATE), for a caller that queues many
+        creates on one pipeline (`self._create(keys=..., args=..., client=pipe)`)."""
         job = str(fields.get("job", DEFAULT_JOB))
         pool = str(fields.get("pool", fields.get("model", "")))
         now = time.time() if now is None else now
@@ -108,9 +117,8 @@ class RequestStore:
                            "0" if job == DEFAULT_JOB else "1", max_per_job, max_per_pool]
         for k, v in fields.items():
             flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
-        return int(self._call(self._create, keys=[
-            keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
-            keys.pool_jobs(pool), keys.JOBS, keys.pool_requests(pool)], args=flat))
+        return [keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
+                keys.pool_jobs(pool), keys.JOBS, keys.pool_requests(pool)], flat
 
     def delete(self, request_id: str) -> None:
         """Remove a record and its place in its job's and pool's pending sets (used to roll
@@ -214,6 +222,25 @@ class RequestStore:
                   keys.job_requests(""), keys.pool_requests("")],
         )
         return bool(reply[0]), Outcome.from_reply(*reply[1:5])
+
+    def finish_failed_many(self, request_ids: list[str], error: str, error_kind: str,
+                           now: float, instance: int = 0) -> list[tuple[bool, Outcome, str]]:
+        """`finish` with one error for many requests in one script call (one round trip): each
+        ends FAILED with `error_kind` and `error` once, as `finish` would end it; a request
+        whose pool the reconcile found unserved gets "; <its reason>" after the error. Returns
+        (won, stored outcome, pool) per request, in order."""
+        if not request_ids:
+            return []
+        reply = self._call(
+            self._finish_failed_many,
+            keys=[keys.STATS, keys.DEADLINES, keys.WORKERS, keys.inflight(instance)],
+            args=[error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
+                  keys.job_requests(""), keys.pool_requests(""), keys.request(""),
+                  keys.pool_state(""), *request_ids],
+        )
+        return [(bool(reply[i]), Outcome.from_reply(*reply[i + 1:i + 5]),
+                 reply[i + 5].decode() if isinstance(reply[i + 5], bytes) else reply[i + 5])
+                for i in range(0, len(reply), 6)]
 
     def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
                 now: float | None = None, refund: bool = False, pressure: bool = False) -> bool:

@@ -1,0 +1,22 @@
+"""Celery's result keys, written the way Celery's Redis result backend writes them: SET with its
+expiry, then PUBLISH on the same key (where a waiting `AsyncResult.get()` listens). Vigil writes
+them itself only to write many at once (the deadline sweep's chunk): one script call instead of
+two round trips per result. What goes in them (Celery's encoded meta) is the caller's
+(app/fleet/outcomes.py); functions raise redis' own errors."""
+from __future__ import annotations
+
+import redis
+
+from app.state.lua import SET_AND_PUBLISH_MANY
+
+
+def set_and_publish_many(client: redis.Redis, items: list[tuple[bytes | str, bytes | str]],
+                         expires_s: int | None) -> int:
+    """SET each (key, value) with `expires_s` (None: no expiry) and PUBLISH it on its key, in
+    one script call; returns how many were written."""
+    if not items:
+        return 0
+    args: list = [int(expires_s or 0)]
+    for key, value in items:
+        args += [key, value]
+    return int(client.register_script(SET_AND_PUBLISH_MANY)(keys=[], args=args))
