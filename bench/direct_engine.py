@@ -35,8 +35,10 @@ def make_prompts(n: int, round_no: int, words: int = 10) -> list[str]:
 
 
 # -- the direct engine (runs in its own process: `--direct-server`) ----------------------------
-def direct_server() -> int:
-    """Build one AsyncLLM like workers/engine/kinds.py does, then run rounds on command.
+def direct_server(lora: bool = True) -> int:
+    """Build one AsyncLLM with the worker's own engine args (workers/engine/vllm.py,
+    `engine_args`: the registry's args, its KV cache request, the LoRA lanes; `lora=False`
+    leaves the lanes out), then run rounds on command.
 
     Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens"} ->
     {"elapsed", "tokens", "n"}; "quit" or EOF shuts the engine down. vLLM's own output goes to
@@ -47,7 +49,7 @@ def direct_server() -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engine.vllm import engine_env_defaults
+    from workers.engine.vllm import engine_args, engine_env_defaults
 
     engine_env_defaults()
     from vllm import SamplingParams
@@ -60,12 +62,13 @@ def direct_server() -> int:
     spec = get_registry().get(MODEL)
 
     async def serve() -> None:
-        args = {"disable_log_stats": True, **spec.engine_args}
+        args = engine_args(spec, lora=lora)
         started = time.monotonic()
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=spec.path, **args))
         proto.write(json.dumps({
             "ready": round(time.monotonic() - started, 1),
-            "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs}) + "\n")
+            "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
+            "args": {k: v for k, v in args.items() if k != "engine_args"}}) + "\n")
         loop = asyncio.get_running_loop()
 
         async def one(rid: str, prompt: str, max_tokens: int) -> int:
@@ -99,10 +102,11 @@ def direct_server() -> int:
 class DirectEngine:
     """Parent side of `direct_server`: a subprocess in its own process group."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, cwd: str):
+    def __init__(self, env: dict[str, str], log_path: Path, cwd: str, lora: bool = True):
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.direct_engine"], env=env, cwd=cwd,
+            [sys.executable, "-m", "bench.direct_engine", *([] if lora else ["--no-lora"])],
+            env=env, cwd=cwd,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             process_group=0)
         self.log_path = log_path
@@ -141,7 +145,5 @@ class DirectEngine:
         self._log.close()
 
 
-
-
 if __name__ == "__main__":
-    sys.exit(direct_server())
+    sys.exit(direct_server(lora="--no-lora" not in sys.argv[1:]))

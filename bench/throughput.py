@@ -1,6 +1,6 @@
 """Throughput of Vigil (Celery + Redis + one warm AsyncLLM) against vLLM's AsyncLLM fed directly.
 
-    python -m bench.throughput                 # full run: overhead, then 3 + 3 rounds (minutes)
+    python -m bench.throughput                 # full run: overhead, 5 + 5 rounds, LoRA cost
     python -m bench.throughput --requests 128 --rounds 1 --skip-overhead   # quick look
 
 Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
@@ -12,9 +12,12 @@ instant engine (VIGIL_ENGINE=instant: no model) against a bare Celery no-op task
 Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` tokens each
 (ignore_eos, so every request is the same length), through `generate.delay` and one
 `vigil worker --cpu`, against the same prompts given all at once (asyncio.gather) to an AsyncLLM
-in a long-lived subprocess with the same engine args. Rounds alternate celery/direct; both
-engines stay warm and the idle one costs nothing. Each round is timed from the first submit to
-the last result. The last line printed is `ratio R`: median celery req/s / median direct req/s.
+in a long-lived subprocess built from the same engine args (one function builds both:
+workers/engine/vllm.py, `engine_args`, LoRA lanes and KV cache size included). Rounds alternate
+which side goes first; both engines stay warm and the idle one costs nothing. Each round is
+timed from the first submit to the last result. The summary gives each side's median and
+spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
+The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
 
 Each measured segment also reports the CPU used by each process (psutil), as % of one core over
 the segment's wall time: on a 2-core machine that is where the ratio is won or lost.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,7 +43,10 @@ from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=512, help="requests per round (part 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per side, alternating (part 1)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds per side, alternating which goes first (part 1)")
+    p.add_argument("--lora-rounds", type=int, default=3,
+                   help="rounds of the direct engine with vs without LoRA lanes (0: skip)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (part 1)")
     p.add_argument("--concurrency", type=int, default=160,
                    help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
@@ -238,6 +245,8 @@ class Bench:
             self.say(f"engines ready after {time.monotonic() - t0:.0f} s (direct AsyncLLM built "
                      f"in {info['ready']} s, max_num_seqs {info['max_num_seqs']}); worker "
                      f"concurrency {a.concurrency}")
+            self.say(f"engine args, both sides (workers/engine/vllm.py engine_args): "
+                     f"{info['args']}; the worker's KV cache: {_worker_kv(wlog)}")
             # warm-up: one small round each (first steps, connections, thread start-up)
             warm = make_prompts(min(a.requests, 128), 999)
             collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
@@ -246,10 +255,9 @@ class Bench:
             self.cpu.add("redis", self.redis.proc.pid)
             self.cpu.add("worker", worker.pid)
             self.cpu.add("direct", direct.proc.pid)
-            rates = {"celery": [], "direct": []}
-            for k in range(a.rounds):
-                prompts = make_prompts(a.requests, k)
+            rates: dict[str, list[float]] = {"celery": [], "direct": []}
 
+            def celery_side(k: int, prompts: list[str]) -> None:
                 submit_s = []
 
                 def celery_round():
@@ -265,17 +273,56 @@ class Bench:
                 self._report(k, "celery", wall, tokens, cpu, rates,
                              f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)}", ok)
 
-                _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests, a.max_tokens))
+            def direct_side(k: int, prompts: list[str]) -> None:
+                _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests,
+                                                                       a.max_tokens))
                 self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates)
+
+            for k in range(a.rounds):  # each side goes first in every other round
+                prompts = make_prompts(a.requests, k)
+                order = (celery_side, direct_side) if k % 2 == 0 else (direct_side, celery_side)
+                for side in order:
+                    side(k, prompts)
             self.cpu.remove("worker")
             self.cpu.remove("direct")
             h = {k.decode(): v.decode() for k, v in r.hgetall(wkey).items()}
             self.say(f"worker engine: peak_in_flight {h.get('peak_in_flight')}, served "
                      f"{h.get('served')}, engine_loads {h.get('engine_loads')}")
-            return {s: statistics.median(v) for s, v in rates.items()} | {"rates": rates}
         finally:
             direct.close(self.emb.stop_process)
             self.emb.stop_process(worker)
+        out = {"rates": rates, "ratios": [c / d for c, d in zip(rates["celery"],
+                                                                 rates["direct"])]}
+        if a.lora_rounds:
+            out["lora"] = self.lora_cost()
+        return out
+
+    def lora_cost(self) -> dict[str, list[float]]:
+        """The direct engine with the worker's LoRA lanes against the same engine without them,
+        `--lora-rounds` rounds each, alternating: what enabling LoRA costs the engine itself."""
+        a = self.args
+        engines = {"direct+lora": DirectEngine(self.emb.vigil_env(self.redis.url),
+                                               self.tmp / "direct-lora.log", str(self.emb.REPO)),
+                   "direct-nolora": DirectEngine(self.emb.vigil_env(self.redis.url),
+                                                 self.tmp / "direct-nolora.log",
+                                                 str(self.emb.REPO), lora=False)}
+        self.procs += [e.proc for e in engines.values()]
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        try:
+            for e in engines.values():
+                e.wait_ready()
+            for e in engines.values():
+                e.run_round(999, min(a.requests, 128), 8)
+            for k in range(a.lora_rounds):
+                names = list(engines) if k % 2 == 0 else list(reversed(engines))
+                for name in names:
+                    _, reply, cpu = self.measure(
+                        lambda e=engines[name]: e.run_round(k, a.requests, a.max_tokens))
+                    self._report(k, name, reply["elapsed"], reply["tokens"], cpu, rates)
+        finally:
+            for e in engines.values():
+                e.close(self.emb.stop_process)
+        return rates
 
     def _report(self, k, side, wall, tokens, cpu, rates, extra: str = "", ok=None) -> None:
         a = self.args
@@ -283,7 +330,7 @@ class Bench:
         rates[side].append(rate)
         note = "" if tokens == a.requests * a.max_tokens or ok is not None and ok < a.requests \
             else f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}"
-        self.say(f"round {k + 1} {side:6s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
+        self.say(f"round {k + 1} {side:13s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
                  f"({tokens / wall:7.0f} tok/s){note}{extra} | cpu% {_fmt_cpu(cpu)}")
 
     # -- the whole run ----------------------------------------------------------------------
@@ -316,9 +363,18 @@ class Bench:
             if not a.skip_throughput:
                 t = self.throughput()
                 summary.append(f"throughput {a.requests} req x {a.max_tokens} tokens, "
-                               f"{a.rounds} rounds: median celery {t['celery']:.1f} req/s, "
-                               f"median direct {t['direct']:.1f} req/s")
-                ratio = t["celery"] / t["direct"]
+                               f"{a.rounds} rounds each, alternating which side goes first:")
+                for side, values in t["rates"].items():
+                    summary.append(f"  {side:6s} {_spread(values, 'req/s')}")
+                summary.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
+                if "lora" in t:
+                    lr = t["lora"]
+                    summary.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")
+                    for side, values in lr.items():
+                        summary.append(f"  {side:13s} {_spread(values, 'req/s')}")
+                    summary.append(f"  with/without LoRA: "
+                                   f"{statistics.median(lr['direct+lora']) / statistics.median(lr['direct-nolora']):.2f}")
+                ratio = statistics.median(t["ratios"])
             self.say("-- summary --")
             for line in summary:
                 self.say(line)
@@ -334,6 +390,19 @@ class Bench:
 
                 # the model cache lives in tmp unless VIGIL_CACHE_DIR was given
                 shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _spread(values: list[float], unit: str) -> str:
+    """'median M (min A - max B, N rounds)' of a list of per-round figures."""
+    unit = f" {unit}" if unit else ""
+    return (f"median {statistics.median(values):.2f}{unit} (min {min(values):.2f} - max "
+            f"{max(values):.2f}, {len(values)} rounds)")
+
+
+def _worker_kv(log: Path) -> str:
+    """The KV cache size the worker's memory planner gave its engine, from its log."""
+    found = re.findall(r"loading engine for model \S+ \(([^\n]*)\)", log.read_text(errors="replace"))
+    return found[-1][:200] if found else "(not in its log)"
 
 
 def _one_session() -> None:

@@ -38,16 +38,17 @@ def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
 
 
 def hold_until_interrupted() -> None:
-    """Block until Ctrl-C (SIGINT) or SIGTERM; both return normally."""
+    """Block until Ctrl-C (SIGINT) or SIGTERM; both return normally. Both are handled here even
+    when this process was started with SIGINT ignored (a background job of a shell)."""
     stop = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    handlers = {sig: signal.signal(sig, lambda *_: stop.append(1))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not stop:
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
 
 
 def run_demo(n: int = 100, max_tokens: int = 32, keep: bool = False,

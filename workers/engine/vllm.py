@@ -33,6 +33,27 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool = True) -> dict:
+    """The AsyncEngineArgs (besides `model`) of an engine for `spec`: the one recipe for the
+    worker's engine and the benchmark's direct engine (bench/direct_engine.py), so the two
+    cannot drift. The registry's engine args, the memory plan's KV cache size (without a plan:
+    the registry's `kv_cache_gib` as it is, since vLLM's own CPU default, 90% of the node, fails
+    on any shared host), no periodic stats logging, and the LoRA lanes when the model serves
+    adapters (`lora=False` leaves them out: for measuring what they cost)."""
+    if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
+            "kv_cache_memory_bytes" not in spec.engine_args and \
+            "gpu_memory_utilization" not in spec.engine_args and \
+            not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
+    else:
+        plan_args = plan.engine_args if plan is not None else {}
+    args = {"disable_log_stats": True, **spec.engine_args, **plan_args}
+    if spec.max_loras and lora:
+        args = {"enable_lora": True, "max_loras": spec.max_loras,
+                "max_lora_rank": spec.max_lora_rank, **args}
+    return args
+
+
 class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
@@ -43,19 +64,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
-                "kv_cache_memory_bytes" not in spec.engine_args and \
-                "gpu_memory_utilization" not in spec.engine_args and \
-                not os.environ.get("CUDA_VISIBLE_DEVICES"):
-            # Unsized (no planner: benchmarks, scripts): the registry's request as it is. vLLM's
-            # own CPU default (90% of the node) fails on any shared host.
-            plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
-        else:
-            plan_args = plan.engine_args if plan is not None else {}
-        args = {"disable_log_stats": True, **spec.engine_args, **plan_args}
-        if spec.max_loras:
-            args = {"enable_lora": True, "max_loras": spec.max_loras,
-                    "max_lora_rank": spec.max_lora_rank, **args}
+        args = engine_args(spec, plan)
         self.spec = spec
         self._llm = None
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
