@@ -13,6 +13,7 @@ from kombu.utils.objects import cached_property
 
 from app.fleet import waiting
 from app.requests.models import ModelRegistry, get_registry
+from app.result_backend import backend_url
 from app.settings import VigilSettings, get_settings
 from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
@@ -103,7 +104,8 @@ def celery_config(s: VigilSettings, reg: ModelRegistry) -> dict:
     }
     tls = redis_conn.tls_options(s)
     return dict(
-        broker_url=s.redis_url, result_backend=s.redis_url,
+        # Celery's Redis backend without its read before a final write (app/result_backend.py).
+        broker_url=s.redis_url, result_backend=backend_url(s.redis_url),
         # JSON only, both ways: no pickle anywhere on the wire.
         task_serializer="json", result_serializer="json",
         accept_content=["json"], result_accept_content=["json"],
@@ -167,7 +169,7 @@ def create_app(settings: VigilSettings | None = None,
     """Build Vigil's Celery app. Connects to nothing: safe at import."""
     s = settings or get_settings()
     reg = registry or get_registry()
-    app = VigilCelery(APP_NAME, broker=s.redis_url, backend=s.redis_url,
+    app = VigilCelery(APP_NAME, broker=s.redis_url, backend=backend_url(s.redis_url),
                       include=["tasks.inference", "tasks.housekeeping"])
     app.vigil_settings, app.vigil_registry = s, reg
     app.conf.update(celery_config(s, reg))

@@ -318,3 +318,27 @@ def test_a_workers_finish_refreshes_its_last_seen_but_never_registers_it_again(s
     add(store, "swept", deadline_s=1)
     store.finish("swept", 0, T0 + 95, error_kind="TerminalError", error="deadline_exceeded: x")
     assert store.workers.last_seen(0) is None and store.workers.last_seen(7) == T0 + 90
+
+
+def test_the_result_backend_writes_a_final_result_without_reading_first_but_never_replaces_it(
+        settings):
+    """Given Vigil's result backend (app/result_backend.py), a SUCCESS is written without the
+    GET Celery's backend sends first (Redis' own command counts say so), and a RETRY written
+    after it (a late write) still does not replace it."""
+    from app.celery_app import create_app
+    from app.errors import TransientError
+
+    app = create_app(settings)
+    r = connect(settings)
+
+    def gets():
+        return r.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+
+    app.backend.mark_as_done("fin", {"text": "ok"})  # connections warm
+    before = gets()
+    app.backend.mark_as_done("fin2", {"text": "ok"})
+    assert gets() == before
+    app.backend.mark_as_retry("fin2", TransientError("wedged: late"))
+    assert app.AsyncResult("fin2").state == "SUCCESS"
+    assert app.AsyncResult("fin2").get(timeout=5) == {"text": "ok"}
+    app.close()
