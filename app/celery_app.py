@@ -77,6 +77,8 @@ def _beat_schedule(s: VigilSettings) -> dict:
     # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/fleet/jobs.py).
     sched["vigil.reconcile"] = (s.reconcile_interval, "vigil.reconcile", {})
     sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
+    # Open requests whose message is nowhere (a producer that died between record and publish).
+    sched["vigil.message_audit"] = (s.message_audit_interval, "vigil.message_audit", {})
     # vigil.generate sent to another app's default queue (no `queue=`): moved to be forwarded.
     if s.foreign_queue_names:
         sched["vigil.foreign_queues"] = (s.foreign_queue_scan_interval, "vigil.foreign_queues",

@@ -93,6 +93,9 @@ DEFAULT_RECONCILE_S = 30.0
 # How often beat looks for vigil.generate messages on other Celery apps' default queues (a
 # producer that sent without `queue=`) and moves them to vigil.housekeeping to be forwarded.
 DEFAULT_FOREIGN_QUEUE_SCAN_S = 2.0
+# How often beat looks for open requests whose message is nowhere (no queue, worker or unacked
+# entry): a producer that died between writing the record and publishing leaves one.
+DEFAULT_MESSAGE_AUDIT_S = 60.0
 # Pools the reconcile gives a worker per pass: each costs an engine start somewhere; a burst of
 # new pools is spread over passes instead of stopping every worker at once.
 DEFAULT_RECONCILE_CONCURRENCY = 4
@@ -196,6 +199,10 @@ class VigilSettings(BaseSettings):
     job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "
                                     "this long is abandoned (default: request_deadline).")
     reconcile_interval: float = Field(DEFAULT_RECONCILE_S, gt=0)
+    message_audit_interval: float = Field(DEFAULT_MESSAGE_AUDIT_S, gt=0, description="How "
+                                          "often beat publishes again the open requests whose "
+                                          "message is nowhere (a producer that died between "
+                                          "record and publish).")
     foreign_queues: str = Field("celery", description="Comma-separated queues of other Celery "
                                 "apps (Celery's default queue, `celery`, where a producer that "
                                 "sends vigil.generate without `queue=` lands) that beat scans "

@@ -9,7 +9,7 @@ from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.foreign_queues import move_foreign_messages
 from app.fleet.jobs import delete_job, expire_jobs
-from app.fleet.message_audit import audit_after_restart
+from app.fleet.message_audit import audit_after_restart, audit_orphans
 from app.fleet.reaper import reap_workers
 from app.fleet.reconcile import reconcile_pools
 from app.requests.models import get_registry
@@ -101,3 +101,11 @@ def foreign_queues() -> int:
     Celery's default, `celery`) to vigil.housekeeping, to be validated and forwarded to their
     pools (app/fleet/foreign_queues.py); returns how many moved."""
     return move_foreign_messages(shared_store(), get_settings().foreign_queue_names)
+
+
+@app.task(name="vigil.message_audit", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+          acks_late=True)
+def message_audit() -> int | None:
+    """Publish again the open requests no queue, worker or unacked entry holds (a producer
+    that stopped between record and message; app/fleet/message_audit.py); returns how many."""
+    return audit_orphans(shared_store(), time.time(), republish)

@@ -44,6 +44,8 @@ log = logging.getLogger("vigil.message_audit")
 AUDIT_LOCK = "message_audit"
 RESTART_REASON = "redis_unavailable: its message was lost in a Redis restart"
 REAP_REASON = "worker_lost: its message was taken by a worker that died"
+ORPHAN_REASON = ("redis_unavailable: no queue, worker or unacked entry held its message (its "
+                 "producer stopped before publishing it, or it was lost)")
 # A record this young may be a submit between its record and its publish: not an orphan yet.
 MIN_AGE_S = 5.0
 
@@ -129,4 +131,22 @@ def audit_after_reap(store: RequestStore, now: float, republish: Republish, pool
     if published:
         log.warning("%d request(s) of pool(s) %s had lost their message to a dead worker's "
                     "consumer and were published again", published, ", ".join(pools))
+    return published
+
+
+def audit_orphans(store: RequestStore, now: float, republish: Republish, *,
+                  lock_ttl_s: float = 120.0) -> int | None:
+    """Republish every open request, of any pool, created more than MIN_AGE_S ago, that no
+    queue, worker or unacked entry holds: a producer that stopped between writing the record
+    and publishing its message (and is never rerun) leaves one, which would otherwise wait for
+    its deadline. Beat runs it every VIGIL_MESSAGE_AUDIT_INTERVAL. Returns how many; None when
+    another audit runs."""
+    with store.locked(AUDIT_LOCK, lock_ttl_s) as held:
+        if not held:
+            return None
+        published = republish_lost(store, now, republish, created_before=now - MIN_AGE_S,
+                                   reason=ORPHAN_REASON)
+    if published:
+        log.warning("%d open request(s) had no message anywhere and were published again",
+                    published)
     return published

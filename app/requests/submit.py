@@ -38,6 +38,7 @@ from app.requests.publish import Send, announce_queue, publish
 from app.requests.schemas import GenerateRequest, parse_request
 from app.settings import VigilSettings
 from app.state.keys import PENDING
+from app.state.queues import job_queue_name
 from app.state.store import CREATED_NEW_JOB_QUEUE, EXISTS
 from app.state.store import JOB_DELETED as JOB_REFUSED
 from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
@@ -78,6 +79,14 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
         if existing.get("request") not in (None, fields["request"]):
             raise RequestError.of(INVALID_REQUEST, f"request id {request_id!r} is already "
                                   "used by a different request; use a new task_id")
+        if _never_published(store, request_id, existing, spec.name, req.job):
+            # Its first producer stopped between the record and the message (a SIGKILLed
+            # `vigil batch`, say): this resubmit publishes it. Were the first one only slow, the
+            # copy costs one duplicate delivery, never a second run.
+            log.warning("request %s had a record but no message anywhere; publishing it",
+                        request_id)
+            publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
+                    deadline_at=float(existing["deadline_at"]), send=send, **options)
         return app.AsyncResult(request_id)
     try:
         return publish(request_id, wire_kwargs(req), model=req.model, job=req.job,
@@ -91,6 +100,16 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
             raise TransientError.of(REDIS_UNAVAILABLE,
                                     f"could not publish the request: {e}") from None
         raise
+
+
+def _never_published(store: RequestStore, request_id: str, record: dict, pool: str,
+                     job: str) -> bool:
+    """True for a record no attempt ever began and no message carries: PENDING at dispatch 0,
+    held by no worker, not in its queue nor fetched (RequestStore.message_missing)."""
+    if (record.get("status"), record.get("dispatch"), record.get("attempts")) != (
+            PENDING, "0", "0"):
+        return False
+    return store.message_missing(request_id, job_queue_name(pool, job))
 
 
 def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry

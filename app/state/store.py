@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import redis
 
 from app.settings import get_settings
-from app.state import jobs, keys
+from app.state import broker, jobs, keys
 from app.state.calls import Calls
 from app.state.conn import connect, server_run
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
@@ -313,6 +313,18 @@ class RequestStore:
             return [m.decode() for m in self._call(self.r.zrange, keys.DEADLINES, 0, -1)]
         return sorted({m.decode() for p in pools
                        for m in self._call(self.r.smembers, keys.pool_requests(p))})
+
+    def message_missing(self, request_id: str, queue: str, limit: int = 10_000) -> bool:
+        """True when no worker holds the request and its message is neither in `queue` (read
+        from the head, at most `limit` entries) nor fetched and unacked: its message is gone.
+        False when it is somewhere, or when the queue is longer than `limit` and the message
+        was not among the entries read (then nobody can tell cheaply)."""
+        if request_id in self.held_ids():
+            return False
+        pos, length = self._call(broker.position, self.r, queue, request_id, limit=limit)
+        if pos is not None or length > limit:
+            return False
+        return request_id not in self._call(broker.queued_ids, self.r, [], unacked=True)
 
     def held_ids(self) -> set[str]:
         """Every request id some worker instance's in-flight set holds (SCAN over the sets)."""
