@@ -76,7 +76,8 @@ def test_the_housekeeper_sweeps_with_no_worker_and_beside_a_worker_whose_threads
         fleet, tmp_path):
     """Given beat and the housekeeper and no worker at all, when a request with a 5 s deadline is
     submitted, then it ends deadline_exceeded within its deadline + one sweep + 5 s. Given then a
-    worker whose every task thread waits for an engine start (two threads, a 25 s start), the
+    worker whose every task thread waits for an engine start (two threads, a start the drill
+    slows by 10 s on top of the engine's own ~20 s), the
     same holds for a second request, and a vigil.generate message sent without a queue (onto
     vigil.housekeeping) is forwarded to its pool by the housekeeper and served once the engine
     is up. The housekeeper never registers as a worker and never loads an engine."""
@@ -90,12 +91,13 @@ def test_the_housekeeper_sweeps_with_no_worker_and_beside_a_worker_whose_threads
     assert WorkerRegistry(private.vigil_redis).entries() == []  # the housekeeper is no worker
 
     busy = RunningWorker(redis_server, "busy@testhost", tmp_path, pools=SLOW_START_MODEL,
-                         concurrency=2, VIGIL_ENGINE="drill", VIGIL_DRILL="slow_start=25",
+                         concurrency=2, VIGIL_ENGINE="drill", VIGIL_DRILL="slow_start=10",
                          VIGIL_PRELOAD="0", **ENV)
     try:
         wait_for(lambda: (busy.entry() or {}).get("has_pinged") == "1", 120,
                  what="the busy worker to be ready")
-        # Its two task threads both wait for the 25 s engine start from here on.
+        # Its two task threads both wait for the engine start (~30 s, longer than the starved
+        # request's whole bound) from here on.
         held = [submit(model=SLOW_START_MODEL, prompt=f"wait for me {i}", max_tokens=4)
                 for i in range(2)]
         wait_for(lambda: all(store.get(r.id)["status"] == "RUNNING" for r in held), 60,

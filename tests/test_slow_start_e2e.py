@@ -14,7 +14,7 @@ pytestmark = pytest.mark.worker
 # Below an engine start on these 2 cores (18-27 s, longer with two starting together); the drill
 # adds SLOW_START_S to every start, so the test holds on a faster machine too.
 REQUEST_TIMEOUT_S = 10
-SLOW_START_S = 12
+SLOW_START_S = 6
 
 
 def test_two_workers_whose_engines_load_slower_than_the_request_timeout_serve_everything(
