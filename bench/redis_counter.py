@@ -5,10 +5,11 @@ use too): every send of a packed request is one round trip (a pipeline is one), 
 it one command. `counts()` reads the totals of this process.
 
 A process started with `sitecustomize_dir(tmp)` first on its PYTHONPATH and BENCH_REDIS_COUNTS
-set (a worker: `vigil worker` execs `celery`, so the counter must come with every interpreter
-start) installs the counter at start; while it runs, creating the file named by
-BENCH_REDIS_COUNTS + ".ask" makes it write its counts as JSON to BENCH_REDIS_COUNTS (and delete
-the ".ask" file), within ~0.1 s.
+set to a directory (a worker: `vigil worker` execs `celery`, so the counter must come with every
+interpreter start) installs the counter at start. `ask(directory)` drops a numbered question
+there; every such process alive answers with its own counts (a file per process id) within
+~0.1 s, and `ask` returns their sum: a worker and its helper processes (its orphan guard) are
+one side.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def counts() -> dict[str, int]:
 
 
 def start_answering() -> None:
-    """Install the counter and answer `ask` on BENCH_REDIS_COUNTS (a thread of its own)."""
+    """Install the counter and answer `ask` in BENCH_REDIS_COUNTS (a thread of its own)."""
     install()
     threading.Thread(target=_answer, args=(Path(os.environ["BENCH_REDIS_COUNTS"]),),
                      daemon=True, name="bench-redis-counter").start()
@@ -80,24 +81,43 @@ def sitecustomize_dir(tmp: Path) -> Path:
     return d
 
 
-def _answer(path: Path) -> None:
-    ask = Path(str(path) + ".ask")
+def _answer(directory: Path) -> None:
+    answered: set[str] = set()
     while True:
-        if ask.exists():
-            tmp = Path(str(path) + ".tmp")
-            tmp.write_text(json.dumps(counts()))
-            tmp.replace(path)
-            ask.unlink(missing_ok=True)
+        try:
+            for q in directory.glob("ask-*"):
+                if q.suffix != ".json" and q.name not in answered:
+                    tmp = directory / f".{q.name}.{os.getpid()}"
+                    tmp.write_text(json.dumps(counts()))
+                    tmp.replace(directory / f"{q.name}.{os.getpid()}.json")
+                    answered.add(q.name)
+        except OSError:
+            pass
         time.sleep(0.05)
 
 
-def ask(path: Path, timeout: float = 10.0) -> dict[str, int]:
-    """The counts of the process writing to `path` (see the module docstring)."""
-    path.unlink(missing_ok=True)
-    Path(str(path) + ".ask").touch()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        time.sleep(0.02)
-    raise TimeoutError(f"no counts at {path}")
+_asked = 0
+
+
+def ask(directory: Path, wait: float = 1.0, timeout: float = 10.0) -> dict[str, int]:
+    """The summed counts of every process answering in `directory` (module docstring): those
+    that answered within `wait` s, or the first to answer within `timeout`."""
+    global _asked
+    _asked += 1
+    name = f"ask-{os.getpid()}-{_asked}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).touch()
+    start = time.monotonic()
+    while True:
+        answers = list(directory.glob(f"{name}.*.json"))
+        elapsed = time.monotonic() - start
+        if (answers and elapsed >= wait) or elapsed >= timeout:
+            break
+        time.sleep(0.05)
+    if not answers:
+        raise TimeoutError(f"no process answered in {directory}")
+    total = {"round_trips": 0, "commands": 0}
+    for a in answers:
+        for k, v in json.loads(a.read_text()).items():
+            total[k] += v
+    return total

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     rds = EmbeddedRedis(port=port).start()
     procs = []
     try:
-        counts = {"vigil": tmp / "vigil.counts", "noop": tmp / "noop.counts"}
+        counts = {"vigil": tmp / "vigil-counts", "noop": tmp / "noop-counts"}
         site = str(redis_counter.sitecustomize_dir(tmp))
 
         def env(side: str, **extra: str) -> dict[str, str]:

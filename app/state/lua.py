@@ -81,7 +81,10 @@ return 1
 #  | {'run', attempts}
 BEGIN = HISTORY_HELPERS + """
 local rec = KEYS[1]
-local st = redis.call('HGET', rec, 'status')
+-- One read of every field the decision needs (HMGET gives false for a missing one).
+local r = redis.call('HMGET', rec, 'status', 'begin_token', 'dispatch', 'instance',
+                     'deadline_at', 'attempts', 'last_error')
+local st = r[1]
 if not st then return {'missing'} end
 if st == 'SUCCEEDED' or st == 'FAILED' then
   redis.call('SREM', KEYS[2], ARGV[1])
@@ -89,22 +92,22 @@ if st == 'SUCCEEDED' or st == 'FAILED' then
   local f = redis.call('HMGET', rec, 'result', 'error_kind', 'error')
   return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
 end
-if st == 'RUNNING' and redis.call('HGET', rec, 'begin_token') == ARGV[8] then
-  return {'run', redis.call('HGET', rec, 'attempts')}  -- this begin already ran (reply lost)
+if st == 'RUNNING' and r[2] == ARGV[8] then
+  return {'run', r[6]}  -- this begin already ran (reply lost)
 end
-local current = tonumber(redis.call('HGET', rec, 'dispatch') or '0')
+local current = tonumber(r[3] or '0')
 local dispatch = tonumber(ARGV[2])
 if dispatch < current then
   redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('HINCRBY', KEYS[3], 'stale_deliveries', 1)
   return {'stale', tostring(current)}
 end
+local owner = r[4]
 if st == 'RUNNING' and dispatch == current then
   -- The same copy again while its run is alive: this worker runs it (kombu restored the
   -- message when the connection dropped), or another worker that heartbeats runs it (a
   -- redelivery after the visibility timeout). Not a second run: the owner finishes it, or the
   -- reaper requeues it under a newer dispatch if the owner dies.
-  local owner = redis.call('HGET', rec, 'instance')
   local seen = owner and redis.call('ZSCORE', KEYS[4], owner)
   if owner == ARGV[4] or (seen and tonumber(seen) >= tonumber(ARGV[5]) - tonumber(ARGV[9])) then
     if owner ~= ARGV[4] then redis.call('SREM', KEYS[2], ARGV[1]) end
@@ -112,10 +115,11 @@ if st == 'RUNNING' and dispatch == current then
     return {'busy', owner}
   end
 end
-local deadline = tonumber(redis.call('HGET', rec, 'deadline_at') or '0')
+local deadline = tonumber(r[5] or '0')
 if deadline > 0 and tonumber(ARGV[5]) > deadline then return {'expired'} end
+local h = nil
 if ARGV[10] == '1' and st == 'PENDING' then
-  local h = read_history(rec)
+  h = read_history(rec)
   local last = h[#h]
   if last and last.instance == ARGV[4] and last.outcome == 'retry'
       and last.error ~= 'lora_adapter_pending' then
@@ -123,17 +127,16 @@ if ARGV[10] == '1' and st == 'PENDING' then
     return {'avoid'}
   end
 end
-local attempts = tonumber(redis.call('HGET', rec, 'attempts') or '0')
+local attempts = tonumber(r[6] or '0')
 if attempts >= tonumber(ARGV[6]) then
-  return {'exhausted', tostring(attempts), redis.call('HGET', rec, 'last_error') or ''}
+  return {'exhausted', tostring(attempts), r[7] or ''}
 end
 attempts = attempts + 1
-local prev = redis.call('HGET', rec, 'instance')
-if prev and prev ~= ARGV[4] then redis.call('SREM', ARGV[7] .. prev, ARGV[1]) end
+if owner and owner ~= ARGV[4] then redis.call('SREM', ARGV[7] .. owner, ARGV[1]) end
 redis.call('HSET', rec, 'status', 'RUNNING', 'attempts', attempts, 'dispatch', dispatch,
            'worker', ARGV[3], 'instance', ARGV[4], 'started_at', ARGV[5],
            'begin_token', ARGV[8])
-local h = read_history(rec)
+h = h or read_history(rec)
 h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance = ARGV[4],
              started_at = tonumber(ARGV[5]), ended_at = cjson.null, outcome = cjson.null,
              error = cjson.null}
