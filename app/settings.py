@@ -42,7 +42,7 @@ DEFAULT_MAX_TOKENS_CAP = 32768
 DEFAULT_IDLE_CLEANUP_S = 60.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 # A worker silent this long is dead: its in-flight requests are requeued elsewhere. Far below
-# the visibility timeout (720 s with Vigil's defaults; kombu's own default is 1 h), which is all
+# the visibility timeout (2,220 s with Vigil's defaults; kombu's own default is 1 h), which is all
 # Celery alone would offer for a dead threads-pool worker.
 DEFAULT_WORKER_REAP_TIMEOUT_S = 120.0
 MIN_WORKER_REAP_TIMEOUT_S = 30.0

@@ -104,6 +104,29 @@ def tally_recovery(rep: SoakReport, recs: dict[str, dict | None]) -> None:
     rep.unrecovered_kills = sum(k.recovery_s is None for k in rep.kills)
     if recov:
         rep.recovery_worst_s, rep.recovery_median_s = max(recov), statistics.median(recov)
+    for k in rep.kills:
+        if k.kind == "worker" and k.held:
+            backs = [_back_after(recs.get(rid), k.at) for rid in k.held]
+            if all(b is not None for b in backs):
+                k.handback_s = max(backs)
+    backs = [k.handback_s for k in rep.kills if k.handback_s is not None]
+    if backs:
+        rep.handback_worst_s, rep.handback_median_s = max(backs), statistics.median(backs)
+
+
+def _back_after(rec: dict | None, at: float) -> float | None:
+    """Seconds from a worker kill at `at` until the request it held was back in the fleet's
+    hands: its open attempt closed `requeued` by the reaper, or (a message the dead consumer
+    took, published again by the audit) its next attempt begun; None if neither happened."""
+    if rec is None:
+        return None
+    entries = rec.get("history") or []
+    for e in entries:
+        if (e.get("outcome") == "requeued" and e.get("ended_at") is not None
+                and float(e.get("started_at") or 0) <= at <= float(e["ended_at"])):
+            return float(e["ended_at"]) - at
+    later = [float(e["started_at"]) for e in entries if float(e.get("started_at") or 0) > at]
+    return min(later) - at if later else None
 
 
 def locate(client, ids) -> dict[str, dict]:

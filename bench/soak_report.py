@@ -19,6 +19,7 @@ class Kill:
     held: list[str]
     t_s: float = 0.0  # seconds after the first submit
     recovery_s: float | None = None  # kill -> the last held request ended (None: some never did)
+    handback_s: float | None = None  # worker kill -> the last held request requeued or begun again
 
 
 @dataclass
@@ -57,6 +58,8 @@ class SoakReport:
     recovery_worst_s: float | None = None
     recovery_median_s: float | None = None
     unrecovered_kills: int = 0
+    handback_worst_s: float | None = None  # over worker kills: see Kill.handback_s
+    handback_median_s: float | None = None
     rss_main_mib: dict[str, float] = field(default_factory=dict)  # steady worker, main process
     rss_total_mib: dict[str, float] = field(default_factory=dict)  # ... plus its engine processes
     shm_left: dict[str, int] = field(default_factory=dict)  # /dev/shm segments left behind
@@ -137,6 +140,9 @@ class SoakReport:
              f"{_secs(self.recovery_median_s)}"
              + (f"; {self.unrecovered_kills} kill(s) never recovered" if self.unrecovered_kills
                 else "")),
+            ("worker kill -> held requeued", f"worst {_secs(self.handback_worst_s)} / median "
+             f"{_secs(self.handback_median_s)} (reap timeout "
+             f"{self.settings.get('VIGIL_WORKER_REAP_TIMEOUT', '?')} s)"),
             ("reaps", f"{len(self.reaps)} dead instances, reaped "
              f"{fmt_counts(Counter(self.reaps.values()))} time(s); republished by the audit "
              f"after a reap: {self.republished_by_audit}"),
@@ -156,7 +162,8 @@ class SoakReport:
         lines.append("kills (t = s after the first submit):")
         for k in self.kills:
             lines.append(f"  t {k.t_s:6.1f}  {k.kind:6s} {k.worker:18s} held {len(k.held):3d}, "
-                         f"recovered {_secs(k.recovery_s)}")
+                         f"recovered {_secs(k.recovery_s)}"
+                         + (f", requeued {_secs(k.handback_s)}" if k.kind == "worker" else ""))
         lines += [f"  log: {line}" for line in self.log_error_samples]
         lines += [f"  slow: {x}" for x in self.slowest]
         lines += [f"  lost: {x}" for x in self.lost_detail]

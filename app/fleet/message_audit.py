@@ -25,8 +25,8 @@ reap: a submit between its record and its publish is not an orphan), and whose i
 of its pool, is moved to its next dispatch and published again. A copy in kombu's unacked hash
 does not count: a message there whose request no worker holds was fetched by a consumer that died
 (or lost its connection) before Celery reported it, and would come back only after the
-visibility timeout (720 s). A copy of the old message that turns up later, from there or
-anywhere, is an older dispatch and is dropped unexecuted, so a needless republish (a live
+visibility timeout (2,220 s by default). A copy of the old message that turns up later, from
+there or anywhere, is an older dispatch and is dropped unexecuted, so a needless republish (a live
 consumer a millisecond from reporting its fetch) costs one delivery, never a second run.
 """
 from __future__ import annotations

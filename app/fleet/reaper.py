@@ -1,6 +1,6 @@
 """The reaper (beat, every VIGIL_WORKER_REAP_TIMEOUT / 4): a worker silent past its window is
 dead; its requests go to other workers now, not after Redis' visibility timeout (an hour by
-default; 720 s with Vigil's settings).
+default; 2,220 s with Vigil's settings).
 
 A function of `(store, now)`: the registry read in chunks, at most MAX_REAPS_PER_RUN workers per
 run, one record's failure isolated from the rest, a lock so a second beat never reaps twice.
