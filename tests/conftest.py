@@ -177,7 +177,10 @@ class RunningWorker:
                 raise RuntimeError(f"worker exited ({self.proc.returncode}); log:\n"
                                    + self.log.read_text()[-4000:])
             e = self.entry()
-            return e if e and int(e.get("engine_loads", 0)) >= 1 else None
+            # Loaded and ready (has_pinged): a test that kills it from here on meets a worker
+            # the reaper judges by the reap timeout, not the registration grace.
+            return (e if e and int(e.get("engine_loads", 0)) >= 1 and e.get("has_pinged") == "1"
+                    else None)
 
         return wait_for(ready, timeout, 0.2, f"{self.name}'s engine")
 

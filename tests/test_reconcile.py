@@ -33,7 +33,7 @@ def worker(store, inst, name, pools, free_gib, model="", in_flight=0, configured
         "pools": ",".join(pools), "configured_pools": ",".join(configured or pools),
         "device_free_bytes": int(free_gib * GiB), "model": model, "in_flight": in_flight},
         clock=lambda: at)
-    hb.has_pinged = ready  # as mark_ready() would, without its background write
+    hb.has_pinged = ready  # as mark_ready() would, without its write
     hb.beat()
 
 

@@ -80,12 +80,17 @@ def test_workers_in_their_grace_do_not_hide_a_dead_ready_worker_behind_them(stor
 
 
 def test_the_heartbeat_says_has_pinged_only_once_the_worker_is_ready(store):
-    """The entry is written with has_pinged 0 at registration and 1 from the first write after
-    mark_ready."""
-    hb = heartbeat(store, 7, "w@h", lambda: T0)
+    """The entry is written with has_pinged 0 at registration; mark_ready writes 1 itself before
+    it returns (no heartbeat thread runs here), so a worker killed right after it is judged by
+    the reap timeout; later writes keep 1."""
+    now = [T0]
+    hb = heartbeat(store, 7, "w@h", lambda: now[0])
     hb.beat()
     assert store.r.hget(keys.worker(7), "has_pinged") == b"0"
+    now[0] = T0 + 1
     hb.mark_ready()
+    assert store.r.hget(keys.worker(7), "has_pinged") == b"1"
+    assert store.r.zscore(keys.WORKERS, "7") == T0 + 1
     hb.beat()
     assert store.r.hget(keys.worker(7), "has_pinged") == b"1"
 

@@ -45,6 +45,7 @@ class Heartbeat:
         self._fields = fields
         self._clock = clock
         self._wake = threading.Event()
+        self._beat_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started_at = clock()
@@ -66,20 +67,28 @@ class Heartbeat:
         self._wake.set()
 
     def mark_ready(self) -> None:
-        """The worker is ready: every write from the next one on says has_pinged=1 (within
-        ~0.2 s while the heartbeat thread runs)."""
-        self.has_pinged = True  # before the poke: the write it wakes reads the flag after
-        self.poke()
+        """The worker is ready: its entry says has_pinged=1 from this call on, written here
+        before it returns, so a worker killed a moment after becoming ready is judged by the reap
+        timeout, not the registration grace (a write that fails is left to the heartbeat thread,
+        which writes the flag from then on)."""
+        self.has_pinged = True
+        try:
+            self.beat()
+        except (redis.RedisError, TransientError) as e:
+            log.warning("could not write the worker's readiness now (%s): the next heartbeat "
+                        "will", e)
+            self.poke()
 
     def beat(self) -> None:
-        """Write the entry now."""
-        now = self._clock()
-        entry = {
-            "name": self.name, "instance_id": self.instance_id, "host": socket.gethostname(),
-            "pid": os.getpid(), "started_at": self.started_at, "last_seen": now,
-            "has_pinged": int(self.has_pinged), **self._fields(),
-        }
-        self.registry.write(self.instance_id, entry, now)
+        """Write the entry now (one writer at a time: the heartbeat thread, a readiness mark)."""
+        with self._beat_lock:
+            now = self._clock()
+            entry = {
+                "name": self.name, "instance_id": self.instance_id, "host": socket.gethostname(),
+                "pid": os.getpid(), "started_at": self.started_at, "last_seen": now,
+                "has_pinged": int(self.has_pinged), **self._fields(),
+            }
+            self.registry.write(self.instance_id, entry, now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
