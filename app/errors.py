@@ -78,8 +78,9 @@ class VigilError(Exception):
     `cls(*args)`) rebuilds it intact in the producer.
 
     The retry policy is a property of the error (the task's one retry path, tasks/base.py,
-    honours it; docs/api.md, "Retries", has the table): `retry_at_once` (no backoff: another worker can take it now), `uses_attempt` (counted against
-    VIGIL_MAX_ATTEMPTS), `retry_delay_cap` (a tighter cap on the backoff). `attempt` is the
+    honours it; docs/api.md, "Retries", has the table): `retry_at_once` (no backoff: another
+    worker can take it now), `uses_attempt` (counted against VIGIL_MAX_ATTEMPTS),
+    `retry_delay_cap` (a tighter cap on the backoff). `attempt` is the
     attempt that failed, set by the worker from the request's record when it used one.
     """
 
