@@ -18,6 +18,7 @@ from app.settings import VigilSettings, get_settings
 from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore
+from app.state.streams import TokenStreams
 
 # The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
 APP_NAME = "vigil"
@@ -47,6 +48,11 @@ class VigilCelery(Celery):
     def vigil_store(self) -> RequestStore:
         """Vigil's request records in this app's Redis (results look at them while waiting)."""
         return RequestStore(self.vigil_redis, (self.vigil_settings or get_settings()).result_ttl)
+
+    @cached_property
+    def vigil_streams(self) -> TokenStreams:
+        """The token streams in this app's Redis (results read them in `stream()`)."""
+        return TokenStreams(self.vigil_redis)
 
     def vigil_why_waiting(self, request_id: str) -> dict | None:
         """Why an open request waits (app/fleet/waiting.py), read with this app's settings,

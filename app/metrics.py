@@ -46,6 +46,15 @@ REAPED_REQUESTS = Counter("vigil_reaped_requests", "Requests of reaped workers, 
                           "reaper did (requeued, failed).", ["outcome"], registry=REGISTRY)
 CONSUMERS_CANCELLED = Counter("vigil_health_tick_cancelled_consumers", "Pool consumers the "
                               "health tick cancelled on quarantined workers.", registry=REGISTRY)
+TOKENS_RESUMED = Counter("vigil_tokens_resumed", "Generated tokens a new run continued from "
+                         "instead of generating them again (resume from the token stream).",
+                         ["pool"], registry=REGISTRY)
+TOKENS_DISCARDED = Counter("vigil_tokens_discarded", "Generated tokens thrown away: a resume "
+                           "refused (the run restarted from the prompt), or tokens an attempt "
+                           "made but had not written to its stream when it ended without a "
+                           "result.", ["pool"], registry=REGISTRY)
+STREAM_READERS = Counter("vigil_stream_reads", "Token stream reads this process began "
+                         "(`stream()` calls, `vigil request --follow`).", registry=REGISTRY)
 HOUSEKEEPING_TASKS = ("deadline_sweep", "reaper", "health_tick")
 for _task in HOUSEKEEPING_TASKS:  # present (at 0) from the first scrape
     HOUSEKEEPING.labels(_task)
@@ -89,3 +98,20 @@ def housekeeping_ran(task: str, seconds: float) -> None:
 def housekeeping_skipped(task: str) -> None:
     """Count a housekeeping run that found the lock taken."""
     HOUSEKEEPING_SKIPPED.labels(task).inc()
+
+
+def tokens_resumed(pool: str, n: int) -> None:
+    """Count `n` generated tokens a run continued from."""
+    if n > 0:
+        TOKENS_RESUMED.labels(pool).inc(n)
+
+
+def tokens_discarded(pool: str, n: int) -> None:
+    """Count `n` generated tokens thrown away."""
+    if n > 0:
+        TOKENS_DISCARDED.labels(pool).inc(n)
+
+
+def stream_read() -> None:
+    """Count a token stream read begun by this process."""
+    STREAM_READERS.inc()

@@ -76,6 +76,10 @@ DEFAULT_FAILURE_THRESHOLD = 3
 # adds up (stretched to threshold x request_timeout if shorter), short enough that blips days
 # apart never do.
 DEFAULT_HEALTH_WINDOW_S = 3600.0
+# Token streams (app/state/streams.py): a worker's flush interval and the chunk size that calls
+# an early flush. Chosen by measurement (docs/performance.md, "Token streams").
+DEFAULT_STREAM_FLUSH_MS = 200
+DEFAULT_STREAM_CHUNK_TOKENS = 64
 # Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
 # deadlocked). Far above one engine step (milliseconds to seconds); at most half the request
 # timeout is used.
@@ -176,6 +180,14 @@ class VigilSettings(BaseSettings):
     # in a deployment: a timeout near the heartbeat interval reaps live workers.
     allow_short_reap_timeout: bool = False
     result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=1)
+    stream_flush_ms: int = Field(DEFAULT_STREAM_FLUSH_MS, ge=0, le=60000, description="A "
+                                 "worker writes the tokens its requests generated to their "
+                                 "token streams at least this often (one round trip for all "
+                                 "of them); 0 turns token streams, and resuming from them, off.")
+    stream_chunk_tokens: int = Field(DEFAULT_STREAM_CHUNK_TOKENS, ge=1, le=65536,
+                                     description="A request with this many tokens not yet "
+                                     "written to its stream is written at the next flush "
+                                     "without waiting for stream_flush_ms.")
     # Test-only: lets a test wait for finished records to really expire. Never set it in a
     # deployment: a result gone before a slow poller reads it is a lost result.
     allow_short_result_ttl: bool = False

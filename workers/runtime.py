@@ -26,6 +26,7 @@ from app.state.health import HEALTHY, HealthLedger
 from app.state.queues import pool_of, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
+from app.state.streams import TokenStreams
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
@@ -34,6 +35,7 @@ from workers.engine.witness import Witness
 from workers.heartbeat import Heartbeat
 from workers.orphan_guard import OrphanGuard
 from workers.quarantine import QuarantineActions, WorkerHealth
+from workers.streaming import StreamSink
 
 log = logging.getLogger("vigil.worker")
 
@@ -89,6 +91,11 @@ class WorkerRuntime:
                                on_failure=lambda reason: self.health.failure(reason),
                                on_success=lambda: self.health.success(),
                                served_elsewhere=self.served_elsewhere)
+        # Token streams (workers/streaming.py), for the engines that stream (the real one).
+        self.streams: StreamSink | None = None
+        if settings.stream_flush_ms > 0 and engine in MODEL_ENGINES:
+            self.streams = StreamSink(TokenStreams(self.client), settings.stream_flush_ms,
+                                      settings.stream_chunk_tokens)
         self.leaving: WorkerFatalError | None = None
         self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(
@@ -175,6 +182,8 @@ class WorkerRuntime:
         log.info("worker %s instance %d starting (engine=%s)", self.name, self.instance_id,
                  self.engine_kind)
         self.host.start()
+        if self.streams is not None:
+            self.streams.start()
         self.heartbeat.start()
         return self
 
@@ -300,6 +309,8 @@ class WorkerRuntime:
         self.health.close()
         self.heartbeat.stop(unregister=True)
         self.host.shutdown()
+        if self.streams is not None:
+            self.streams.stop()
         if self.guard is not None:
             self.guard.close()
 

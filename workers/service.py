@@ -18,6 +18,7 @@ from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PEND
                         MEMORY_PRESSURE, WORKER_LOST, RequestError, TerminalError, TransientError,
                         VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
+from app.requests.adapters import files_fingerprint
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
@@ -105,8 +106,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     metrics.attempt_begun(pool)
 
     try:
-        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}", s.request_timeout,
-                               adapter)
+        out = _generate(rt, request_id, req, spec, b.attempts, adapter)
     except Aborted:  # ended elsewhere while it ran (job deleted): answer with what is stored
         rec = rt.store.get(request_id) or {}
         if rec.get("status") in ("SUCCEEDED", "FAILED"):
@@ -144,6 +144,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
         "attempts": b.attempts, "worker": rt.name,
         **({"lora": req.lora} if req.lora is not None else {}),
+        **({"resumed_at": out.resumed_at} if out.resumed_at else {}),
     }
     won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
                               pool=pool)
@@ -152,6 +153,29 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def _generate(rt: WorkerRuntime, request_id: str, req, spec, attempt: int, adapter):
+    """Run the attempt in the engine; with token streams on, through a tap that streams its
+    tokens and continues from those of earlier attempts (workers/streaming.py)."""
+    tap = None
+    if rt.streams is not None:
+        try:
+            prior = rt.streams.streams.checkpoint(request_id) if attempt > 1 else None
+        except VigilError as e:  # Redis away just now: this attempt runs unstreamed
+            log.warning("request %s: could not read its token stream (%s)", request_id, e)
+        else:
+            tap = rt.streams.open(request_id, rt.instance_id, attempt, req.pool, prior,
+                                  files_fingerprint(adapter.path) if adapter else "")
+    ok = False
+    try:
+        out = rt.host.generate(req, spec, f"{request_id}-{attempt}", rt.settings.request_timeout,
+                               adapter, tap=tap)
+        ok = True
+        return out
+    finally:
+        if tap is not None:
+            rt.streams.close(tap, ok)
 
 
 def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,

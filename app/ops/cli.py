@@ -10,6 +10,7 @@
     vigil demo [--keep]                  # the end-to-end demo (make demo); --keep: stay up
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
     vigil request ID [--json]            # one request: status, attempts, and why it waits
+    vigil request ID --follow            # its text as it is generated, until it ends
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from app.fleet import jobs
 from app.local.demo import run_demo
 from app.local.tiny_model import build_tiny_llama
 from app.ops.batch_run import run_command
-from app.ops.request_view import run_request
+from app.ops.request_view import follow_request, run_request
 from app.ops.status import run_status
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
@@ -215,6 +216,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
+    if args.follow:
+        from app import app  # the results' app: its AsyncResult reads the token stream
+        return follow_request(app, args.id, after=args.after, timeout=args.timeout)
     return run_request(args.id, as_json=args.json, show_text=args.show_text)
 
 
@@ -300,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     r.add_argument("--show-text", action="store_true",
                    help="include the generated text and token ids (user data)")
+    r.add_argument("--follow", action="store_true",
+                   help="print the generated text as it comes (the token stream) until the "
+                   "request ends")
+    r.add_argument("--after", type=int, default=0,
+                   help="with --follow: start after this many tokens (default 0)")
+    r.add_argument("--timeout", type=float, default=None,
+                   help="with --follow: give up after this many seconds")
     r.set_defaults(func=_cmd_request)
     return p
 

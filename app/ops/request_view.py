@@ -3,6 +3,7 @@
     vigil request 3f2c...            # status, attempts, deadline, result summary or error
     vigil request 3f2c... --json     # one JSON object, for scripts
     vigil request 3f2c... --show-text   # the generated text and token ids too (user data)
+    vigil request 3f2c... --follow      # the text as it is generated (the token stream)
 
 The explanation of a wait is app/fleet/waiting.py's (the same one `AsyncResult.info` gives).
 Read-only: nothing here changes Redis.
@@ -10,15 +11,17 @@ Read-only: nothing here changes Redis.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
 import redis
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from app.errors import TransientError
+from app.errors import TransientError, VigilError
 from app.fleet.waiting import error_code, num, waiting_for, when
 from app.redis_url import redacted_url
 from app.requests.models import ModelRegistry, get_registry
@@ -26,6 +29,7 @@ from app.settings import VigilSettings, get_settings
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
+from app.state.streams import TokenStreams
 
 
 def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
@@ -50,12 +54,17 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
         "worker": rec.get("worker") or None, "instance": rec.get("instance") or None,
         "started_at": num(rec, "started_at"), "last_error": rec.get("last_error", ""),
         "history": store.history(request_id), "result": None, "error": None, "waiting": None,
+        # Tokens in the request's token stream so far (app/state/streams.py), and the token
+        # offsets where an attempt took over from tokens made before it (resume).
+        "tokens_so_far": int(rec.get("streamed") or 0), "resumed_at": [],
     }
     if status == keys.SUCCEEDED and rec.get("result"):
         res = json.loads(rec["result"])
         summary = {k: res.get(k) for k in ("finish_reason", "prompt_tokens", "completion_tokens",
                                            "attempts", "worker")}
         summary["text_chars"] = len(res.get("text") or "")
+        out["tokens_so_far"] = int(res.get("completion_tokens") or 0)
+        out["resumed_at"] = list(res.get("resumed_at") or ())
         if res.get("lora") is not None:
             summary["lora"] = res["lora"]
         if show_text:
@@ -68,6 +77,9 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
                         "message": message}
     else:
         out["waiting"] = waiting_for(request_id, rec, client, settings, registry, now)
+        cp = TokenStreams(client).checkpoint(request_id) if out["tokens_so_far"] else None
+        if cp is not None:
+            out["resumed_at"] = cp.resumed_at
     return out
 
 
@@ -90,6 +102,13 @@ def render(view: dict[str, Any], now: float | None = None):
     head.add_row("deadline", when(view["deadline_at"], now))
     if view["finished_at"] is not None:
         head.add_row("finished", when(view["finished_at"], now))
+    if view["tokens_so_far"] or view["resumed_at"]:
+        took_over = ", ".join(str(o) for o in view["resumed_at"])
+        head.add_row("tokens", f"{view['tokens_so_far']} so far" if view["result"] is None
+                     else f"{view['tokens_so_far']} generated")
+        if took_over:
+            head.add_row("resumed at", f"token {took_over} (an attempt continued the tokens "
+                         "made before it)")
     if view["last_error"] and view["status"] != "FAILED":
         head.add_row("last error", Text(view["last_error"]))
     if view["result"] is not None:
@@ -139,3 +158,31 @@ def run_request(request_id: str, as_json: bool = False, show_text: bool = False)
     else:
         console.print(render(view))
     return 0
+
+
+def follow_request(app, request_id: str, after: int = 0, timeout: float | None = None) -> int:
+    """`vigil request ID --follow`: print the request's text as it is generated (its token
+    stream, through `app`'s results), then a summary line on stderr. 0 when it succeeded, 1 when
+    it failed, has no record, or did not end within `timeout`."""
+    err = Console(stderr=True)
+    try:
+        for chunk in app.AsyncResult(request_id).stream(after=after, timeout=timeout):
+            if chunk.get("restart"):
+                err.print("[yellow]-- the tokens so far were thrown away; the request started "
+                          "again from its prompt --[/]")
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+            if chunk.get("final"):
+                r = chunk["result"]
+                resumed = r.get("resumed_at") or []
+                err.print(f"\n[green]done[/]: {r.get('completion_tokens')} tokens "
+                          f"({r.get('finish_reason')}), {r.get('attempts')} attempt(s)"
+                          + (f", resumed at token {', '.join(map(str, resumed))}"
+                             if resumed else ""))
+        return 0
+    except VigilError as e:
+        err.print(f"\n[red]{type(e).__name__}: {e}[/]")
+        return 1
+    except CeleryTimeoutError as e:
+        err.print(f"\n[red]{e}[/]")
+        return 1

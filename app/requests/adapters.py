@@ -81,3 +81,15 @@ def resolve_adapter(lora: str, model: str, adapters: dict[str, AdapterSpec],
             return AdapterRef(f"path:{digest}", real, None)
     raise RequestError.of(INVALID_REQUEST, f"adapter path {lora!r} is not under an adapter root "
                           f"(VIGIL_ADAPTER_ROOTS: {', '.join(roots) or 'none set'})")
+
+
+def files_fingerprint(path: str) -> str:
+    """A fingerprint of an adapter directory's files (name, size, modification time of each):
+    it changes when the adapter is rewritten, so tokens made with the old files are never
+    continued with the new ones ('' when the directory cannot be read)."""
+    try:
+        entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                         for e in os.scandir(path) if e.is_file())
+    except OSError:
+        return ""
+    return hashlib.sha256(repr(entries).encode()).hexdigest()[:16]

@@ -22,12 +22,17 @@ from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
+from app import metrics
 from app.errors import REQUEST_LOST, TerminalError, TransientError, error_from_record
 from app.state.queues import DEFAULT_JOB
 from app.state.store import Outcome, RequestStore
+from app.state.streams import Entry
 
 # How often a waiting `get()` looks at the request's record (one HMGET).
 RECORD_CHECK_S = 5.0
+# How long `stream()` blocks on the token stream before it looks at the record (a request that
+# ends without ever writing a stream has no end entry to wake it).
+STREAM_BLOCK_S = 0.5
 # A waiting `get()` renews its request's job lease (app/fleet/jobs.py) at most this often per process
 # and job: a caller that only waits is not abandoning its job.
 LEASE_TOUCH_S = 60.0
@@ -78,6 +83,60 @@ class VigilAsyncResult(AsyncResult):
                 raise err
             return err
 
+    def stream(self, after: int = 0, timeout: float | None = None):
+        """The request's tokens as they are generated (docs/api.md, "Token streams"): yields
+        chunks `{"offset", "text", "token_ids"}` in order, blocking for the next one, from
+        token `after` on (a caller that stopped reading resumes with the offset it reached).
+        The last chunk has `"final": True` and the request's `"result"` (also the generator's
+        return value); a request that ends failed raises its VigilError after the chunks made
+        before. A chunk with `"restart": True` (offset 0) says the tokens before were thrown
+        away (a resume was refused and the request started again from its prompt). Works from
+        any process that knows the request id. Raises TerminalError `request_lost` for an id
+        Redis has no record of (unknown, or expired after VIGIL_RESULT_TTL), and Celery's
+        TimeoutError after `timeout` seconds without the end."""
+        metrics.stream_read()
+        streams = self.app.vigil_streams
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cursor = _Cursor(after)
+        last_id = "0-0"
+        while True:
+            entries = streams.wait(self.id, last_id, int(STREAM_BLOCK_S * 1000))
+            ended = False
+            for e in entries:
+                last_id = e.entry_id
+                ended = ended or bool(e.end)
+                chunk = cursor.take(e)
+                if chunk is not None:
+                    yield chunk
+            if entries and not ended:
+                continue
+            outcome = self._outcome_now()
+            if outcome is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CeleryTimeoutError(f"request {self.id} did not end within "
+                                             f"{timeout:g} s")
+                continue
+            for e in streams.entries(self.id, last_id):  # written before the end
+                chunk = cursor.take(e)
+                if chunk is not None:
+                    yield chunk
+            if outcome.status != "SUCCEEDED":
+                raise error_from_record(outcome.error_kind, outcome.error)
+            final = cursor.final(outcome.result or {})
+            yield final
+            return final["result"]
+
+    def _outcome_now(self) -> Outcome | None:
+        """The request's outcome if it has ended (from the record, else the result backend);
+        None while it runs. Raises request_lost for an id without record or result."""
+        ended = self._ended_record()
+        if ended is not None or not self.ready():
+            return ended
+        value = super().get(timeout=1.0, propagate=False)
+        if isinstance(value, BaseException):
+            raise value
+        return Outcome("SUCCEEDED", value, "", "")
+
     def _ended_record(self) -> Outcome | None:
         """The record's outcome once it ended (the backend may never get it); None while it runs
         or Redis cannot be asked. Raises TerminalError request_lost when there is neither a
@@ -116,3 +175,46 @@ def _renew_lease(store: RequestStore, job: str) -> None:
             return
         _touched[job] = now
     store.touch_job(job)
+
+
+class _Cursor:
+    """A stream reader's position: the chunks it hands out start after token `after`."""
+
+    def __init__(self, after: int):
+        self.sent = max(0, after)  # the next token offset to hand out
+        self.tokens = 0  # tokens in the stream (since its last restart)
+        self.chars = 0  # characters in the stream (since its last restart)
+
+    def take(self, e: Entry) -> dict | None:
+        """The part of entry `e` the reader has not had (None: nothing new)."""
+        if e.end:
+            return None
+        restart = None
+        if e.reset:
+            self.tokens = self.chars = 0
+            if self.sent > 0:
+                restart = {"offset": 0, "text": "", "token_ids": [], "restart": True}
+                self.sent = 0
+        end = e.start + len(e.token_ids)
+        self.tokens, self.chars = end, self.chars + len(e.text)
+        if end <= self.sent:
+            return restart
+        k = max(0, self.sent - e.start)
+        chunk = {"offset": e.start + k, "text": e.text[sum(e.char_counts[:k]):],
+                 "token_ids": e.token_ids[k:]}
+        self.sent = end
+        if restart is not None:  # a restart and its first chunk: one chunk saying both
+            chunk["restart"] = True
+        return chunk
+
+    def final(self, result: dict) -> dict:
+        """The last chunk: the result's tokens past the stream (the last few of a request are
+        never streamed: its result carries them), and the result. A reader that asked for an
+        offset inside that tail gets the tail whole (its offset says where it starts): text is
+        not cut by token there."""
+        ids = list(result.get("token_ids") or ())
+        if self.sent >= len(ids) > self.tokens or self.sent > len(ids):
+            return {"offset": len(ids), "text": "", "token_ids": [], "final": True,
+                    "result": result}
+        return {"offset": self.tokens, "text": (result.get("text") or "")[self.chars:],
+                "token_ids": ids[self.tokens:], "final": True, "result": result}

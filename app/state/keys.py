@@ -39,11 +39,16 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      | dropped with its entry      | health.py): state, streak, failures,     |
 |                             |      |                             | last_failure_reason, quarantines, ...;   |
 |                             |      |                             | written by the worker, read by beat      |
+| vigil:stream:{request_id}   |stream| none while live; result_ttl | the request's token stream (app/state/   |
+|                             |      | once terminal (the finish   | streams.py): chunks of generated tokens  |
+|                             |      | sets it)                    | the running attempt appends (fenced by   |
+|                             |      |                             | the record), an `end` entry at the finish|
 
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
 started_at, finished_at, result (result JSON), error_kind, error, last_error, history,
-pressure_since (when a memory squeeze that keeps refusing its engine start began).
+pressure_since (when a memory squeeze that keeps refusing its engine start began), streamed
+(tokens in the request's stream so far: the next chunk's offset).
 
 history: a JSON list, one entry per attempt begun (oldest first, the newest 32 kept), written by
 the Lua scripts in app/state/store.py in the same step as the status change:
@@ -72,6 +77,14 @@ TERMINAL = (SUCCEEDED, FAILED)
 def request(request_id: str) -> str:
     """The request record hash."""
     return f"{PREFIX}req:{request_id}"
+
+
+STREAM_PREFIX = PREFIX + "stream:"
+
+
+def stream(request_id: str) -> str:
+    """The request's token stream (a Redis stream; app/state/streams.py)."""
+    return STREAM_PREFIX + request_id
 
 
 JOBS = PREFIX + "jobs"

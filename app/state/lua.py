@@ -1,5 +1,6 @@
 """The Lua scripts behind app/state/store.py: each multi-step change to a request record is one
 script, run atomically by Redis."""
+from app.state.keys import STREAM_PREFIX
 
 # The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
 # bounded by max_attempts anyway; this only bounds the field whatever the settings.
@@ -175,6 +176,13 @@ local function finish_one(rec, finisher_inflight, stats, deadlines, workers, rid
              'error', err, 'finished_at', now)
   close_attempt(rec, instance, now, status == 'SUCCEEDED' and 'succeeded' or 'failed', err)
   redis.call('EXPIRE', rec, tonumber(ttl))
+  -- The token stream, if one was written, ends here: readers blocked on it wake at once, and
+  -- it expires with the result.
+  local sk = '""" + STREAM_PREFIX + """' .. rid
+  if redis.call('EXISTS', sk) == 1 then
+    redis.call('XADD', sk, '*', 'end', status)
+    redis.call('EXPIRE', sk, tonumber(ttl))
+  end
   return {1, status, result, ekind, err}
 end
 """
@@ -292,4 +300,25 @@ for i = 2, #ARGV, 2 do
   redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
 end
 return (#ARGV - 1) / 2
+"""
+
+# KEYS[1] record, KEYS[2] the request's token stream. ARGV: instance, attempt, start (the token
+# offset of the chunk's first token), reset ('1': the attempt restarts the stream from token 0,
+# its resume having been refused), then the entry's field/value pairs. Appends one chunk of
+# generated tokens (app/state/streams.py) if, and only if, that attempt still runs the request
+# (status RUNNING, its instance and attempt count) and the chunk starts where the stream ends
+# (the record's `streamed`): a late writer (a worker reaped while alive, an attempt that lost
+# its request) never adds to it, and a chunk is never written twice or with a gap.
+# -> 1 appended, 0 fenced (no longer this attempt's request), -1 the offset does not follow on.
+STREAM_APPEND = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'instance', 'attempts', 'streamed')
+if f[1] ~= 'RUNNING' or f[2] ~= ARGV[1] or f[3] ~= ARGV[2] then return 0 end
+local at = tonumber(f[4] or '0')
+if ARGV[4] == '1' then at = 0 end
+if at ~= tonumber(ARGV[3]) then return -1 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+local n = 0
+for i = 5, #ARGV, 2 do if ARGV[i] == 'n' then n = tonumber(ARGV[i + 1]) end end
+redis.call('HSET', KEYS[1], 'streamed', at + n)
+return 1
 """

@@ -46,14 +46,15 @@ class DrillEngine(VllmEngine):
         log.warning("DRILL: killing EngineCore pid(s) %s", engine_core_pids())
         self.kill()
 
-    async def run(self, req: GenerateRequest, request_id: str, adapter=None) -> EngineOutput:
+    async def run(self, req: GenerateRequest, request_id: str, adapter=None,
+                  tap=None) -> EngineOutput:
         if self.drill.black_hole:
             raise RuntimeError("drill: black hole (every generation fails at once)")
         if self.drill.slow_run_s:
             await asyncio.sleep(self.drill.slow_run_s)  # cancelled by an abort, as a run is
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:
-            task = asyncio.ensure_future(super().run(req, request_id, adapter))
+            task = asyncio.ensure_future(super().run(req, request_id, adapter, tap))
             await asyncio.sleep(0.05)  # in the engine's batch, then the crash
             self.kill_core()
             return await task
-        return await super().run(req, request_id, adapter)
+        return await super().run(req, request_id, adapter, tap)

@@ -143,7 +143,7 @@ class EngineHost:
 
     # -- entry points for task threads --------------------------------------------------------
     def generate(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-                 timeout: float, adapter: AdapterRef | None = None) -> EngineOutput:
+                 timeout: float, adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
         """Run one request to completion in the warm engine (loading it if needed).
 
         Raises a classified VigilError; HandedBack / Aborted as the bridge says. `timeout` bounds
@@ -151,10 +151,12 @@ class EngineHost:
         engine and TransientError(wedged) is raised (wedge evidence). Waiting for the engine
         (the current model's requests draining, a load, a recovery) is bounded apart, by one
         more `timeout` plus `start_bound`: past that the attempt is given up as
-        TransientError(engine_restarting), which is no evidence of a wedge."""
+        TransientError(engine_restarting), which is no evidence of a wedge. With a `tap`
+        (workers/streaming.py) the tokens are streamed as they come, and every run (a re-run
+        after an engine death too) continues from the tokens the tap holds."""
         arrived = self._clock()
         return self._bridge.call(
-            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout),
+            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout, tap),
             engine_request_id, timeout + timeout + self.start_bound(spec))
 
     def start_bound(self, spec: ModelSpec) -> float:
@@ -261,8 +263,8 @@ class EngineHost:
 
     # -- one request, on the loop ---------------------------------------------------------------
     async def _generate(self, req, spec, engine_request_id, arrived, adapter,
-                        timeout: float) -> EngineOutput:
-        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout)
+                        timeout: float, tap=None) -> EngineOutput:
+        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap)
         engine = await self._acquire(spec, arrived, lane_of(spec, adapter))
         try:
             while True:
@@ -289,7 +291,9 @@ class EngineHost:
         args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
         try:
             # The request's own timeout counts inside the running engine only.
-            value = await asyncio.wait_for(engine.run(*args), t.timeout)
+            # Only an engine that streams (`streams = True`) gets the tap.
+            kw = {"tap": t.tap} if t.tap is not None and getattr(engine, "streams", False) else {}
+            value = await asyncio.wait_for(engine.run(*args, **kw), t.timeout)
             outcome = "ok"
         except asyncio.CancelledError:
             raise

@@ -7,7 +7,7 @@ An engine exposes `await run(request, request_id[, adapter]) -> EngineOutput`,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,3 +18,5 @@ class EngineOutput:
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
+    # Token offsets where a run took over from tokens made before it (resume), oldest first.
+    resumed_at: list[int] = field(default_factory=list)

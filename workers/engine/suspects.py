@@ -50,6 +50,7 @@ class Ticket:
     adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
     adapter_engine: object = None  # the engine whose adapter use count holds this ticket
     timeout: float = float("inf")  # the longest one run may take inside the engine
+    tap: object = None  # the request's token stream tap (workers/streaming.py), if streamed
     extra: dict = field(default_factory=dict)
 
     def engine_request_id(self) -> str:

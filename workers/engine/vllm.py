@@ -16,6 +16,7 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
+from workers.engine.resume import Seam, fast_decoder, refusal
 from workers.engine.witness import Witness
 
 
@@ -56,6 +57,8 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
 
 class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
+
+    streams = True  # `run` takes a token stream tap (workers/streaming.py)
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None):
@@ -99,22 +102,50 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is None or bool(self._llm.errored)
 
-    def _sampling(self, req: GenerateRequest):
+    def _sampling(self, req: GenerateRequest, *, max_tokens: int | None = None,
+                  streamed: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step;
-        # the front end shares two cores with Celery and Redis (docs/field-notes.md).
+        # FINAL_ONLY unless the request is streamed: the front end then builds one RequestOutput
+        # per request instead of one per step (it shares two cores with Celery and Redis:
+        # docs/field-notes.md). DELTA: each output holds only the new tokens and text.
         return SamplingParams(
-            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            max_tokens=max_tokens or req.max_tokens, temperature=req.temperature,
+            top_p=req.top_p, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+            output_kind=RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY,
         )
 
     async def run(self, req: GenerateRequest, request_id: str,
-                  adapter: AdapterRef | None = None) -> EngineOutput:
+                  adapter: AdapterRef | None = None, tap=None
+                  ) -> EngineOutput:
         """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
-        exceptions propagate unclassified."""
+        exceptions propagate unclassified. With a `tap` (workers/streaming.py), the new tokens go to the request's
+        token stream as they come, and the run continues from the tap's resume point, if it
+        has one and may (workers/engine/resume.py)."""
+        if tap is None:
+            return await self._run_whole(req, request_id, adapter)
+        cp = tap.resume_point()
+        if cp is not None:
+            why = refusal(cp, max_tokens=req.max_tokens, max_model_len=self.max_model_len,
+                          adapter_fingerprint=tap.adapter_fingerprint)
+            if not why:
+                try:
+                    seam = Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
+                except ValueError as e:
+                    why = str(e)
+            if why:
+                tap.refuse_resume(why)
+                cp = None
+        if cp is None:
+            return await self._run_streamed(req, request_id, adapter, tap)
+        if cp.tokens >= req.max_tokens:  # it had made them all: only the result was lost
+            return EngineOutput(cp.text + seam.finish(), cp.token_ids, "length",
+                                len(cp.prompt_ids), cp.resumed_at)
+        tap.took_over()
+        return await self._run_resumed(req, request_id, adapter, tap, cp, seam)
+
+    async def _run_whole(self, req, request_id, adapter) -> EngineOutput:
         prompt = ({"prompt": req.prompt} if req.prompt is not None
                   else {"prompt_token_ids": list(req.prompt_token_ids)})
         final = None
@@ -126,6 +157,63 @@ class VllmEngine:
             self.witness.finished(request_id, len(comp.token_ids))
         return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
                             len(final.prompt_token_ids or ()))
+
+    async def _run_streamed(self, req, request_id, adapter, tap) -> EngineOutput:
+        prompt = ({"prompt": req.prompt} if req.prompt is not None
+                  else {"prompt_token_ids": list(req.prompt_token_ids)})
+        ids: list[int] = []
+        text: list[str] = []
+        finish, prompt_tokens = None, 0
+        async for out in self._llm.generate(prompt, self._sampling(req, streamed=True),
+                                            request_id=request_id,
+                                            lora_request=self._lora(adapter)):
+            if not prompt_tokens:
+                prompt_tokens = len(out.prompt_token_ids or ())
+                tap.set_prompt(list(out.prompt_token_ids or ()))
+            comp = out.outputs[0]
+            new = list(comp.token_ids)
+            ids += new
+            text.append(comp.text)
+            finish = comp.finish_reason
+            if not out.finished:  # the last piece travels in the result
+                tap.add(new, comp.text)
+        if self.witness is not None:
+            self.witness.finished(request_id, len(ids))
+        return EngineOutput("".join(text), ids, finish, prompt_tokens, tap.resumed_at)
+
+    async def _run_resumed(self, req, request_id, adapter, tap, cp, seam) -> EngineOutput:
+        prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
+        params = self._sampling(req, max_tokens=req.max_tokens - cp.tokens, streamed=True)
+        ids: list[int] = []
+        text: list[str] = []
+        finish, cut = None, None
+        unsent: list[int] = []  # tokens whose text the seam still holds
+        gen = self._llm.generate(prompt, params, request_id=request_id,
+                                 lora_request=self._lora(adapter))
+        try:
+            async for out in gen:
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                released, cut = seam.feed(new, comp.text)
+                if cut is not None:  # a stop string across the seam: end as an unbroken run
+                    ids += new[:cut.tokens - len(ids)]
+                    finish = "stop"
+                    break
+                ids += new
+                unsent += new
+                finish = comp.finish_reason
+                if released is not None:
+                    text.append(released)
+                    if not out.finished:
+                        tap.add(unsent, released)
+                    unsent = []
+        finally:
+            await gen.aclose()  # a run cut at the seam is aborted in the engine
+        new_text = cut.text if cut is not None else "".join(text) + seam.finish()
+        if self.witness is not None:
+            self.witness.finished(request_id, len(ids))
+        return EngineOutput(cp.text + new_text, cp.token_ids + ids, finish,
+                            len(cp.prompt_ids), tap.resumed_at)
 
     @staticmethod
     def _lora(adapter: AdapterRef | None):

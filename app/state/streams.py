@@ -1,0 +1,184 @@
+"""Token streams: each request's generated tokens in Redis as they are made (docs/api.md,
+"Token streams"), the checkpoint a later attempt resumes from.
+
+One Redis stream per request (`vigil:stream:{id}`, app/state/keys.py). Its entries, oldest first:
+
+- a **chunk**: `o` (the offset, in tokens, of its first token), `n` (how many tokens), `ids`
+  (JSON list of the token ids), `t` (the text released with them: whole characters, never a
+  broken UTF-8 sequence), `tc` (JSON list: how many of those characters came with each token),
+  `a` (the attempt that generated it); the stream's first chunk also carries `p` (JSON list of
+  the prompt's token ids, which a resume continues after) and, for a LoRA request, `lf` (the
+  adapter's files' fingerprint when the tokens were made);
+- `r` = 1 on a chunk: the stream restarts from token 0 here (a resume was refused, so an
+  attempt started again from the prompt);
+- an **end** entry (`end` = the final status), written by the finish script (app/state/lua.py),
+  which also gives the stream the result's TTL.
+
+Only the attempt that runs the request appends (STREAM_APPEND is fenced by the record), so the
+stream is exactly what was generated, once, in order. Every append of a worker's flush is one
+pipelined EVALSHA: one round trip for all the requests it has in flight.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import redis
+
+from app.state import keys
+from app.state.calls import Calls
+from app.state.lua import STREAM_APPEND
+
+APPENDED, FENCED, OFF_SEQUENCE = 1, 0, -1
+
+
+@dataclass
+class Chunk:
+    """One chunk to append: `token_ids` from token `start`, their text and per-token char counts."""
+
+    request_id: str
+    instance: int | str
+    attempt: int
+    start: int
+    token_ids: list[int]
+    text: str
+    char_counts: list[int]
+    reset: bool = False
+    prompt_ids: list[int] | None = None
+    adapter_fingerprint: str = ""
+
+    def fields(self) -> list:
+        """The stream entry's field/value pairs."""
+        f = ["o", self.start, "n", len(self.token_ids), "ids", json.dumps(self.token_ids),
+             "t", self.text, "tc", json.dumps(self.char_counts), "a", self.attempt]
+        if self.reset:
+            f += ["r", 1]
+        if self.prompt_ids is not None:
+            f += ["p", json.dumps(self.prompt_ids)]
+        if self.adapter_fingerprint:
+            f += ["lf", self.adapter_fingerprint]
+        return f
+
+
+@dataclass
+class Entry:
+    """One entry as read back: a chunk (`end` empty) or the end marker (`end` = final status)."""
+
+    entry_id: str
+    start: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    char_counts: list[int] = field(default_factory=list)
+    attempt: int = 0
+    reset: bool = False
+    prompt_ids: list[int] | None = None
+    adapter_fingerprint: str = ""
+    end: str = ""
+
+
+def parse_entry(entry_id, raw: dict) -> Entry:
+    """A stream entry from Redis' reply (bytes keys and values)."""
+    f = {k.decode(): v.decode() for k, v in raw.items()}
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    if "end" in f:
+        return Entry(eid, end=f["end"])
+    return Entry(eid, start=int(f["o"]), token_ids=json.loads(f["ids"]), text=f["t"],
+                 char_counts=json.loads(f["tc"]), attempt=int(f.get("a", 0)),
+                 reset=f.get("r") == "1",
+                 prompt_ids=json.loads(f["p"]) if "p" in f else None,
+                 adapter_fingerprint=f.get("lf", ""))
+
+
+@dataclass
+class Checkpoint:
+    """What a request's stream holds since its last restart: where a later attempt resumes."""
+
+    prompt_ids: list[int] | None
+    token_ids: list[int]
+    text: str
+    adapter_fingerprint: str
+    resumed_at: list[int]  # token offsets where an attempt took over and continued the stream
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def checkpoint_of(entries: list[Entry]) -> Checkpoint | None:
+    """The checkpoint the entries (oldest first) make; None when they hold no token."""
+    ids: list[int] = []
+    text: list[str] = []
+    prompt, fp, resumed, last_attempt = None, "", [], None
+    for e in entries:
+        if e.end:
+            continue
+        if e.reset or e.start == 0:
+            ids, text, resumed, last_attempt = [], [], [], None
+            prompt, fp = e.prompt_ids, e.adapter_fingerprint
+        if e.start != len(ids):  # never written so (the append is fenced); stop trusting it
+            break
+        if last_attempt is not None and e.attempt != last_attempt:
+            resumed.append(e.start)
+        last_attempt = e.attempt
+        ids += e.token_ids
+        text.append(e.text)
+    if not ids:
+        return None
+    return Checkpoint(prompt, ids, "".join(text), fp, resumed)
+
+
+class TokenStreams:
+    """Appends to and reads the token streams. Raises TransientError(redis_unavailable) when
+    Redis cannot be reached (through `Calls`)."""
+
+    def __init__(self, client: redis.Redis, calls: Calls | None = None):
+        self.r = client
+        self._call = calls or Calls(client)
+        self._sha: str | None = None
+
+    def append_many(self, chunks: list[Chunk]) -> list[int]:
+        """Append every chunk in one round trip (a pipeline of fenced appends); returns per chunk
+        APPENDED, FENCED (its attempt no longer runs the request) or OFF_SEQUENCE."""
+        if not chunks:
+            return []
+        try:
+            return self._append(chunks)
+        except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+            self._sha = None
+            return self._append(chunks)
+
+    def _append(self, chunks: list[Chunk]) -> list[int]:
+        if self._sha is None:
+            self._sha = self._call(self.r.script_load, STREAM_APPEND)
+        pipe = self.r.pipeline(transaction=False)
+        for c in chunks:
+            pipe.evalsha(self._sha, 2, keys.request(c.request_id), keys.stream(c.request_id),
+                         str(c.instance), c.attempt, c.start, "1" if c.reset else "0",
+                         *c.fields())
+        replies = self._call(pipe.execute, raise_on_error=False)
+        for r in replies:
+            if isinstance(r, redis.exceptions.NoScriptError):
+                raise r
+            if isinstance(r, Exception):
+                raise r
+        return [int(r) for r in replies]
+
+    def entries(self, request_id: str, after: str = "-", count: int | None = None) -> list[Entry]:
+        """The stream's entries after entry id `after` (exclusive; "-" from the start)."""
+        start = after if after == "-" else "(" + after
+        raw = self._call(self.r.xrange, keys.stream(request_id), start, "+", count)
+        return [parse_entry(i, f) for i, f in raw]
+
+    def wait(self, request_id: str, after: str, block_ms: int) -> list[Entry]:
+        """Entries after `after` ("0-0": from the start), blocking up to `block_ms` for the next
+        ones; [] when none came."""
+        raw = self._call(self.r.xread, {keys.stream(request_id): after}, block=block_ms)
+        return [parse_entry(i, f) for _, items in raw or () for i, f in items]
+
+    def exists(self, request_id: str) -> bool:
+        """Whether the request has a stream at all."""
+        return bool(self._call(self.r.exists, keys.stream(request_id)))
+
+    def checkpoint(self, request_id: str) -> Checkpoint | None:
+        """Where a new attempt of the request resumes (None: nothing was generated)."""
+        return checkpoint_of(self.entries(request_id))

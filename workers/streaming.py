@@ -1,0 +1,231 @@
+"""The worker's side of token streams (app/state/streams.py): one tap per running attempt, one
+flusher thread per worker.
+
+The engine feeds a request's tap on its loop thread as tokens come out (`add`: token ids and the
+text released with them). The flusher thread writes every tap's unwritten tokens as one chunk
+per request, all of them in one pipelined round trip, every `flush_ms` or as soon as a request
+has `chunk_tokens` unwritten, whichever comes first; never one write per request per token. The
+last tokens of a request that ends are not written: its result carries them (a reader takes the
+rest from the result). A tap is also the request's checkpoint within its attempt: an engine
+that re-runs it (after an engine death) continues from everything the tap holds.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from app import metrics
+from app.errors import VigilError
+from app.state.streams import APPENDED, FENCED, Checkpoint, Chunk, TokenStreams
+
+log = logging.getLogger("vigil.streams")
+
+
+class StreamTap:
+    """One attempt's view of its request's stream: what is already in it (from earlier
+    attempts: `prior`), what this attempt added, and what is not written yet."""
+
+    def __init__(self, sink: "StreamSink | None", request_id: str, instance: int | str,
+                 attempt: int, pool: str, prior: Checkpoint | None = None,
+                 adapter_fingerprint: str = ""):
+        self._sink = sink
+        self.request_id, self.instance, self.attempt, self.pool = (request_id, instance, attempt,
+                                                                   pool)
+        self.adapter_fingerprint = adapter_fingerprint
+        # The adapter the tokens so far were made with (a resume compares it with today's).
+        self._made_with = prior.adapter_fingerprint if prior else adapter_fingerprint
+        self.prior = prior
+        self._lock = threading.Lock()
+        self.prompt_ids: list[int] | None = prior.prompt_ids if prior else None
+        self.token_ids: list[int] = list(prior.token_ids) if prior else []
+        self.text: str = prior.text if prior else ""
+        self.resumed_at: list[int] = list(prior.resumed_at) if prior else []
+        self.written = len(self.token_ids)  # tokens in Redis' stream
+        self._reset = False
+        self._pending_since: float | None = None
+        self._pending_chars: list[int] = []
+        self._pending_text: list[str] = []
+        self.dead = False  # fenced: this attempt no longer runs the request
+
+    # -- the engine's side (its loop thread) ---------------------------------------------------
+    def resume_point(self) -> Checkpoint | None:
+        """Where a run of this request continues: every token made so far (by earlier attempts
+        and by this one), None when there is none."""
+        with self._lock:
+            if not self.token_ids:
+                return None
+            return Checkpoint(self.prompt_ids, list(self.token_ids), self.text,
+                              self._made_with, list(self.resumed_at))
+
+    def refuse_resume(self, why: str) -> None:
+        """The tokens so far cannot be continued: they are thrown away and the stream restarts
+        from token 0 (its next chunk says so) with this attempt's run from the prompt."""
+        with self._lock:
+            lost = len(self.token_ids)
+            log.warning("request %s: not resuming from its %d generated tokens: %s",
+                        self.request_id, lost, why)
+            metrics.tokens_discarded(self.pool, lost)
+            self.token_ids, self.text, self.resumed_at = [], "", []
+            self.prompt_ids = None
+            self._pending_chars, self._pending_text, self._pending_since = [], [], None
+            self.written = 0
+            self._reset = True
+            self._made_with = self.adapter_fingerprint
+            self.prior = None
+
+    def took_over(self) -> None:
+        """This run continues the tokens so far (counted; the offset goes in `resumed_at`)."""
+        with self._lock:
+            metrics.tokens_resumed(self.pool, len(self.token_ids))
+            self.resumed_at.append(len(self.token_ids))
+
+    def set_prompt(self, prompt_ids: list[int]) -> None:
+        """The prompt's token ids, as the engine read them (the stream's first chunk keeps
+        them: a resume continues after them)."""
+        with self._lock:
+            if self.prompt_ids is None:
+                self.prompt_ids = list(prompt_ids)
+
+    def add(self, token_ids: list[int], text: str, char_counts: list[int] | None = None) -> None:
+        """Tokens generated and the text released with them (whole characters);
+        `char_counts[i]` is how many of the characters came with token i (default: all with the
+        last)."""
+        if not token_ids:
+            return
+        counts = char_counts or [0] * (len(token_ids) - 1) + [len(text)]
+        with self._lock:
+            self.token_ids += token_ids
+            self.text += text
+            self._pending_text.append(text)
+            self._pending_chars += counts
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
+            due = len(self.token_ids) - self.written >= (
+                self._sink.chunk_tokens if self._sink else 1 << 30)
+        if due and self._sink is not None:
+            self._sink.wake()
+
+    def unwritten(self) -> int:
+        """Tokens this tap holds that are not in Redis' stream."""
+        with self._lock:
+            return len(self.token_ids) - self.written
+
+    # -- the flusher's side ---------------------------------------------------------------------
+    def take_chunk(self, now: float, flush_s: float, chunk_tokens: int,
+                   force: bool = False) -> Chunk | None:
+        """The unwritten tokens as a chunk, if they are due (or `force`); None otherwise."""
+        with self._lock:
+            n = len(self.token_ids) - self.written
+            if self.dead or n <= 0 or self._pending_since is None:
+                return None
+            if not force and n < chunk_tokens and now - self._pending_since < flush_s:
+                return None
+            first = self.written == 0
+            c = Chunk(self.request_id, self.instance, self.attempt, self.written,
+                      self.token_ids[self.written:], "".join(self._pending_text),
+                      list(self._pending_chars), reset=self._reset and first,
+                      prompt_ids=self.prompt_ids if first else None,
+                      adapter_fingerprint=self.adapter_fingerprint if first else "")
+            return c
+
+    def chunk_written(self, chunk: Chunk, reply: int) -> None:
+        """The flusher's answer for `chunk`: written, fenced, or off sequence."""
+        with self._lock:
+            if reply == APPENDED:
+                self.written = chunk.start + len(chunk.token_ids)
+                self._reset = False
+                sent_chars = len(chunk.text)
+                # What came in while the chunk was in flight stays pending.
+                joined = "".join(self._pending_text)[sent_chars:]
+                self._pending_text = [joined] if joined else []
+                self._pending_chars = self._pending_chars[len(chunk.token_ids):]
+                self._pending_since = time.monotonic() if self._pending_chars else None
+                return
+            self.dead = True
+            if reply != FENCED:
+                log.warning("request %s: its stream does not end at token %d; no more chunks "
+                            "from this attempt", self.request_id, chunk.start)
+
+
+class StreamSink:
+    """The worker's flusher: writes every open tap's due chunk in one round trip per flush."""
+
+    def __init__(self, streams: TokenStreams, flush_ms: int, chunk_tokens: int, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.streams = streams
+        self.flush_s = flush_ms / 1000.0
+        self.chunk_tokens = chunk_tokens
+        self._clock = clock
+        self._taps: dict[str, StreamTap] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.flushes = 0
+        self.chunks = 0
+
+    def start(self) -> "StreamSink":
+        """Start the flusher thread."""
+        self._thread = threading.Thread(target=self._run, name="vigil-streams", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the flusher (what is unwritten stays unwritten: the results carry it)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def open(self, request_id: str, instance: int | str, attempt: int, pool: str,
+             prior: Checkpoint | None, adapter_fingerprint: str = "") -> StreamTap:
+        """A tap for one attempt of a request."""
+        tap = StreamTap(self, request_id, instance, attempt, pool, prior, adapter_fingerprint)
+        with self._lock:
+            self._taps[request_id] = tap
+        return tap
+
+    def close(self, tap: StreamTap, ok: bool = True) -> None:
+        """The attempt ended: its unwritten tokens are not written. With a result (`ok`) the
+        result carries them; without one they are lost to the next attempt (counted)."""
+        with self._lock:
+            if self._taps.get(tap.request_id) is tap:
+                del self._taps[tap.request_id]
+        if not ok:
+            metrics.tokens_discarded(tap.pool, tap.unwritten())
+
+    def wake(self) -> None:
+        """A tap has a full chunk: flush now."""
+        self._wake.set()
+
+    def flush(self, force: bool = False) -> int:
+        """Write every due chunk (every pending one with `force`) in one round trip; returns
+        how many were written."""
+        now = self._clock()
+        with self._lock:
+            taps = list(self._taps.values())
+        due = [(t, c) for t in taps
+               if (c := t.take_chunk(now, self.flush_s, self.chunk_tokens, force)) is not None]
+        if not due:
+            return 0
+        replies = self.streams.append_many([c for _, c in due])
+        for (t, c), r in zip(due, replies):
+            t.chunk_written(c, r)
+        self.flushes += 1
+        self.chunks += len(due)
+        return sum(1 for r in replies if r == APPENDED)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.flush()
+            except VigilError as e:  # Redis away: the tokens stay pending for the next flush
+                log.warning("could not write token streams: %s", e)
+            except Exception:
+                log.exception("token stream flush failed")
