@@ -252,7 +252,7 @@ def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Pa
         if rec is None or rec["status"] != "SUCCEEDED" or not rec["result"]:
             continue
         res = json.loads(rec["result"])
-        if not any(g["attempt"] == res["attempts"] and g["tokens"] == res["completion_tokens"]
+        if not any(g["attempt"] == res["attempts"] and g["total"] == res["completion_tokens"]
                    for g in seen.get(rid, [])):
             rep.witness_mismatches += 1
             rep.witness_mismatch_ids.append(rid)

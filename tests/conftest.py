@@ -288,9 +288,9 @@ def assert_each_ran_to_a_result_once(store, request_ids) -> None:
 def assert_witnessed(store, request_ids) -> dict[str, int]:
     """The engines' witness (workers/engine/witness.py, written by the engine side, read by no
     Vigil code) agrees with the stored results: each request has exactly one stored result, and
-    a generation its engine finished in that attempt produced as many tokens. Returns the number
-    of finished generations per request (a request handed on after its engine finished shows
-    more than one)."""
+    a generation its engine finished in that attempt produced as many tokens (counting those
+    it continued from, for a resumed run). Returns the number of finished generations per
+    request (a request handed on after its engine finished shows more than one)."""
     import json
 
     from workers.engine.witness import read_witness
@@ -304,7 +304,7 @@ def assert_witnessed(store, request_ids) -> dict[str, int]:
             bad[rid] = f"no stored result ({rec.get('status')})"
             continue
         res = json.loads(rec["result"])
-        if not any(g["attempt"] == res["attempts"] and g["tokens"] == res["completion_tokens"]
+        if not any(g["attempt"] == res["attempts"] and g["total"] == res["completion_tokens"]
                    for g in seen.get(rid, [])):
             bad[rid] = (f"stored attempt {res['attempts']}, {res['completion_tokens']} tokens; "
                         f"the witness saw {seen.get(rid)}")

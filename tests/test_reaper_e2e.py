@@ -27,7 +27,8 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
     main process is SIGKILLed with requests in flight, then its engine processes exit within
     seconds (the orphan guard), and every request completes exactly once, those it held on
     their second attempt on the survivor, long before Redis' visibility timeout would have
-    brought them back."""
+    brought them back; those that had streamed tokens continue from them (resume) and come
+    out token-identical to an uninterrupted run."""
     store = RequestStore(redis_server.client(), 3600)
     beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
                           "-s", str(tmp_path / "schedule")],
@@ -38,14 +39,19 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
     try:
         entry = victim.wait_engine()
         inst = entry["instance_id"]
-        rs = [generate.delay(model="tiny-llama", prompt=f"a long story number {i}",
-                             max_tokens=400, ignore_eos=True) for i in range(32)]
+        # Greedy: a request resumed on the survivor must come out token-identical.
+        kws = [dict(model="tiny-llama", prompt=f"a long story number {i}", max_tokens=400,
+                    ignore_eos=True, temperature=0.0) for i in range(32)]
+        rs = [generate.delay(**kw) for kw in kws]
         warm_inst = warm_worker.entry()["instance_id"]
 
         wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
                  what="every request to be taken by a worker")
         held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
         assert held, "the victim took no request"
+        # Killed once its requests have streamed tokens: the survivor continues from them.
+        wait_for(lambda: any(int((store.get(rid) or {}).get("streamed") or 0) > 0
+                             for rid in held), 60, 0.05, what="a held request's first chunk")
         children = engine_processes(victim.proc.pid)
         assert "EngineCore" in " ".join(p.name() for p in children)
         killed_at = time.monotonic()
@@ -64,6 +70,15 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
                  if by_id[rid]["worker"] != "warm@testhost" or by_id[rid]["attempts"] < 2]
         assert not wrong
         assert_each_ran_to_a_result_once(store, [r.id for r in rs])
+        # Resumed from the tokens the dead worker streamed, and the same tokens as a run that
+        # was never interrupted (a fresh copy of each, on the survivor).
+        resumed = [i for i, o in enumerate(outs) if o.get("resumed_at")]
+        assert resumed and all(outs[i]["request_id"] in held for i in resumed)
+        again = [generate.delay(**kws[i]) for i in resumed]
+        for i, r in zip(resumed, again):
+            assert r.get(timeout=300)["token_ids"] == outs[i]["token_ids"], outs[i]["resumed_at"]
+        print(f"{len(resumed)} of them resumed at tokens "
+              f"{sorted(outs[i]['resumed_at'][0] for i in resumed)}, token-identical")
         # The reaper, not the visibility timeout, brought them back.
         assert recovered_s < get_settings().visibility_timeout / 4
         assert store.r.zscore(keys.WORKERS, inst) is None

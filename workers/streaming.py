@@ -50,6 +50,13 @@ class StreamTap:
         self.dead = False  # fenced: this attempt no longer runs the request
 
     # -- the engine's side (its loop thread) ---------------------------------------------------
+    @property
+    def watch_period(self) -> float:
+        """How often the engine reads this request's progress (workers/engine/stream_watch.py):
+        a quarter of the flush interval, between 20 ms and 1 s."""
+        flush_s = self._sink.flush_s if self._sink is not None else 0.2
+        return max(0.02, min(flush_s / 4, 1.0))
+
     def resume_point(self) -> Checkpoint | None:
         """Where a run of this request continues: every token made so far (by earlier attempts
         and by this one), None when there is none."""
@@ -69,7 +76,8 @@ class StreamTap:
             metrics.tokens_discarded(self.pool, lost)
             self.token_ids, self.text, self.resumed_at = [], "", []
             self.prompt_ids = None
-            self._pending_chars, self._pending_text, self._pending_since = [], [], None
+            self._pending_chars, self._pending_text = [], []
+            self._pending_since = time.monotonic()  # the restart itself is due: readers wait
             self.written = 0
             self._reset = True
             self._made_with = self.adapter_fingerprint
@@ -107,6 +115,11 @@ class StreamTap:
         if due and self._sink is not None:
             self._sink.wake()
 
+    def restart_unwritten(self) -> bool:
+        """A restart of the stream (a refused resume) is not in Redis yet."""
+        with self._lock:
+            return self._reset and not self.dead
+
     def unwritten(self) -> int:
         """Tokens this tap holds that are not in Redis' stream."""
         with self._lock:
@@ -118,7 +131,7 @@ class StreamTap:
         """The unwritten tokens as a chunk, if they are due (or `force`); None otherwise."""
         with self._lock:
             n = len(self.token_ids) - self.written
-            if self.dead or n <= 0 or self._pending_since is None:
+            if self.dead or (n <= 0 and not self._reset) or self._pending_since is None:
                 return None
             if not force and n < chunk_tokens and now - self._pending_since < flush_s:
                 return None
@@ -195,6 +208,15 @@ class StreamSink:
                 del self._taps[tap.request_id]
         if not ok:
             metrics.tokens_discarded(tap.pool, tap.unwritten())
+        if tap.restart_unwritten():
+            # A refused resume restarted the stream: readers must learn it before the result
+            # (which does not begin with the old tokens) is stored.
+            c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
+            try:
+                tap.chunk_written(c, self.streams.append_many([c])[0])
+            except VigilError as e:
+                log.warning("request %s: could not restart its token stream: %s",
+                            tap.request_id, e)
 
     def wake(self) -> None:
         """A tap has a full chunk: flush now."""

@@ -5,6 +5,7 @@ and the operator tools never load it).
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 
@@ -17,6 +18,7 @@ from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
 from workers.engine.resume import Seam, fast_decoder, refusal
+from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.witness import Witness
 
 
@@ -70,6 +72,7 @@ class VllmEngine:
         args = engine_args(spec, plan)
         self.spec = spec
         self._llm = None
+        self._watch: StreamWatch | None = None  # made by the first streamed run
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
@@ -102,118 +105,118 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is None or bool(self._llm.errored)
 
-    def _sampling(self, req: GenerateRequest, *, max_tokens: int | None = None,
-                  streamed: bool = False):
+    def _sampling(self, req: GenerateRequest, max_tokens: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        # FINAL_ONLY unless the request is streamed: the front end then builds one RequestOutput
-        # per request instead of one per step (it shares two cores with Celery and Redis:
-        # docs/field-notes.md). DELTA: each output holds only the new tokens and text.
+        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step
+        # (it shares two cores with Celery and Redis: docs/field-notes.md); token streams read
+        # the progress otherwise (workers/engine/stream_watch.py).
         return SamplingParams(
             max_tokens=max_tokens or req.max_tokens, temperature=req.temperature,
             top_p=req.top_p, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-            output_kind=RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     async def run(self, req: GenerateRequest, request_id: str,
-                  adapter: AdapterRef | None = None, tap=None
-                  ) -> EngineOutput:
+                  adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
         """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
-        exceptions propagate unclassified. With a `tap` (workers/streaming.py), the new tokens go to the request's
-        token stream as they come, and the run continues from the tap's resume point, if it
-        has one and may (workers/engine/resume.py)."""
+        exceptions propagate unclassified. With a `tap` (workers/streaming.py) the new tokens
+        go to the request's token stream while it runs, and the run continues from the tap's
+        resume point, if it has one and may (workers/engine/resume.py)."""
         if tap is None:
-            return await self._run_whole(req, request_id, adapter)
-        cp = tap.resume_point()
-        if cp is not None:
-            why = refusal(cp, max_tokens=req.max_tokens, max_model_len=self.max_model_len,
-                          adapter_fingerprint=tap.adapter_fingerprint)
-            if not why:
-                try:
-                    seam = Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
-                except ValueError as e:
-                    why = str(e)
-            if why:
-                tap.refuse_resume(why)
-                cp = None
-        if cp is None:
-            return await self._run_streamed(req, request_id, adapter, tap)
-        if cp.tokens >= req.max_tokens:  # it had made them all: only the result was lost
+            prompt = ({"prompt": req.prompt} if req.prompt is not None
+                      else {"prompt_token_ids": list(req.prompt_token_ids)})
+            final = await self._final(prompt, self._sampling(req), request_id, adapter)
+            comp = final.outputs[0]
+            if self.witness is not None:
+                self.witness.finished(request_id, len(comp.token_ids))
+            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
+                                len(final.prompt_token_ids or ()))
+        cp, seam = self._resume_point(req, tap)
+        if cp is not None and cp.tokens >= req.max_tokens:
+            # It had made them all: only the result was lost.
+            if self.witness is not None:
+                self.witness.finished(request_id, 0, cp.tokens)
             return EngineOutput(cp.text + seam.finish(), cp.token_ids, "length",
-                                len(cp.prompt_ids), cp.resumed_at)
-        tap.took_over()
-        return await self._run_resumed(req, request_id, adapter, tap, cp, seam)
+                                len(cp.prompt_ids), tap.resumed_at)
+        if cp is not None:
+            tap.took_over()
+        return await self._run_watched(req, request_id, adapter, tap, cp, seam)
 
-    async def _run_whole(self, req, request_id, adapter) -> EngineOutput:
-        prompt = ({"prompt": req.prompt} if req.prompt is not None
-                  else {"prompt_token_ids": list(req.prompt_token_ids)})
+    def _resume_point(self, req: GenerateRequest, tap):
+        """The checkpoint this run continues and its seam, or (None, None): nothing to
+        continue, or a continuation that would be unsound (refused: the stream restarts)."""
+        cp = tap.resume_point()
+        if cp is None:
+            return None, None
+        why = refusal(cp, max_tokens=req.max_tokens, max_model_len=self.max_model_len,
+                      adapter_fingerprint=tap.adapter_fingerprint)
+        if not why:
+            try:
+                return cp, Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
+            except ValueError as e:
+                why = str(e)
+        tap.refuse_resume(why)
+        return None, None
+
+    async def _final(self, prompt: dict, params, request_id: str, adapter):
         final = None
-        async for out in self._llm.generate(prompt, self._sampling(req), request_id=request_id,
+        async for out in self._llm.generate(prompt, params, request_id=request_id,
                                             lora_request=self._lora(adapter)):
             final = out
-        comp = final.outputs[0]
-        if self.witness is not None:
-            self.witness.finished(request_id, len(comp.token_ids))
-        return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
-                            len(final.prompt_token_ids or ()))
+        return final
 
-    async def _run_streamed(self, req, request_id, adapter, tap) -> EngineOutput:
-        prompt = ({"prompt": req.prompt} if req.prompt is not None
-                  else {"prompt_token_ids": list(req.prompt_token_ids)})
-        ids: list[int] = []
-        text: list[str] = []
-        finish, prompt_tokens = None, 0
-        async for out in self._llm.generate(prompt, self._sampling(req, streamed=True),
-                                            request_id=request_id,
-                                            lora_request=self._lora(adapter)):
-            if not prompt_tokens:
-                prompt_tokens = len(out.prompt_token_ids or ())
-                tap.set_prompt(list(out.prompt_token_ids or ()))
-            comp = out.outputs[0]
-            new = list(comp.token_ids)
-            ids += new
-            text.append(comp.text)
-            finish = comp.finish_reason
-            if not out.finished:  # the last piece travels in the result
-                tap.add(new, comp.text)
-        if self.witness is not None:
-            self.witness.finished(request_id, len(ids))
-        return EngineOutput("".join(text), ids, finish, prompt_tokens, tap.resumed_at)
-
-    async def _run_resumed(self, req, request_id, adapter, tap, cp, seam) -> EngineOutput:
-        prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
-        params = self._sampling(req, max_tokens=req.max_tokens - cp.tokens, streamed=True)
-        ids: list[int] = []
-        text: list[str] = []
-        finish, cut = None, None
-        unsent: list[int] = []  # tokens whose text the seam still holds
-        gen = self._llm.generate(prompt, params, request_id=request_id,
-                                 lora_request=self._lora(adapter))
+    async def _run_watched(self, req, request_id, adapter, tap, cp, seam) -> EngineOutput:
+        """A streamed run (from the prompt, or continuing `cp`), read while it runs by the
+        engine's StreamWatch."""
+        if cp is None:
+            prompt = ({"prompt": req.prompt} if req.prompt is not None
+                      else {"prompt_token_ids": list(req.prompt_token_ids)})
+            params = self._sampling(req)
+        else:
+            prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
+            params = self._sampling(req, req.max_tokens - cp.tokens)
+        if self._watch is None:
+            self._watch = StreamWatch(self._llm, tap.watch_period)
+        run = WatchedRun(tap, seam)
+        run.task = asyncio.ensure_future(self._final(prompt, params, request_id, adapter))
+        self._watch.watch(request_id, run)
+        final = None
         try:
-            async for out in gen:
-                comp = out.outputs[0]
-                new = list(comp.token_ids)
-                released, cut = seam.feed(new, comp.text)
-                if cut is not None:  # a stop string across the seam: end as an unbroken run
-                    ids += new[:cut.tokens - len(ids)]
-                    finish = "stop"
-                    break
-                ids += new
-                unsent += new
-                finish = comp.finish_reason
-                if released is not None:
-                    text.append(released)
-                    if not out.finished:
-                        tap.add(unsent, released)
-                    unsent = []
+            final = await run.task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if run.cut is None or (me is not None and me.cancelling()):
+                raise
         finally:
-            await gen.aclose()  # a run cut at the seam is aborted in the engine
-        new_text = cut.text if cut is not None else "".join(text) + seam.finish()
+            self._watch.unwatch(request_id)
+            if not run.task.done():
+                run.task.cancel()
+        return self._watched_output(request_id, run, final, cp)
+
+    def _watched_output(self, request_id: str, run: WatchedRun, final, cp) -> EngineOutput:
+        """The whole generation of a watched run: its final output, or the cut at the seam."""
+        if final is not None:
+            comp = final.outputs[0]
+            ids, text, finish = list(comp.token_ids), comp.text, comp.finish_reason
+            if cp is not None and run.cut is None:  # the seam may end it in the last tokens
+                run.cut = run.seam.feed(ids[run.fed:], text[run.fed_chars:])[1]
+        else:
+            ids, text, finish = run.new_ids, "", "stop"
+        if cp is None:
+            prompt_tokens = len(final.prompt_token_ids or ())
+            if self.witness is not None:
+                self.witness.finished(request_id, len(ids))
+            return EngineOutput(text, ids, finish, prompt_tokens, run.tap.resumed_at)
+        if run.cut is not None:  # a stop string across the seam: end as an unbroken run
+            ids, text, finish = ids[:run.cut.tokens], run.cut.text, "stop"
+        else:
+            text = run.seam.held + text
         if self.witness is not None:
-            self.witness.finished(request_id, len(ids))
-        return EngineOutput(cp.text + new_text, cp.token_ids + ids, finish,
-                            len(cp.prompt_ids), tap.resumed_at)
+            self.witness.finished(request_id, len(ids), cp.tokens)
+        return EngineOutput(cp.text + text, cp.token_ids + ids, finish, len(cp.prompt_ids),
+                            run.tap.resumed_at)
 
     @staticmethod
     def _lora(adapter: AdapterRef | None):
@@ -246,6 +249,8 @@ class VllmEngine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
+        if self._watch is not None:
+            self._watch.stop()
         llm.shutdown(timeout=timeout)
         del llm
         gc.collect()

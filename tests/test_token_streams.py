@@ -1,0 +1,406 @@
+"""Redis tier and unit tests: token streams (app/state/streams.py, workers/streaming.py), their
+readers (VigilAsyncResult.stream) and the seam of a resume (workers/engine/resume.py).
+
+The engine's side is tested end to end in tests/test_token_stream_e2e.py (a real worker and
+engine); here the stream's rules are checked on a real redis-server with scripted chunks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from app.errors import TerminalError
+from app.requests.adapters import files_fingerprint
+from app.requests.async_result import _Cursor
+from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
+from app.state import keys
+from app.state.conn import connect
+from app.state.store import RequestStore
+from app.state.streams import (APPENDED, FENCED, OFF_SEQUENCE, Checkpoint, Chunk, Entry,
+                               TokenStreams, checkpoint_of)
+from workers.engine.resume import Seam, refusal
+from workers.streaming import StreamSink, StreamTap
+
+KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 64}
+
+
+@pytest.fixture()
+def store(settings):
+    return RequestStore(connect(settings), settings.result_ttl)
+
+
+def running(store, rid: str, instance: int = 11) -> int:
+    req = parse_request(KW)
+    assert store.create(rid, record_fields(req, time.time(), 3600))
+    b = store.begin(rid, 0, "w1", instance, time.time(), 3)
+    assert b.action == "run"
+    return b.attempts
+
+
+def chunk(rid, start, ids, text, attempt=1, instance=11, **kw) -> Chunk:
+    return Chunk(rid, instance, attempt, start, ids, text, [0] * (len(ids) - 1) + [len(text)],
+                 **kw)
+
+
+# -- the fenced append ----------------------------------------------------------------------------
+@pytest.mark.redis
+def test_only_the_running_attempt_appends_and_only_where_the_stream_ends(store):
+    """Given a RUNNING request (attempt 1 on instance 11), when chunks are appended, then its
+    own next chunk is written, a repeat or a gap is refused (off sequence), another instance or
+    attempt is fenced, and after the finish nothing is written at all."""
+    running(store, "r1")
+    ts = TokenStreams(store.r)
+    first = chunk("r1", 0, [1, 2], "ab", prompt_ids=[7, 8])
+    assert ts.append_many([first]) == [APPENDED]
+    assert ts.append_many([first]) == [OFF_SEQUENCE]  # the same chunk again
+    assert ts.append_many([chunk("r1", 5, [3], "c")]) == [OFF_SEQUENCE]  # a gap
+    assert ts.append_many([chunk("r1", 2, [3], "c", instance=22)]) == [FENCED]
+    assert ts.append_many([chunk("r1", 2, [3], "c", attempt=2)]) == [FENCED]
+    assert ts.append_many([chunk("r1", 2, [3], "c")]) == [APPENDED]
+    assert store.get("r1")["streamed"] == "3"
+    cp = ts.checkpoint("r1")
+    assert (cp.prompt_ids, cp.token_ids, cp.text) == ([7, 8], [1, 2, 3], "abc")
+    store.finish("r1", 11, time.time(), result={"text": "abcd", "token_ids": [1, 2, 3, 4]})
+    assert ts.append_many([chunk("r1", 3, [4], "d")]) == [FENCED]
+    entries = ts.entries("r1")
+    assert entries[-1].end == "SUCCEEDED" and len(entries) == 3
+    assert 0 < store.r.ttl(keys.stream("r1")) <= store.result_ttl
+
+
+@pytest.mark.redis
+def test_a_request_that_never_streamed_gets_no_stream_at_its_finish(store):
+    running(store, "r2")
+    store.finish("r2", 11, time.time(), result={"text": "x"})
+    assert not store.r.exists(keys.stream("r2"))
+
+
+@pytest.mark.redis
+def test_the_deadline_sweep_ends_a_stream_too(store):
+    running(store, "r3")
+    TokenStreams(store.r).append_many([chunk("r3", 0, [1], "a", prompt_ids=[5])])
+    store.finish_failed_many(["r3"], "deadline_exceeded: late", "TerminalError", time.time())
+    assert TokenStreams(store.r).entries("r3")[-1].end == "FAILED"
+    assert store.r.ttl(keys.stream("r3")) > 0
+
+
+@pytest.mark.redis
+def test_a_restarted_stream_begins_again_at_token_0(store):
+    """A refused resume's first chunk resets the stream: the checkpoint starts there."""
+    running(store, "r4")
+    ts = TokenStreams(store.r)
+    ts.append_many([chunk("r4", 0, [1, 2], "ab", prompt_ids=[5])])
+    assert ts.append_many([chunk("r4", 0, [9], "z", reset=True, prompt_ids=[5])]) == [APPENDED]
+    cp = ts.checkpoint("r4")
+    assert (cp.token_ids, cp.text) == ([9], "z")
+    assert store.get("r4")["streamed"] == "1"
+
+
+@pytest.mark.redis
+def test_the_appends_survive_a_lost_script_cache(store):
+    """Redis restarted (SCRIPT FLUSH stands in for its empty script cache): the next flush
+    loads the script again instead of failing."""
+    running(store, "r5")
+    ts = TokenStreams(store.r)
+    ts.append_many([chunk("r5", 0, [1], "a", prompt_ids=[5])])
+    store.r.script_flush()
+    assert ts.append_many([chunk("r5", 1, [2], "b")]) == [APPENDED]
+
+
+# -- the checkpoint ---------------------------------------------------------------------------------
+def test_a_checkpoint_names_the_offsets_where_attempts_took_over():
+    es = [Entry("1-0", 0, [1, 2], "ab", [0, 2], attempt=1, prompt_ids=[9]),
+          Entry("2-0", 2, [3], "c", [1], attempt=1),
+          Entry("3-0", 3, [4, 5], "de", [1, 1], attempt=2),
+          Entry("4-0", 5, [6], "f", [1], attempt=4)]
+    cp = checkpoint_of(es)
+    assert cp.token_ids == [1, 2, 3, 4, 5, 6] and cp.text == "abcdef"
+    assert cp.resumed_at == [3, 5] and cp.prompt_ids == [9]
+    assert checkpoint_of([]) is None
+    assert checkpoint_of([Entry("9-0", end="FAILED")]) is None
+
+
+# -- the worker's flusher -------------------------------------------------------------------------
+class RoundTrips:
+    """Counts the commands sent to Redis, and the separate sends (round trips)."""
+
+    def __init__(self, monkeypatch):
+        self.sends = 0
+        orig = redis.connection.Connection.send_packed_command
+
+        def counted(conn, command, check_health=True):
+            self.sends += 1
+            return orig(conn, command, check_health)
+
+        monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+
+
+@pytest.mark.redis
+def test_one_flush_writes_every_request_in_one_round_trip(store, monkeypatch):
+    """Given 20 running requests with unwritten tokens, a flush writes a chunk for each, and
+    sends to Redis once (one pipeline: one round trip for all of them)."""
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    taps = []
+    for i in range(20):
+        running(store, f"f{i}")
+        t = sink.open(f"f{i}", 11, 1, "tiny-llama", None)
+        t.set_prompt([1, 2, 3])
+        taps.append(t)
+    for t in taps:
+        t.add([10, 11], "xy")
+    sink.flush(force=True)  # loads the script once
+    for t in taps:
+        t.add([12], "z")
+    trips = RoundTrips(monkeypatch)
+    assert sink.flush(force=True) == 20
+    assert trips.sends == 1
+    for i in range(20):
+        cp = TokenStreams(store.r).checkpoint(f"f{i}")
+        assert cp.token_ids == [10, 11, 12] and cp.text == "xyz" and cp.prompt_ids == [1, 2, 3]
+
+
+@pytest.mark.redis
+def test_a_chunk_is_due_by_size_or_by_time_whichever_first(store):
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=4)
+    running(store, "d1")
+    tap = sink.open("d1", 11, 1, "tiny-llama", None)
+    tap.set_prompt([1])
+    tap.add([5, 6], "ab")
+    assert tap.take_chunk(time.monotonic(), 0.2, 4) is None  # 2 tokens, just now
+    assert tap.take_chunk(time.monotonic() + 0.3, 0.2, 4) is not None  # 2 tokens, 300 ms
+    tap.add([7, 8], "cd")
+    assert tap.take_chunk(time.monotonic(), 0.2, 4) is not None  # 4 tokens
+
+
+@pytest.mark.redis
+def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    running(store, "p1")
+    tap = sink.open("p1", 11, 1, "tiny-llama", None)
+    tap.set_prompt([1])
+    tap.add([5, 6], "ab", [1, 1])
+    c = tap.take_chunk(0, 0.2, 64, force=True)
+    tap.add([7], "c")  # during the write
+    tap.chunk_written(c, sink.streams.append_many([c])[0])
+    assert tap.unwritten() == 1
+    sink.flush(force=True)
+    cp = sink.streams.checkpoint("p1")
+    assert cp.token_ids == [5, 6, 7] and cp.text == "abc"
+
+
+@pytest.mark.redis
+def test_a_fenced_tap_writes_nothing_more(store):
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    running(store, "x1")
+    tap = sink.open("x1", 99, 1, "tiny-llama", None)  # not the instance that runs it
+    tap.set_prompt([1])
+    tap.add([5], "a")
+    assert sink.flush(force=True) == 0 and tap.dead
+    tap.add([6], "b")
+    assert tap.take_chunk(0, 0.0, 1, force=True) is None
+
+
+@pytest.mark.redis
+def test_the_flusher_thread_writes_on_its_own(store):
+    sink = StreamSink(TokenStreams(store.r), flush_ms=20, chunk_tokens=64).start()
+    try:
+        running(store, "t1")
+        tap = sink.open("t1", 11, 1, "tiny-llama", None)
+        tap.set_prompt([1])
+        tap.add([5, 6, 7], "abc")
+        deadline = time.monotonic() + 5
+        while tap.unwritten() and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert tap.unwritten() == 0
+    finally:
+        sink.stop()
+
+
+def test_a_tap_resumes_from_everything_it_holds_and_a_refusal_starts_over():
+    prior = Checkpoint([1, 2], [10, 11], "ab", "fp-old", [])
+    tap = StreamTap(None, "r", 11, 2, "tiny-llama", prior, adapter_fingerprint="fp-new")
+    tap.add([12], "c")
+    cp = tap.resume_point()
+    assert cp.token_ids == [10, 11, 12] and cp.text == "abc" and cp.prompt_ids == [1, 2]
+    assert cp.adapter_fingerprint == "fp-old"  # what the tokens were made with
+    tap.refuse_resume("test")
+    assert tap.resume_point() is None
+    tap.set_prompt([1, 2])
+    tap.add([20], "z")
+    c = tap.take_chunk(0, 0.0, 1, force=True)
+    assert c.reset and c.start == 0 and c.prompt_ids == [1, 2]
+    assert c.adapter_fingerprint == "fp-new"
+
+
+# -- the reader's cursor ------------------------------------------------------------------------
+def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
+    cur = _Cursor(after=3)
+    e1 = Entry("1-0", 0, [1, 2], "ab", [1, 1])
+    e2 = Entry("2-0", 2, [3, 4, 5], "cdef", [1, 0, 3])
+    assert cur.take(e1) is None
+    assert cur.take(e2) == {"offset": 3, "text": "def", "token_ids": [4, 5]}
+    final = cur.final({"text": "abcdefgh", "token_ids": [1, 2, 3, 4, 5, 6, 7]})
+    assert final["offset"] == 5 and final["text"] == "gh" and final["token_ids"] == [6, 7]
+    assert final["final"] is True
+
+
+def test_a_reader_is_told_when_the_stream_restarts():
+    cur = _Cursor(after=0)
+    assert cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))["offset"] == 0
+    again = cur.take(Entry("2-0", 0, [7], "z", [1], reset=True))
+    assert again == {"offset": 0, "text": "z", "token_ids": [7], "restart": True}
+
+
+def test_a_reader_past_the_end_gets_an_empty_final_chunk():
+    cur = _Cursor(after=10)
+    final = cur.final({"text": "abc", "token_ids": [1, 2, 3]})
+    assert final["token_ids"] == [] and final["text"] == ""
+
+
+@pytest.mark.redis
+def test_stream_reads_to_the_result_from_any_process_that_knows_the_id(redis_server):
+    """A reader with only the request id (app.AsyncResult(id)) gets the streamed chunks, then
+    the tail from the result, whose text the chunks add up to exactly."""
+    from app import app
+
+    store = RequestStore(app.vigil_redis, 3600)
+    running(store, "s1")
+    ts = TokenStreams(app.vigil_redis)
+    ts.append_many([chunk("s1", 0, [1, 2], "ab", prompt_ids=[5])])
+    got = []
+
+    def read():
+        got.extend(app.AsyncResult("s1").stream(timeout=30))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    ts.append_many([chunk("s1", 2, [3], "c")])
+    store.finish("s1", 11, time.time(), result={"text": "abcde", "token_ids": [1, 2, 3, 4, 5]})
+    reader.join(30)
+    assert [c["offset"] for c in got] == [0, 2, 3]
+    assert "".join(c["text"] for c in got) == "abcde"
+    assert got[-1]["result"]["token_ids"] == [1, 2, 3, 4, 5]
+    app.vigil_redis.delete(keys.request("s1"), keys.stream("s1"))
+
+
+@pytest.mark.redis
+def test_stream_of_a_failed_request_raises_its_error_after_its_chunks(redis_server):
+    from app import app
+
+    store = RequestStore(app.vigil_redis, 3600)
+    running(store, "s2")
+    TokenStreams(app.vigil_redis).append_many([chunk("s2", 0, [1], "a", prompt_ids=[5])])
+    store.finish("s2", 11, time.time(), error_kind="TerminalError",
+                 error="deadline_exceeded: too late")
+    chunks = []
+    with pytest.raises(TerminalError, match="deadline_exceeded"):
+        for c in app.AsyncResult("s2").stream(timeout=30):
+            chunks.append(c)
+    assert chunks == [{"offset": 0, "text": "a", "token_ids": [1]}]
+    app.vigil_redis.delete(keys.request("s2"), keys.stream("s2"))
+
+
+@pytest.mark.redis
+def test_stream_of_an_unknown_id_is_a_typed_error_not_a_hang(redis_server):
+    from app import app
+
+    started = time.monotonic()
+    with pytest.raises(TerminalError, match="request_lost"):
+        list(app.AsyncResult("no-such-request").stream(timeout=60))
+    assert time.monotonic() - started < 30
+
+
+# -- the seam of a resume ----------------------------------------------------------------------
+def char_decoder(table: dict[int, str]):
+    """A decoder where token t is the text table[t] (None: an incomplete character)."""
+    return lambda prompt: (lambda t: table.get(t))
+
+
+TABLE = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g", 8: "h", 9: None}
+
+
+def test_the_seam_releases_the_held_back_text_first():
+    # Tokens 1 2 3 decode to "abc"; vLLM released "a" (it held back 2 chars for a 3-char stop).
+    seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["xyz"], char_decoder(TABLE))
+    assert seam.held == "bc"
+    assert seam.feed([4], "") == (None, None)  # the window (2 chars) is still open
+    released, cut = seam.feed([5], "de")
+    assert cut is None and released == "bcde"
+    assert seam.feed([6], "f") == ("f", None)
+
+
+def test_a_stop_string_across_the_seam_ends_the_run_where_an_unbroken_run_ends():
+    # "abc" made, "a" released; stop "cde" begins in the held-back "bc" and ends 2 tokens on.
+    seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["cde", "zz"], char_decoder(TABLE))
+    assert seam.feed([4], "") == (None, None)
+    released, cut = seam.feed([5, 6], "")
+    assert released is None
+    assert cut.tokens == 2 and cut.stop == "cde" and cut.text == "b"
+
+
+def test_without_held_back_text_the_engine_checks_every_stop_itself():
+    seam = Seam(Checkpoint([0], [1, 2], "ab", "", []), ["bc"], char_decoder(TABLE))
+    assert seam.held == ""
+    assert seam.feed([3], "c") == ("c", None)
+
+
+def test_an_incomplete_character_is_held_until_it_completes():
+    seam = Seam(Checkpoint([0], [1, 9], "a", "", []), None, char_decoder(TABLE))
+    assert seam.held == ""
+    assert seam.feed([2], "\u00e9b") == ("\u00e9b", None)
+
+
+def test_a_stream_whose_text_is_not_its_tokens_decoding_is_refused():
+    with pytest.raises(ValueError):
+        Seam(Checkpoint([0], [1, 2], "xy", "", []), None, char_decoder(TABLE))
+
+
+def test_the_seam_finishes_with_what_it_still_holds():
+    seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["xyz"], char_decoder(TABLE))
+    seam.feed([4], "")
+    assert seam.finish() == "bc"
+
+
+def test_resume_is_refused_where_it_would_be_unsound():
+    cp = Checkpoint([1] * 10, [2] * 5, "hello", "fp", [])
+    ok = dict(max_tokens=20, max_model_len=64, adapter_fingerprint="fp")
+    assert refusal(cp, **ok) == ""
+    assert "LoRA adapter" in refusal(cp, **{**ok, "adapter_fingerprint": "other"})
+    assert "context" in refusal(cp, **{**ok, "max_model_len": 25})
+    assert "prompt" in refusal(Checkpoint(None, [2], "h", "fp", []), **ok)
+    assert "max_tokens" in refusal(cp, **{**ok, "max_tokens": 4})
+
+
+def test_an_adapters_fingerprint_changes_when_its_files_are_rewritten(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"1234")
+    before = files_fingerprint(str(tmp_path))
+    assert before == files_fingerprint(str(tmp_path))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"12345")
+    assert files_fingerprint(str(tmp_path)) != before
+    assert files_fingerprint(str(tmp_path / "missing")) == ""
+
+
+@pytest.mark.redis
+def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store):
+    """A refusal is written by the time its attempt closes, even if the run streamed nothing:
+    a reader must not take the old tokens for the start of the new result."""
+    running(store, "z1")
+    ts = TokenStreams(store.r)
+    ts.append_many([chunk("z1", 0, [1, 2], "ab", prompt_ids=[5])])
+    store.requeue("z1", 11, 1)
+    store.begin("z1", 1, "w2", 22, time.time(), 3)
+    sink = StreamSink(ts, flush_ms=60000, chunk_tokens=64)
+    tap = sink.open("z1", 22, 2, "tiny-llama", ts.checkpoint("z1"))
+    tap.refuse_resume("test")
+    sink.close(tap, ok=True)
+    entries = ts.entries("z1")
+    assert entries[-1].reset and entries[-1].token_ids == []
+    assert ts.checkpoint("z1") is None
+    assert store.get("z1")["streamed"] == "0"
+    cur = _Cursor(0)
+    got = [c for e in entries if (c := cur.take(e)) is not None]
+    assert got[-1] == {"offset": 0, "text": "", "token_ids": [], "restart": True}
+    assert cur.final({"text": "xyz", "token_ids": [7, 8, 9]})["text"] == "xyz"
