@@ -241,21 +241,29 @@ def check_backend(rep: SoakReport, recs: dict[str, dict | None], seed: int) -> N
 def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Path) -> None:
     """Fill the witness figures: the generations the engines wrote down (no Vigil code reads
     them), how many each request had, and each succeeded record that no finished generation of
-    its attempt, with its token count, backs."""
+    its attempt, with its token count, backs; and the token figures (SoakReport)."""
     from workers.engine.witness import read_witness
 
     seen = read_witness(witness_dir) if witness_dir.is_dir() else {}
     rep.witness_generations = sum(len(g) for g in seen.values())
     rep.generations_per_request = dict(sorted(Counter(len(seen.get(rid, []))
                                                       for rid in recs).items()))
+    rep.tokens_generated = sum(g["tokens"] for gs in seen.values() for g in gs)
+    made_by_winners = 0
     for rid, rec in recs.items():
         if rec is None or rec["status"] != "SUCCEEDED" or not rec["result"]:
             continue
         res = json.loads(rec["result"])
+        resumed = res.get("resumed_at") or []
+        rep.tokens_in_results += res["completion_tokens"]
+        rep.tokens_reused += sum(resumed)
+        rep.requests_resumed += bool(resumed)
+        made_by_winners += res["completion_tokens"] - (resumed[-1] if resumed else 0)
         if not any(g["attempt"] == res["attempts"] and g["total"] == res["completion_tokens"]
                    for g in seen.get(rid, [])):
             rep.witness_mismatches += 1
             rep.witness_mismatch_ids.append(rid)
+    rep.tokens_thrown_away = max(0, rep.tokens_generated - made_by_winners)
 
 
 def read_logs(rep: SoakReport, logdir: Path) -> None:

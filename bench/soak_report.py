@@ -45,6 +45,16 @@ class SoakReport:
     generations_per_request: dict[int, int] = field(default_factory=dict)
     witness_mismatches: int = 0
     witness_mismatch_ids: list[str] = field(default_factory=list)
+    # Tokens (bench/soak_findings.py, tally_witness): in the stored results; reused by resumes
+    # (at each takeover, the tokens the new run did not make again); made by the engines' finished
+    # runs (the witness); and thrown away among those (finished runs that are not the stored
+    # result's). A SIGKILLed run writes no witness line: what it made after its last stream
+    # write (at most one flush interval's worth) is lost and counted nowhere.
+    requests_resumed: int = 0
+    tokens_in_results: int = 0
+    tokens_reused: int = 0
+    tokens_generated: int = 0
+    tokens_thrown_away: int = 0
     stats: dict[str, int] = field(default_factory=dict)  # vigil:stats (own Redis: this run only)
     attempts: dict[int, int] = field(default_factory=dict)
     reaps: dict[str, int] = field(default_factory=dict)  # dead instance -> times reaped
@@ -129,6 +139,10 @@ class SoakReport:
             ("witness (engines)", f"{self.witness_generations} generations finished; requests "
              f"by generations: {fmt_counts(self.generations_per_request) or '-'}; stored "
              f"results no generation backs: {self.witness_mismatches}"),
+            ("tokens", f"{self.tokens_in_results} in results; {self.tokens_reused} reused by "
+             f"{self.requests_resumed} resumed requests; {self.tokens_generated} made by "
+             f"finished runs, {self.tokens_thrown_away} of them thrown away (a killed run's "
+             f"unwritten tail is not counted)"),
             ("deliveries dropped", f"duplicate {self.stats.get('duplicate_deliveries', 0)}, "
              f"stale {self.stats.get('stale_deliveries', 0)}"),
             ("attempts", fmt_counts(self.attempts)),

@@ -210,9 +210,14 @@ class WorkerRuntime:
     def hand_back_held(self) -> tuple[int, int]:
         """Publish every request this worker holds again (same id, next dispatch; failed when
         out of attempts or time) and abort them in the engine, whose callers drop their stale
-        copies. The engine host must already refuse new requests. Returns (requeued, failed)."""
+        copies; their token streams are written first, so the next attempts continue them. The engine host must already refuse new requests. Returns (requeued, failed)."""
         from app import app
 
+        if self.streams is not None:  # what they generated so far: the next attempts go on
+            try:
+                self.streams.flush(force=True)
+            except Exception as e:
+                log.warning("could not write the token streams before the hand-back: %s", e)
         done = hand_back_all(self.store, time.time(), self.instance_id, publish.republish,
                              app.backend, self.settings.max_attempts)
         self._aborted = self.host.abort_in_flight()
