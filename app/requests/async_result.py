@@ -100,7 +100,13 @@ class VigilAsyncResult(AsyncResult):
         cursor = _Cursor(after)
         last_id = "0-0"
         while True:
-            entries = streams.wait(self.id, last_id, int(STREAM_BLOCK_S * 1000))
+            try:
+                entries = streams.wait(self.id, last_id, int(STREAM_BLOCK_S * 1000))
+            except TransientError:  # Redis away: wait for it, as get() does
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(STREAM_BLOCK_S)
+                continue
             ended = False
             for e in entries:
                 last_id = e.entry_id
