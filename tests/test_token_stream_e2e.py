@@ -55,10 +55,11 @@ def resubmit_after_a_ghost_attempt(rid: str, kw: dict, token_ids: list[int], tex
     store = RequestStore(app.vigil_redis, get_settings().result_ttl)
     req = parse_request(kw)
     assert store.create(rid, record_fields(req, time.time(), 600))
-    assert store.begin(rid, 0, "ghost@nowhere", GHOST, time.time(), 3).action == "run"
+    b = store.begin(rid, 0, "ghost@nowhere", GHOST, time.time(), 3)
+    assert b.action == "run"
     counts = [0] * (len(token_ids) - 1) + [len(text)]
     assert TokenStreams(app.vigil_redis).append_many([Chunk(
-        rid, GHOST, 1, 0, token_ids, text, counts, prompt_ids=PROMPT,
+        rid, b.token, 1, 0, token_ids, text, counts, prompt_ids=PROMPT,
         adapter_fingerprint=fingerprint)]) == [1]
     assert store.requeue(rid, GHOST, 1)
     republish(rid, store.get(rid), 1)

@@ -32,42 +32,57 @@ def store(settings):
     return RequestStore(connect(settings), settings.result_ttl)
 
 
-def running(store, rid: str, instance: int = 11) -> int:
+def running(store, rid: str, instance: int = 11) -> str:
+    """A RUNNING request; returns its claim's begin token (what fences its stream)."""
     req = parse_request(KW)
     assert store.create(rid, record_fields(req, time.time(), 3600))
     b = store.begin(rid, 0, "w1", instance, time.time(), 3)
-    assert b.action == "run"
-    return b.attempts
+    assert b.action == "run" and b.streamed == 0
+    return b.token
 
 
-def chunk(rid, start, ids, text, attempt=1, instance=11, **kw) -> Chunk:
-    return Chunk(rid, instance, attempt, start, ids, text, [0] * (len(ids) - 1) + [len(text)],
+def chunk(rid, token, start, ids, text, attempt=1, **kw) -> Chunk:
+    return Chunk(rid, token, attempt, start, ids, text, [0] * (len(ids) - 1) + [len(text)],
                  **kw)
 
 
 # -- the fenced append ----------------------------------------------------------------------------
 @pytest.mark.redis
-def test_only_the_running_attempt_appends_and_only_where_the_stream_ends(store):
-    """Given a RUNNING request (attempt 1 on instance 11), when chunks are appended, then its
-    own next chunk is written, a repeat or a gap is refused (off sequence), another instance or
-    attempt is fenced, and after the finish nothing is written at all."""
-    running(store, "r1")
+def test_only_the_running_claim_appends_and_only_where_the_stream_ends(store):
+    """Given a RUNNING request, when chunks are appended, then its claim's next chunk is
+    written (once, even when sent again), a gap is refused (off sequence), another claim is
+    fenced, and after the finish nothing is written at all."""
+    token = running(store, "r1")
     ts = TokenStreams(store.r)
-    first = chunk("r1", 0, [1, 2], "ab", prompt_ids=[7, 8])
+    first = chunk("r1", token, 0, [1, 2], "ab", prompt_ids=[7, 8])
     assert ts.append_many([first]) == [APPENDED]
-    assert ts.append_many([first]) == [OFF_SEQUENCE]  # the same chunk again
-    assert ts.append_many([chunk("r1", 5, [3], "c")]) == [OFF_SEQUENCE]  # a gap
-    assert ts.append_many([chunk("r1", 2, [3], "c", instance=22)]) == [FENCED]
-    assert ts.append_many([chunk("r1", 2, [3], "c", attempt=2)]) == [FENCED]
-    assert ts.append_many([chunk("r1", 2, [3], "c")]) == [APPENDED]
+    assert ts.append_many([first]) == [APPENDED]  # a pipeline sent again: not written twice
+    assert len(ts.entries("r1")) == 1
+    assert ts.append_many([chunk("r1", token, 5, [3], "c")]) == [OFF_SEQUENCE]  # a gap
+    assert ts.append_many([chunk("r1", "another-claim", 2, [3], "c")]) == [FENCED]
+    assert ts.append_many([chunk("r1", token, 2, [3], "c")]) == [APPENDED]
     assert store.get("r1")["streamed"] == "3"
     cp = ts.checkpoint("r1")
     assert (cp.prompt_ids, cp.token_ids, cp.text) == ([7, 8], [1, 2, 3], "abc")
     store.finish("r1", 11, time.time(), result={"text": "abcd", "token_ids": [1, 2, 3, 4]})
-    assert ts.append_many([chunk("r1", 3, [4], "d")]) == [FENCED]
+    assert ts.append_many([chunk("r1", token, 3, [4], "d")]) == [FENCED]
     entries = ts.entries("r1")
     assert entries[-1].end == "SUCCEEDED" and len(entries) == 3
     assert 0 < store.r.ttl(keys.stream("r1")) <= store.result_ttl
+
+
+@pytest.mark.redis
+def test_a_new_claim_learns_where_the_stream_ends_from_begin(store):
+    """The next attempt's begin says how many tokens the stream holds (its resume point), and
+    only its own claim writes from there on."""
+    token = running(store, "b1")
+    ts = TokenStreams(store.r)
+    ts.append_many([chunk("b1", token, 0, [1, 2, 3], "abc", prompt_ids=[5])])
+    assert store.requeue("b1", 11, 1)
+    b = store.begin("b1", 1, "w2", 22, time.time(), 3)
+    assert b.action == "run" and b.streamed == 3 and b.token != token
+    assert ts.append_many([chunk("b1", token, 3, [4], "d")]) == [FENCED]  # the old claim
+    assert ts.append_many([chunk("b1", b.token, 3, [4], "d", attempt=2)]) == [APPENDED]
 
 
 @pytest.mark.redis
@@ -79,8 +94,8 @@ def test_a_request_that_never_streamed_gets_no_stream_at_its_finish(store):
 
 @pytest.mark.redis
 def test_the_deadline_sweep_ends_a_stream_too(store):
-    running(store, "r3")
-    TokenStreams(store.r).append_many([chunk("r3", 0, [1], "a", prompt_ids=[5])])
+    token = running(store, "r3")
+    TokenStreams(store.r).append_many([chunk("r3", token, 0, [1], "a", prompt_ids=[5])])
     store.finish_failed_many(["r3"], "deadline_exceeded: late", "TerminalError", time.time())
     assert TokenStreams(store.r).entries("r3")[-1].end == "FAILED"
     assert store.r.ttl(keys.stream("r3")) > 0
@@ -89,10 +104,13 @@ def test_the_deadline_sweep_ends_a_stream_too(store):
 @pytest.mark.redis
 def test_a_restarted_stream_begins_again_at_token_0(store):
     """A refused resume's first chunk resets the stream: the checkpoint starts there."""
-    running(store, "r4")
+    token = running(store, "r4")
     ts = TokenStreams(store.r)
-    ts.append_many([chunk("r4", 0, [1, 2], "ab", prompt_ids=[5])])
-    assert ts.append_many([chunk("r4", 0, [9], "z", reset=True, prompt_ids=[5])]) == [APPENDED]
+    ts.append_many([chunk("r4", token, 0, [1, 2], "ab", prompt_ids=[5])])
+    reset = chunk("r4", token, 0, [9], "z", reset=True, prompt_ids=[5], generation=1)
+    assert ts.append_many([reset]) == [APPENDED]
+    assert ts.append_many([reset]) == [APPENDED]  # sent again: one restart, not two
+    assert sum(e.reset for e in ts.entries("r4")) == 1
     cp = ts.checkpoint("r4")
     assert (cp.token_ids, cp.text) == ([9], "z")
     assert store.get("r4")["streamed"] == "1"
@@ -102,11 +120,11 @@ def test_a_restarted_stream_begins_again_at_token_0(store):
 def test_the_appends_survive_a_lost_script_cache(store):
     """Redis restarted (SCRIPT FLUSH stands in for its empty script cache): the next flush
     loads the script again instead of failing."""
-    running(store, "r5")
+    token = running(store, "r5")
     ts = TokenStreams(store.r)
-    ts.append_many([chunk("r5", 0, [1], "a", prompt_ids=[5])])
+    ts.append_many([chunk("r5", token, 0, [1], "a", prompt_ids=[5])])
     store.r.script_flush()
-    assert ts.append_many([chunk("r5", 1, [2], "b")]) == [APPENDED]
+    assert ts.append_many([chunk("r5", token, 1, [2], "b")]) == [APPENDED]
 
 
 # -- the checkpoint ---------------------------------------------------------------------------------
@@ -124,7 +142,7 @@ def test_a_checkpoint_names_the_offsets_where_attempts_took_over():
 
 # -- the worker's flusher -------------------------------------------------------------------------
 class RoundTrips:
-    """Counts the commands sent to Redis, and the separate sends (round trips)."""
+    """Counts the separate sends to Redis (round trips) on redis-py's connections."""
 
     def __init__(self, monkeypatch):
         self.sends = 0
@@ -137,17 +155,18 @@ class RoundTrips:
         monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
 
 
+def open_tap(sink, store, rid, prompt=(1,)):
+    tap = sink.open(rid, running(store, rid), 1, "tiny-llama", None)
+    tap.set_prompt(list(prompt))
+    return tap
+
+
 @pytest.mark.redis
 def test_one_flush_writes_every_request_in_one_round_trip(store, monkeypatch):
     """Given 20 running requests with unwritten tokens, a flush writes a chunk for each, and
     sends to Redis once (one pipeline: one round trip for all of them)."""
     sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
-    taps = []
-    for i in range(20):
-        running(store, f"f{i}")
-        t = sink.open(f"f{i}", 11, 1, "tiny-llama", None)
-        t.set_prompt([1, 2, 3])
-        taps.append(t)
+    taps = [open_tap(sink, store, f"f{i}", (1, 2, 3)) for i in range(20)]
     for t in taps:
         t.add([10, 11], "xy")
     sink.flush(force=True)  # loads the script once
@@ -164,22 +183,35 @@ def test_one_flush_writes_every_request_in_one_round_trip(store, monkeypatch):
 @pytest.mark.redis
 def test_a_chunk_is_due_by_size_or_by_time_whichever_first(store):
     sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=4)
-    running(store, "d1")
-    tap = sink.open("d1", 11, 1, "tiny-llama", None)
-    tap.set_prompt([1])
+    tap = open_tap(sink, store, "d1")
     tap.add([5, 6], "ab")
     assert tap.take_chunk(time.monotonic(), 0.2, 4) is None  # 2 tokens, just now
-    assert tap.take_chunk(time.monotonic() + 0.3, 0.2, 4) is not None  # 2 tokens, 300 ms
+    c = tap.take_chunk(time.monotonic() + 0.3, 0.2, 4)  # 2 tokens, 300 ms
+    assert c is not None
+    tap.chunk_written(c, None)  # not written: still pending
     tap.add([7, 8], "cd")
     assert tap.take_chunk(time.monotonic(), 0.2, 4) is not None  # 4 tokens
 
 
 @pytest.mark.redis
+def test_one_chunk_of_a_tap_is_in_flight_at_a_time(store):
+    """A hand-back's flush and the flusher thread never send the same tokens twice."""
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "i1")
+    tap.add([5, 6], "ab")
+    c = tap.take_chunk(0, 0.2, 64, force=True)
+    assert tap.take_chunk(0, 0.2, 64, force=True) is None
+    assert sink.flush(force=True) == 0
+    tap.chunk_written(c, sink.streams.append_many([c])[0])
+    tap.add([7], "c")
+    assert sink.flush(force=True) == 1
+    assert sink.streams.checkpoint("i1").token_ids == [5, 6, 7]
+
+
+@pytest.mark.redis
 def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
     sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
-    running(store, "p1")
-    tap = sink.open("p1", 11, 1, "tiny-llama", None)
-    tap.set_prompt([1])
+    tap = open_tap(sink, store, "p1")
     tap.add([5, 6], "ab", [1, 1])
     c = tap.take_chunk(0, 0.2, 64, force=True)
     tap.add([7], "c")  # during the write
@@ -191,10 +223,27 @@ def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
 
 
 @pytest.mark.redis
+def test_a_reply_from_before_a_restart_is_ignored(store):
+    """A chunk of the old run in flight while the tap restarts its stream: its reply must not
+    make the new run's tokens follow the old ones."""
+    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "g1")
+    tap.add([5, 6], "ab")
+    old = tap.take_chunk(0, 0.2, 64, force=True)
+    tap.refuse_resume("test")
+    tap.chunk_written(old, sink.streams.append_many([old])[0])
+    tap.set_prompt([1])
+    tap.add([9], "z")
+    assert sink.flush(force=True) == 1
+    cp = sink.streams.checkpoint("g1")
+    assert cp.token_ids == [9] and cp.text == "z"
+
+
+@pytest.mark.redis
 def test_a_fenced_tap_writes_nothing_more(store):
     sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
     running(store, "x1")
-    tap = sink.open("x1", 99, 1, "tiny-llama", None)  # not the instance that runs it
+    tap = sink.open("x1", "not-the-running-claim", 1, "tiny-llama", None)
     tap.set_prompt([1])
     tap.add([5], "a")
     assert sink.flush(force=True) == 0 and tap.dead
@@ -203,14 +252,26 @@ def test_a_fenced_tap_writes_nothing_more(store):
 
 
 @pytest.mark.redis
+def test_every_flush_interval_writes_all_that_is_pending(store):
+    """Tokens that came just after a write go at the next interval, not the one after; an early
+    wake (a full chunk) writes only what is due."""
+    sink = StreamSink(TokenStreams(store.r), flush_ms=300, chunk_tokens=4)
+    small, full = open_tap(sink, store, "t1"), open_tap(sink, store, "t2")
+    small.add([5], "a")
+    full.add([5, 6, 7, 8], "abcd")
+    assert sink.tick(early=True) == 1  # the full chunk only
+    assert small.unwritten() == 1
+    assert sink.tick(early=False) == 1  # the interval: the rest, however young
+    assert small.unwritten() == 0
+
+
+@pytest.mark.redis
 def test_the_flusher_thread_writes_on_its_own(store):
     sink = StreamSink(TokenStreams(store.r), flush_ms=20, chunk_tokens=64).start()
     try:
-        running(store, "t1")
-        tap = sink.open("t1", 11, 1, "tiny-llama", None)
-        tap.set_prompt([1])
+        tap = open_tap(sink, store, "t3")
         tap.add([5, 6, 7], "abc")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while tap.unwritten() and time.monotonic() < deadline:
             threading.Event().wait(0.01)
         assert tap.unwritten() == 0
@@ -220,7 +281,7 @@ def test_the_flusher_thread_writes_on_its_own(store):
 
 def test_a_tap_resumes_from_everything_it_holds_and_a_refusal_starts_over():
     prior = Checkpoint([1, 2], [10, 11], "ab", "fp-old", [])
-    tap = StreamTap(None, "r", 11, 2, "tiny-llama", prior, adapter_fingerprint="fp-new")
+    tap = StreamTap(None, "r", "claim", 2, "tiny-llama", prior, adapter_fingerprint="fp-new")
     tap.add([12], "c")
     cp = tap.resume_point()
     assert cp.token_ids == [10, 11, 12] and cp.text == "abc" and cp.prompt_ids == [1, 2]
@@ -234,6 +295,29 @@ def test_a_tap_resumes_from_everything_it_holds_and_a_refusal_starts_over():
     assert c.adapter_fingerprint == "fp-new"
 
 
+@pytest.mark.redis
+def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store):
+    """A refusal is written by the time its attempt closes, even if the run streamed nothing:
+    a reader must not take the old tokens for the start of the new result."""
+    token = running(store, "z1")
+    ts = TokenStreams(store.r)
+    ts.append_many([chunk("z1", token, 0, [1, 2], "ab", prompt_ids=[5])])
+    store.requeue("z1", 11, 1)
+    b = store.begin("z1", 1, "w2", 22, time.time(), 3)
+    sink = StreamSink(ts, flush_ms=60000, chunk_tokens=64)
+    tap = sink.open("z1", b.token, 2, "tiny-llama", ts.checkpoint("z1"))
+    tap.refuse_resume("test")
+    sink.close(tap, ok=True)
+    entries = ts.entries("z1")
+    assert entries[-1].reset and entries[-1].token_ids == []
+    assert ts.checkpoint("z1") is None
+    assert store.get("z1")["streamed"] == "0"
+    cur = _Cursor(0)
+    got = [c for e in entries if (c := cur.take(e)) is not None]
+    assert got[-1] == {"offset": 0, "text": "", "token_ids": [], "restart": True}
+    assert cur.final({"text": "xyz", "token_ids": [7, 8, 9]})["text"] == "xyz"
+
+
 # -- the reader's cursor ------------------------------------------------------------------------
 def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
     cur = _Cursor(after=3)
@@ -243,7 +327,7 @@ def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
     assert cur.take(e2) == {"offset": 3, "text": "def", "token_ids": [4, 5]}
     final = cur.final({"text": "abcdefgh", "token_ids": [1, 2, 3, 4, 5, 6, 7]})
     assert final["offset"] == 5 and final["text"] == "gh" and final["token_ids"] == [6, 7]
-    assert final["final"] is True
+    assert final["final"] is True and "restart" not in final
 
 
 def test_a_reader_is_told_when_the_stream_restarts():
@@ -251,6 +335,16 @@ def test_a_reader_is_told_when_the_stream_restarts():
     assert cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))["offset"] == 0
     again = cur.take(Entry("2-0", 0, [7], "z", [1], reset=True))
     assert again == {"offset": 0, "text": "z", "token_ids": [7], "restart": True}
+
+
+def test_a_result_that_does_not_continue_the_stream_comes_whole_as_a_restart():
+    """The restart never reached the stream (a worker with streams off ran the last attempt):
+    the reader is given the whole result, marked, instead of a tail cut at the wrong place."""
+    cur = _Cursor(after=0)
+    cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))
+    final = cur.final({"text": "xyz", "token_ids": [7, 8, 9]})
+    assert final["restart"] and final["offset"] == 0 and final["text"] == "xyz"
+    assert final["token_ids"] == [7, 8, 9]
 
 
 def test_a_reader_past_the_end_gets_an_empty_final_chunk():
@@ -266,9 +360,9 @@ def test_stream_reads_to_the_result_from_any_process_that_knows_the_id(redis_ser
     from app import app
 
     store = RequestStore(app.vigil_redis, 3600)
-    running(store, "s1")
+    token = running(store, "s1")
     ts = TokenStreams(app.vigil_redis)
-    ts.append_many([chunk("s1", 0, [1, 2], "ab", prompt_ids=[5])])
+    ts.append_many([chunk("s1", token, 0, [1, 2], "ab", prompt_ids=[5])])
     got = []
 
     def read():
@@ -276,7 +370,7 @@ def test_stream_reads_to_the_result_from_any_process_that_knows_the_id(redis_ser
 
     reader = threading.Thread(target=read)
     reader.start()
-    ts.append_many([chunk("s1", 2, [3], "c")])
+    ts.append_many([chunk("s1", token, 2, [3], "c")])
     store.finish("s1", 11, time.time(), result={"text": "abcde", "token_ids": [1, 2, 3, 4, 5]})
     reader.join(30)
     assert [c["offset"] for c in got] == [0, 2, 3]
@@ -290,8 +384,9 @@ def test_stream_of_a_failed_request_raises_its_error_after_its_chunks(redis_serv
     from app import app
 
     store = RequestStore(app.vigil_redis, 3600)
-    running(store, "s2")
-    TokenStreams(app.vigil_redis).append_many([chunk("s2", 0, [1], "a", prompt_ids=[5])])
+    token = running(store, "s2")
+    TokenStreams(app.vigil_redis).append_many([chunk("s2", token, 0, [1], "a",
+                                                     prompt_ids=[5])])
     store.finish("s2", 11, time.time(), error_kind="TerminalError",
                  error="deadline_exceeded: too late")
     chunks = []
@@ -300,6 +395,38 @@ def test_stream_of_a_failed_request_raises_its_error_after_its_chunks(redis_serv
             chunks.append(c)
     assert chunks == [{"offset": 0, "text": "a", "token_ids": [1]}]
     app.vigil_redis.delete(keys.request("s2"), keys.stream("s2"))
+
+
+@pytest.mark.redis
+def test_stream_gives_up_at_its_timeout_even_while_chunks_arrive(redis_server):
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+    from app import app
+
+    store = RequestStore(app.vigil_redis, 3600)
+    token = running(store, "s3")
+    ts = TokenStreams(app.vigil_redis)
+    stop = threading.Event()
+
+    def write():
+        n = 0
+        while not stop.is_set():
+            ts.append_many([chunk("s3", token, n, [1], "a", prompt_ids=[5] if n == 0 else None)])
+            n += 1
+            stop.wait(0.05)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(CeleryTimeoutError):
+            for _ in app.AsyncResult("s3").stream(timeout=1.0):
+                pass
+    finally:
+        stop.set()
+        writer.join(5)
+    assert time.monotonic() - started < 10
+    app.vigil_redis.delete(keys.request("s3"), keys.stream("s3"))
 
 
 @pytest.mark.redis
@@ -318,38 +445,37 @@ def char_decoder(table: dict[int, str]):
     return lambda prompt: (lambda t: table.get(t))
 
 
-TABLE = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g", 8: "h", 9: None}
+TABLE = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g", 8: "h", 9: None, 10: "é"}
 
 
-def test_the_seam_releases_the_held_back_text_first():
+def test_the_seam_releases_the_held_back_text_first_then_holds_back_as_vllm_does():
     # Tokens 1 2 3 decode to "abc"; vLLM released "a" (it held back 2 chars for a 3-char stop).
     seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["xyz"], char_decoder(TABLE))
-    assert seam.held == "bc"
-    assert seam.feed([4], "") == (None, None)  # the window (2 chars) is still open
-    released, cut = seam.feed([5], "de")
-    assert cut is None and released == "bcde"
-    assert seam.feed([6], "f") == ("f", None)
+    assert seam.feed([4]) == ("b", None)  # "abcd": all but the last 2 characters out
+    assert seam.feed([5]) == ("c", None)
+    assert seam.finish() == "de" and seam.text == "abcde"
 
 
 def test_a_stop_string_across_the_seam_ends_the_run_where_an_unbroken_run_ends():
     # "abc" made, "a" released; stop "cde" begins in the held-back "bc" and ends 2 tokens on.
     seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["cde", "zz"], char_decoder(TABLE))
-    assert seam.feed([4], "") == (None, None)
-    released, cut = seam.feed([5, 6], "")
-    assert released is None
-    assert cut.tokens == 2 and cut.stop == "cde" and cut.text == "b"
+    assert seam.feed([4]) == ("b", None)  # "abcd": all but the last 2 characters out
+    released, cut = seam.feed([5, 6])
+    assert released == "" and cut.tokens == 2 and cut.stop == "cde" and cut.text == "ab"
 
 
-def test_without_held_back_text_the_engine_checks_every_stop_itself():
-    seam = Seam(Checkpoint([0], [1, 2], "ab", "", []), ["bc"], char_decoder(TABLE))
-    assert seam.held == ""
-    assert seam.feed([3], "c") == ("c", None)
+def test_the_earliest_ending_stop_string_wins():
+    seam = Seam(Checkpoint([0], [1], "", "", []), ["bcd", "bc"], char_decoder(TABLE))
+    released, cut = seam.feed([2, 3, 4])
+    assert cut.stop == "bc" and cut.tokens == 2 and cut.text == "a"
 
 
-def test_an_incomplete_character_is_held_until_it_completes():
+def test_a_character_split_at_the_checkpoint_comes_out_whole():
+    """The checkpoint ends inside a character (token 9 decodes to nothing on its own): the next
+    token completes it, and the text is the uninterrupted run's."""
     seam = Seam(Checkpoint([0], [1, 9], "a", "", []), None, char_decoder(TABLE))
-    assert seam.held == ""
-    assert seam.feed([2], "\u00e9b") == ("\u00e9b", None)
+    assert seam.text == "a"
+    assert seam.feed([10, 2]) == ("éb", None)
 
 
 def test_a_stream_whose_text_is_not_its_tokens_decoding_is_refused():
@@ -357,18 +483,39 @@ def test_a_stream_whose_text_is_not_its_tokens_decoding_is_refused():
         Seam(Checkpoint([0], [1, 2], "xy", "", []), None, char_decoder(TABLE))
 
 
-def test_the_seam_finishes_with_what_it_still_holds():
-    seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["xyz"], char_decoder(TABLE))
-    seam.feed([4], "")
-    assert seam.finish() == "bc"
+def test_a_split_character_in_a_real_tokenizer_decodes_as_one_uninterrupted_run():
+    """With a byte-level tokenizer (tokenizers' own, trained here: no model hub), a resume
+    whose checkpoint ends in the middle of a multi-byte character gives the same text as a
+    decode of the whole generation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from workers.engine.resume import fast_decoder
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["plain words only"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    prompt = tok.encode("plain ").ids
+    gen = tok.encode("words éè 中文 only").ids
+    whole = tok.decode(gen)
+    split = [i for i in range(1, len(gen)) if "�" in tok.decode(gen[:i])]
+    assert split, "no token boundary inside a character in this sample"
+    for i in split:
+        step = fast_decoder(tok)(prompt)
+        released = "".join(step(t) or "" for t in gen[:i])
+        seam = Seam(Checkpoint(prompt, gen[:i], released, "", []), None, fast_decoder(tok))
+        out, cut = seam.feed(gen[i:])
+        assert cut is None and released + out + seam.finish() == whole == seam.text
 
 
 def test_resume_is_refused_where_it_would_be_unsound():
     cp = Checkpoint([1] * 10, [2] * 5, "hello", "fp", [])
     ok = dict(max_tokens=20, max_model_len=64, adapter_fingerprint="fp")
     assert refusal(cp, **ok) == ""
+    assert refusal(cp, **{**ok, "max_model_len": 16}) == ""  # capped by the context: resumable
     assert "LoRA adapter" in refusal(cp, **{**ok, "adapter_fingerprint": "other"})
-    assert "context" in refusal(cp, **{**ok, "max_model_len": 25})
+    assert "context" in refusal(cp, **{**ok, "max_model_len": 15})
     assert "prompt" in refusal(Checkpoint(None, [2], "h", "fp", []), **ok)
     assert "max_tokens" in refusal(cp, **{**ok, "max_tokens": 4})
 
@@ -381,26 +528,3 @@ def test_an_adapters_fingerprint_changes_when_its_files_are_rewritten(tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"12345")
     assert files_fingerprint(str(tmp_path)) != before
     assert files_fingerprint(str(tmp_path / "missing")) == ""
-
-
-@pytest.mark.redis
-def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store):
-    """A refusal is written by the time its attempt closes, even if the run streamed nothing:
-    a reader must not take the old tokens for the start of the new result."""
-    running(store, "z1")
-    ts = TokenStreams(store.r)
-    ts.append_many([chunk("z1", 0, [1, 2], "ab", prompt_ids=[5])])
-    store.requeue("z1", 11, 1)
-    store.begin("z1", 1, "w2", 22, time.time(), 3)
-    sink = StreamSink(ts, flush_ms=60000, chunk_tokens=64)
-    tap = sink.open("z1", 22, 2, "tiny-llama", ts.checkpoint("z1"))
-    tap.refuse_resume("test")
-    sink.close(tap, ok=True)
-    entries = ts.entries("z1")
-    assert entries[-1].reset and entries[-1].token_ids == []
-    assert ts.checkpoint("z1") is None
-    assert store.get("z1")["streamed"] == "0"
-    cur = _Cursor(0)
-    got = [c for e in entries if (c := cur.take(e)) is not None]
-    assert got[-1] == {"offset": 0, "text": "", "token_ids": [], "restart": True}
-    assert cur.final({"text": "xyz", "token_ids": [7, 8, 9]})["text"] == "xyz"

@@ -21,6 +21,7 @@ from app.fleet.handback import hand_back_all, hand_back_one
 from app.requests import publish
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
 from app.settings import VigilSettings, get_settings
+from app.state.calls import Calls
 from app.state.conn import connect
 from app.state.health import HEALTHY, HealthLedger
 from app.state.queues import pool_of, pool_queues
@@ -94,8 +95,11 @@ class WorkerRuntime:
         # Token streams (workers/streaming.py), for the engines that stream (the real one).
         self.streams: StreamSink | None = None
         if settings.stream_flush_ms > 0 and engine in MODEL_ENGINES:
-            self.streams = StreamSink(TokenStreams(self.client), settings.stream_flush_ms,
-                                      settings.stream_chunk_tokens)
+            # Under the store's outage policy: a checkpoint read or a flush rides out a Redis
+            # restart (the flusher has a thread of its own; the tokens wait in the taps).
+            self.streams = StreamSink(
+                TokenStreams(self.client, Calls(self.client, settings.redis_outage_grace)),
+                settings.stream_flush_ms, settings.stream_chunk_tokens)
         self.leaving: WorkerFatalError | None = None
         self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(

@@ -24,7 +24,7 @@ from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
 from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
 from app.settings import VigilSettings
-from app.state.store import CREATED_NEW_JOB_QUEUE, Outcome, RequestStore
+from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
 
@@ -106,7 +106,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     metrics.attempt_begun(pool)
 
     try:
-        out = _generate(rt, request_id, req, spec, b.attempts, adapter)
+        out = _generate(rt, request_id, req, spec, b, adapter)
     except Aborted:  # ended elsewhere while it ran (job deleted): answer with what is stored
         rec = rt.store.get(request_id) or {}
         if rec.get("status") in ("SUCCEEDED", "FAILED"):
@@ -155,22 +155,21 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
     return _outcome(stored)
 
 
-def _generate(rt: WorkerRuntime, request_id: str, req, spec, attempt: int, adapter):
-    """Run the attempt in the engine; with token streams on, through a tap that streams its
-    tokens and continues from those of earlier attempts (workers/streaming.py)."""
+def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
+    """Run the attempt `b` in the engine; with token streams on, through a tap that streams its
+    tokens and continues from those already in the request's stream (workers/streaming.py)."""
     tap = None
     if rt.streams is not None:
-        try:
-            prior = rt.streams.streams.checkpoint(request_id) if attempt > 1 else None
-        except VigilError as e:  # Redis away just now: this attempt runs unstreamed
-            log.warning("request %s: could not read its token stream (%s)", request_id, e)
-        else:
-            tap = rt.streams.open(request_id, rt.instance_id, attempt, req.pool, prior,
-                                  files_fingerprint(adapter.path) if adapter else "")
+        # Redis away past the outage grace: TransientError, retried like any (serve).
+        prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
+        tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
+                              files_fingerprint(adapter.path) if adapter else "")
+        if b.streamed and prior is None:  # its tokens are not there to continue
+            tap.refuse_resume("the stream holds no tokens to continue")
     ok = False
     try:
-        out = rt.host.generate(req, spec, f"{request_id}-{attempt}", rt.settings.request_timeout,
-                               adapter, tap=tap)
+        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}",
+                               rt.settings.request_timeout, adapter, tap=tap)
         ok = True
         return out
     finally:

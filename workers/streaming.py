@@ -2,12 +2,17 @@
 flusher thread per worker.
 
 The engine feeds a request's tap on its loop thread as tokens come out (`add`: token ids and the
-text released with them). The flusher thread writes every tap's unwritten tokens as one chunk
-per request, all of them in one pipelined round trip, every `flush_ms` or as soon as a request
-has `chunk_tokens` unwritten, whichever comes first; never one write per request per token. The
-last tokens of a request that ends are not written: its result carries them (a reader takes the
-rest from the result). A tap is also the request's checkpoint within its attempt: an engine
-that re-runs it (after an engine death) continues from everything the tap holds.
+text released with them; workers/engine/stream_watch.py reads them out of vLLM every quarter
+flush interval). The flusher thread writes every tap's unwritten tokens as one chunk per
+request, all of them in one pipelined round trip, every `flush_ms`, or as soon as a request has
+`chunk_tokens` unwritten; never one write per request per token. The last tokens of a request
+that ends are not written: its result carries them (a reader takes the rest from the result). A
+tap is also the request's checkpoint within its attempt: an engine that re-runs it (after an
+engine death) continues from everything the tap holds.
+
+A tap has at most one chunk in flight (a hand-back's flush and the flusher never send the same
+tokens twice), and a reply that comes back after the tap restarted its stream (a refused resume:
+a new generation) is ignored.
 """
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ import time
 from typing import Callable
 
 from app import metrics
-from app.errors import VigilError
 from app.state.streams import APPENDED, FENCED, Checkpoint, Chunk, TokenStreams
 
 log = logging.getLogger("vigil.streams")
@@ -27,27 +31,26 @@ class StreamTap:
     """One attempt's view of its request's stream: what is already in it (from earlier
     attempts: `prior`), what this attempt added, and what is not written yet."""
 
-    def __init__(self, sink: "StreamSink | None", request_id: str, instance: int | str,
-                 attempt: int, pool: str, prior: Checkpoint | None = None,
-                 adapter_fingerprint: str = ""):
+    def __init__(self, sink: "StreamSink | None", request_id: str, token: str, attempt: int,
+                 pool: str, prior: Checkpoint | None = None, adapter_fingerprint: str = ""):
         self._sink = sink
-        self.request_id, self.instance, self.attempt, self.pool = (request_id, instance, attempt,
-                                                                   pool)
+        self.request_id, self.token, self.attempt, self.pool = request_id, token, attempt, pool
         self.adapter_fingerprint = adapter_fingerprint
         # The adapter the tokens so far were made with (a resume compares it with today's).
         self._made_with = prior.adapter_fingerprint if prior else adapter_fingerprint
-        self.prior = prior
         self._lock = threading.Lock()
         self.prompt_ids: list[int] | None = prior.prompt_ids if prior else None
         self.token_ids: list[int] = list(prior.token_ids) if prior else []
         self.text: str = prior.text if prior else ""
         self.resumed_at: list[int] = list(prior.resumed_at) if prior else []
         self.written = len(self.token_ids)  # tokens in Redis' stream
-        self._reset = False
+        self._reset = False  # the stream must restart at token 0 (a refused resume)
+        self._generation = 0
+        self._in_flight = False
         self._pending_since: float | None = None
         self._pending_chars: list[int] = []
         self._pending_text: list[str] = []
-        self.dead = False  # fenced: this attempt no longer runs the request
+        self.dead = False  # fenced: this claim no longer runs the request
 
     # -- the engine's side (its loop thread) ---------------------------------------------------
     @property
@@ -80,8 +83,8 @@ class StreamTap:
             self._pending_since = time.monotonic()  # the restart itself is due: readers wait
             self.written = 0
             self._reset = True
+            self._generation += 1  # a reply to an older chunk no longer applies
             self._made_with = self.adapter_fingerprint
-            self.prior = None
 
     def took_over(self) -> None:
         """This run continues the tokens so far (counted; the offset goes in `resumed_at`)."""
@@ -115,6 +118,50 @@ class StreamTap:
         if due and self._sink is not None:
             self._sink.wake()
 
+    # -- the flusher's side ---------------------------------------------------------------------
+    def take_chunk(self, now: float, flush_s: float, chunk_tokens: int,
+                   force: bool = False) -> Chunk | None:
+        """The unwritten tokens as a chunk, if they are due (or `force`) and no other chunk of
+        this tap is in flight; None otherwise. The caller must answer with `chunk_written`."""
+        with self._lock:
+            n = len(self.token_ids) - self.written
+            if self.dead or self._in_flight or (n <= 0 and not self._reset) \
+                    or self._pending_since is None:
+                return None
+            if not force and n < chunk_tokens and now - self._pending_since < flush_s:
+                return None
+            first = self.written == 0
+            self._in_flight = True
+            return Chunk(self.request_id, self.token, self.attempt, self.written,
+                         self.token_ids[self.written:], "".join(self._pending_text),
+                         list(self._pending_chars), reset=self._reset and first,
+                         prompt_ids=self.prompt_ids if first else None,
+                         adapter_fingerprint=self._made_with if first else "",
+                         generation=self._generation)
+
+    def chunk_written(self, chunk: Chunk, reply: int | None) -> None:
+        """The answer for `chunk`: written, fenced, off sequence, or None (not written: sent
+        again with the next flush)."""
+        with self._lock:
+            self._in_flight = False
+            if chunk.generation != self._generation:  # the stream restarted meanwhile
+                return
+            if reply is None:
+                return
+            if reply == APPENDED:
+                self.written = chunk.start + len(chunk.token_ids)
+                self._reset = False
+                # What came in while the chunk was in flight stays pending.
+                joined = "".join(self._pending_text)[len(chunk.text):]
+                self._pending_text = [joined] if joined else []
+                self._pending_chars = self._pending_chars[len(chunk.token_ids):]
+                self._pending_since = time.monotonic() if self._pending_chars else None
+                return
+            self.dead = True
+            if reply != FENCED:
+                log.warning("request %s: its stream does not end at token %d; no more chunks "
+                            "from this attempt", self.request_id, chunk.start)
+
     def restart_unwritten(self) -> bool:
         """A restart of the stream (a refused resume) is not in Redis yet."""
         with self._lock:
@@ -124,42 +171,6 @@ class StreamTap:
         """Tokens this tap holds that are not in Redis' stream."""
         with self._lock:
             return len(self.token_ids) - self.written
-
-    # -- the flusher's side ---------------------------------------------------------------------
-    def take_chunk(self, now: float, flush_s: float, chunk_tokens: int,
-                   force: bool = False) -> Chunk | None:
-        """The unwritten tokens as a chunk, if they are due (or `force`); None otherwise."""
-        with self._lock:
-            n = len(self.token_ids) - self.written
-            if self.dead or (n <= 0 and not self._reset) or self._pending_since is None:
-                return None
-            if not force and n < chunk_tokens and now - self._pending_since < flush_s:
-                return None
-            first = self.written == 0
-            c = Chunk(self.request_id, self.instance, self.attempt, self.written,
-                      self.token_ids[self.written:], "".join(self._pending_text),
-                      list(self._pending_chars), reset=self._reset and first,
-                      prompt_ids=self.prompt_ids if first else None,
-                      adapter_fingerprint=self.adapter_fingerprint if first else "")
-            return c
-
-    def chunk_written(self, chunk: Chunk, reply: int) -> None:
-        """The flusher's answer for `chunk`: written, fenced, or off sequence."""
-        with self._lock:
-            if reply == APPENDED:
-                self.written = chunk.start + len(chunk.token_ids)
-                self._reset = False
-                sent_chars = len(chunk.text)
-                # What came in while the chunk was in flight stays pending.
-                joined = "".join(self._pending_text)[sent_chars:]
-                self._pending_text = [joined] if joined else []
-                self._pending_chars = self._pending_chars[len(chunk.token_ids):]
-                self._pending_since = time.monotonic() if self._pending_chars else None
-                return
-            self.dead = True
-            if reply != FENCED:
-                log.warning("request %s: its stream does not end at token %d; no more chunks "
-                            "from this attempt", self.request_id, chunk.start)
 
 
 class StreamSink:
@@ -192,10 +203,10 @@ class StreamSink:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def open(self, request_id: str, instance: int | str, attempt: int, pool: str,
+    def open(self, request_id: str, token: str, attempt: int, pool: str,
              prior: Checkpoint | None, adapter_fingerprint: str = "") -> StreamTap:
-        """A tap for one attempt of a request."""
-        tap = StreamTap(self, request_id, instance, attempt, pool, prior, adapter_fingerprint)
+        """A tap for one attempt (claim `token`) of a request."""
+        tap = StreamTap(self, request_id, token, attempt, pool, prior, adapter_fingerprint)
         with self._lock:
             self._taps[request_id] = tap
         return tap
@@ -209,12 +220,16 @@ class StreamSink:
         if not ok:
             metrics.tokens_discarded(tap.pool, tap.unwritten())
         if tap.restart_unwritten():
-            # A refused resume restarted the stream: readers must learn it before the result
-            # (which does not begin with the old tokens) is stored.
+            # A refused resume restarted the stream: readers should learn it before the result
+            # (which does not begin with the old tokens) is stored. (A reader also checks the
+            # result against what it read: docs/api.md, "Token streams".)
             c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
+            if c is None:  # the flusher has one in flight: its answer decides
+                return
             try:
                 tap.chunk_written(c, self.streams.append_many([c])[0])
-            except VigilError as e:
+            except Exception as e:
+                tap.chunk_written(c, None)
                 log.warning("request %s: could not restart its token stream: %s",
                             tap.request_id, e)
 
@@ -232,22 +247,31 @@ class StreamSink:
                if (c := t.take_chunk(now, self.flush_s, self.chunk_tokens, force)) is not None]
         if not due:
             return 0
-        replies = self.streams.append_many([c for _, c in due])
+        try:
+            replies = self.streams.append_many([c for _, c in due])
+        except BaseException:
+            for t, c in due:
+                t.chunk_written(c, None)  # still pending: the next flush sends them again
+            raise
         for (t, c), r in zip(due, replies):
             t.chunk_written(c, r)
         self.flushes += 1
         self.chunks += len(due)
         return sum(1 for r in replies if r == APPENDED)
 
+    def tick(self, early: bool) -> int:
+        """One wake of the flusher: at the flush interval everything pending goes (tokens that
+        came just after the last write too); woken `early` by a full chunk, what is due."""
+        try:
+            return self.flush(force=not early)
+        except Exception as e:  # Redis away: the tokens stay pending for the next flush
+            log.warning("could not write token streams: %s", e)
+            return 0
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.flush_s)
+            early = self._wake.wait(self.flush_s)
             self._wake.clear()
             if self._stop.is_set():
                 return
-            try:
-                self.flush()
-            except VigilError as e:  # Redis away: the tokens stay pending for the next flush
-                log.warning("could not write token streams: %s", e)
-            except Exception:
-                log.exception("token stream flush failed")
+            self.tick(early)

@@ -99,12 +99,13 @@ class VigilAsyncResult(AsyncResult):
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor = _Cursor(after)
         last_id = "0-0"
+        block_ms = max(10, int(1000 * min(STREAM_BLOCK_S, _socket_timeout(streams) / 2)))
         while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError(f"request {self.id} did not end within {timeout:g} s")
             try:
-                entries = streams.wait(self.id, last_id, int(STREAM_BLOCK_S * 1000))
+                entries = streams.wait(self.id, last_id, block_ms)
             except TransientError:  # Redis away: wait for it, as get() does
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
                 time.sleep(STREAM_BLOCK_S)
                 continue
             ended = False
@@ -118,9 +119,6 @@ class VigilAsyncResult(AsyncResult):
                 continue
             outcome = self._outcome_now()
             if outcome is None:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise CeleryTimeoutError(f"request {self.id} did not end within "
-                                             f"{timeout:g} s")
                 continue
             for e in streams.entries(self.id, last_id):  # written before the end
                 chunk = cursor.take(e)
@@ -171,6 +169,12 @@ class VigilAsyncResult(AsyncResult):
         return outcome
 
 
+def _socket_timeout(streams) -> float:
+    """The read timeout of the streams' Redis client (a blocking read must end before it)."""
+    kwargs = getattr(getattr(streams.r, "connection_pool", None), "connection_kwargs", {})
+    return float(kwargs.get("socket_timeout") or 2 * STREAM_BLOCK_S)
+
+
 def _renew_lease(store: RequestStore, job: str) -> None:
     """Renew `job`'s lease if this process has not done so for LEASE_TOUCH_S."""
     if job == DEFAULT_JOB:
@@ -188,8 +192,13 @@ class _Cursor:
 
     def __init__(self, after: int):
         self.sent = max(0, after)  # the next token offset to hand out
-        self.tokens = 0  # tokens in the stream (since its last restart)
+        self.ids: list[int] = []  # the stream's tokens (since its last restart)
         self.chars = 0  # characters in the stream (since its last restart)
+        self.texts: list[str] = []
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
     def take(self, e: Entry) -> dict | None:
         """The part of entry `e` the reader has not had (None: nothing new)."""
@@ -197,12 +206,14 @@ class _Cursor:
             return None
         restart = None
         if e.reset:
-            self.tokens = self.chars = 0
+            self.ids, self.texts, self.chars = [], [], 0
             if self.sent > 0:
                 restart = {"offset": 0, "text": "", "token_ids": [], "restart": True}
                 self.sent = 0
         end = e.start + len(e.token_ids)
-        self.tokens, self.chars = end, self.chars + len(e.text)
+        self.ids += e.token_ids
+        self.texts.append(e.text)
+        self.chars += len(e.text)
         if end <= self.sent:
             return restart
         k = max(0, self.sent - e.start)
@@ -217,10 +228,15 @@ class _Cursor:
         """The last chunk: the result's tokens past the stream (the last few of a request are
         never streamed: its result carries them), and the result. A reader that asked for an
         offset inside that tail gets the tail whole (its offset says where it starts): text is
-        not cut by token there."""
+        not cut by token there. A result that does not continue the stream (its run restarted
+        from the prompt and the restart never reached the stream) comes whole, as a restart."""
         ids = list(result.get("token_ids") or ())
+        text = result.get("text") or ""
+        if ids[:self.tokens] != self.ids or not text.startswith("".join(self.texts)):
+            return {"offset": 0, "text": text, "token_ids": ids, "final": True,
+                    "restart": True, "result": result}
         if self.sent >= len(ids) > self.tokens or self.sent > len(ids):
             return {"offset": len(ids), "text": "", "token_ids": [], "final": True,
                     "result": result}
-        return {"offset": self.tokens, "text": (result.get("text") or "")[self.chars:],
-                "token_ids": ids[self.tokens:], "final": True, "result": result}
+        return {"offset": self.tokens, "text": text[self.chars:], "token_ids": ids[self.tokens:],
+                "final": True, "result": result}

@@ -48,7 +48,9 @@ Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, p
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
 started_at, finished_at, result (result JSON), error_kind, error, last_error, history,
 pressure_since (when a memory squeeze that keeps refusing its engine start began), streamed
-(tokens in the request's stream so far: the next chunk's offset).
+(tokens in the request's stream so far: the next chunk's offset), stream_last (the signature of
+the last chunk appended: a chunk sent again is not written twice), begin_token (the running
+claim's token: it fences the stream's writes).
 
 history: a JSON list, one entry per attempt begun (oldest first, the newest 32 kept), written by
 the Lua scripts in app/state/store.py in the same step as the status change:

@@ -79,12 +79,12 @@ return 1
 # `history`.
 # -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
 #  | {'busy', owner} | {'expired'} | {'avoid'} | {'exhausted', attempts, last_error}
-#  | {'run', attempts}
+#  | {'run', attempts, streamed (tokens in the request's token stream)}
 BEGIN = HISTORY_HELPERS + """
 local rec = KEYS[1]
 -- One read of every field the decision needs (HMGET gives false for a missing one).
 local r = redis.call('HMGET', rec, 'status', 'begin_token', 'dispatch', 'instance',
-                     'deadline_at', 'attempts', 'last_error')
+                     'deadline_at', 'attempts', 'last_error', 'streamed')
 local st = r[1]
 if not st then return {'missing'} end
 if st == 'SUCCEEDED' or st == 'FAILED' then
@@ -94,7 +94,7 @@ if st == 'SUCCEEDED' or st == 'FAILED' then
   return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
 end
 if st == 'RUNNING' and r[2] == ARGV[8] then
-  return {'run', r[6]}  -- this begin already ran (reply lost)
+  return {'run', r[6], r[8] or '0'}  -- this begin already ran (reply lost)
 end
 local current = tonumber(r[3] or '0')
 local dispatch = tonumber(ARGV[2])
@@ -143,7 +143,7 @@ h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance
              error = cjson.null}
 write_history(rec, h)
 redis.call('SADD', KEYS[2], ARGV[1])
-return {'run', tostring(attempts)}
+return {'run', tostring(attempts), r[8] or '0'}
 """
 
 # KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
@@ -302,23 +302,26 @@ end
 return (#ARGV - 1) / 2
 """
 
-# KEYS[1] record, KEYS[2] the request's token stream. ARGV: instance, attempt, start (the token
-# offset of the chunk's first token), reset ('1': the attempt restarts the stream from token 0,
-# its resume having been refused), then the entry's field/value pairs. Appends one chunk of
-# generated tokens (app/state/streams.py) if, and only if, that attempt still runs the request
-# (status RUNNING, its instance and attempt count) and the chunk starts where the stream ends
-# (the record's `streamed`): a late writer (a worker reaped while alive, an attempt that lost
-# its request) never adds to it, and a chunk is never written twice or with a gap.
-# -> 1 appended, 0 fenced (no longer this attempt's request), -1 the offset does not follow on.
+# KEYS[1] record, KEYS[2] the request's token stream. ARGV: the claim's begin token, start (the
+# token offset of the chunk's first token), reset ('1': the attempt restarts the stream from token
+# 0, its resume having been refused), the chunk's signature, then the entry's field/value pairs.
+# Appends one chunk of generated tokens (app/state/streams.py) if, and only if, the claim that
+# wrote it still runs the request (status RUNNING, its begin token: unique per claim) and the chunk
+# starts where the stream ends (the record's `streamed`): a late writer (a worker reaped while
+# alive, an attempt that lost its request) never adds to it, and a chunk is never written with a
+# gap. A chunk sent again (a pipeline retried after a lost reply) finds its signature in
+# `stream_last` and is not written twice.
+# -> 1 appended (or already), 0 fenced (no longer this claim's request), -1 off sequence.
 STREAM_APPEND = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'instance', 'attempts', 'streamed')
-if f[1] ~= 'RUNNING' or f[2] ~= ARGV[1] or f[3] ~= ARGV[2] then return 0 end
-local at = tonumber(f[4] or '0')
-if ARGV[4] == '1' then at = 0 end
-if at ~= tonumber(ARGV[3]) then return -1 end
+local f = redis.call('HMGET', KEYS[1], 'status', 'begin_token', 'streamed', 'stream_last')
+if f[1] ~= 'RUNNING' or f[2] ~= ARGV[1] then return 0 end
+if f[4] == ARGV[4] then return 1 end
+local at = tonumber(f[3] or '0')
+if ARGV[3] == '1' then at = 0 end
+if at ~= tonumber(ARGV[2]) then return -1 end
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 local n = 0
 for i = 5, #ARGV, 2 do if ARGV[i] == 'n' then n = tonumber(ARGV[i + 1]) end end
-redis.call('HSET', KEYS[1], 'streamed', at + n)
+redis.call('HSET', KEYS[1], 'streamed', at + n, 'stream_last', ARGV[4])
 return 1
 """

@@ -57,6 +57,8 @@ class Begin:
     attempts: int = 0
     outcome: Outcome | None = None
     last_error: str = ""
+    streamed: int = 0  # run: tokens already in the request's token stream (a resume point)
+    token: str = ""  # run: this claim's begin token (fences its token stream writes)
 
 
 def shared_store() -> "RequestStore":
@@ -190,18 +192,19 @@ class RequestStore:
         ("busy": the same copy already runs here, or on a worker seen within `live_window`;
         "avoid": with `avoid_own_failures`, its last attempt failed transiently on this very
         worker, so it is given back untouched for another one)."""
+        token = uuid.uuid4().hex
         reply = self._call(
             self._begin,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.WORKERS],
             # A token per claim: a claim retried after a lost reply finds itself, not a rival.
             args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight(""),
-                  uuid.uuid4().hex, live_window, "1" if avoid_own_failures else "0"],
+                  token, live_window, "1" if avoid_own_failures else "0"],
         )
         action = reply[0].decode()
         if action == "done":
             return Begin("done", outcome=Outcome.from_reply(*reply[1:5]))
         if action == "run":
-            return Begin("run", attempts=int(reply[1]))
+            return Begin("run", attempts=int(reply[1]), streamed=int(reply[2]), token=token)
         if action == "exhausted":
             return Begin("exhausted", attempts=int(reply[1]), last_error=reply[2].decode())
         return Begin(action)

@@ -14,8 +14,8 @@ One Redis stream per request (`vigil:stream:{id}`, app/state/keys.py). Its entri
 - an **end** entry (`end` = the final status), written by the finish script (app/state/lua.py),
   which also gives the stream the result's TTL.
 
-Only the attempt that runs the request appends (STREAM_APPEND is fenced by the record), so the
-stream is exactly what was generated, once, in order. Every append of a worker's flush is one
+Only the claim that runs the request appends (STREAM_APPEND is fenced by the record's begin
+token), so the stream is exactly what was generated, once, in order. Every append of a worker's flush is one
 pipelined EVALSHA: one round trip for all the requests it has in flight.
 """
 from __future__ import annotations
@@ -34,10 +34,11 @@ APPENDED, FENCED, OFF_SEQUENCE = 1, 0, -1
 
 @dataclass
 class Chunk:
-    """One chunk to append: `token_ids` from token `start`, their text and per-token char counts."""
+    """One chunk to append: `token_ids` from token `start`, their text and per-token char counts,
+    written under the claim `token` (the record's begin token) by attempt `attempt`."""
 
     request_id: str
-    instance: int | str
+    token: str
     attempt: int
     start: int
     token_ids: list[int]
@@ -46,6 +47,13 @@ class Chunk:
     reset: bool = False
     prompt_ids: list[int] | None = None
     adapter_fingerprint: str = ""
+    generation: int = 0  # the writer's run generation (a refused resume starts a new one)
+
+    @property
+    def signature(self) -> str:
+        """What identifies this append (a retried pipeline finds it already done)."""
+        return (f"{self.token}:{self.generation}:{self.start}:{len(self.token_ids)}:"
+                f"{int(self.reset)}")
 
     def fields(self) -> list:
         """The stream entry's field/value pairs."""
@@ -136,32 +144,27 @@ class TokenStreams:
         self._call = calls or Calls(client)
         self._sha: str | None = None
 
-    def append_many(self, chunks: list[Chunk]) -> list[int]:
+    def append_many(self, chunks: list[Chunk]) -> list[int | None]:
         """Append every chunk in one round trip (a pipeline of fenced appends); returns per chunk
-        APPENDED, FENCED (its attempt no longer runs the request) or OFF_SEQUENCE."""
+        APPENDED, FENCED (its claim no longer runs the request), OFF_SEQUENCE, or None when that
+        one append failed (Redis refused it: the chunk stays to be sent again). Raises
+        TransientError(redis_unavailable) when Redis cannot be reached at all."""
         if not chunks:
             return []
-        try:
-            return self._append(chunks)
-        except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
-            self._sha = None
-            return self._append(chunks)
+        replies = self._append(chunks)
+        if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            self._sha = None  # Redis restarted and lost its script cache
+            replies = self._append(chunks)
+        return [int(r) if not isinstance(r, Exception) else None for r in replies]
 
-    def _append(self, chunks: list[Chunk]) -> list[int]:
+    def _append(self, chunks: list[Chunk]) -> list:
         if self._sha is None:
             self._sha = self._call(self.r.script_load, STREAM_APPEND)
         pipe = self.r.pipeline(transaction=False)
         for c in chunks:
             pipe.evalsha(self._sha, 2, keys.request(c.request_id), keys.stream(c.request_id),
-                         str(c.instance), c.attempt, c.start, "1" if c.reset else "0",
-                         *c.fields())
-        replies = self._call(pipe.execute, raise_on_error=False)
-        for r in replies:
-            if isinstance(r, redis.exceptions.NoScriptError):
-                raise r
-            if isinstance(r, Exception):
-                raise r
-        return [int(r) for r in replies]
+                         c.token, c.start, "1" if c.reset else "0", c.signature, *c.fields())
+        return self._call(pipe.execute, raise_on_error=False)
 
     def entries(self, request_id: str, after: str = "-", count: int | None = None) -> list[Entry]:
         """The stream's entries after entry id `after` (exclusive; "-" from the start)."""
@@ -172,7 +175,9 @@ class TokenStreams:
     def wait(self, request_id: str, after: str, block_ms: int) -> list[Entry]:
         """Entries after `after` ("0-0": from the start), blocking up to `block_ms` for the next
         ones; [] when none came."""
-        raw = self._call(self.r.xread, {keys.stream(request_id): after}, block=block_ms)
+        # BLOCK 0 would wait for ever: a non-positive wait is a plain read.
+        raw = self._call(self.r.xread, {keys.stream(request_id): after},
+                         block=block_ms if block_ms > 0 else None)
         return [parse_entry(i, f) for _, items in raw or () for i, f in items]
 
     def exists(self, request_id: str) -> bool:

@@ -1,17 +1,17 @@
 """Resuming a request from the tokens it already generated (docs/api.md, "Resume").
 
 A run that continues a checkpoint (app/state/streams.py) gives the engine the prompt's token ids
-followed by the generated ones, with `max_tokens` reduced by their number. Two things about the
-text need care at the seam, and this module does both:
-
-- **held-back text.** vLLM releases text only past the longest stop string (it might still be
-  cut): the stream's text can lag its tokens by a few characters, and a partial UTF-8 character
-  is never released. The resumed run decodes those characters again, the same way vLLM does
-  (a `tokenizers` DecodeStream primed with the prompt), and releases them first.
-- **stop strings across the seam.** The engine checks the continuation's own text only; a stop
-  string that begins in the held-back characters and ends in the new ones is found here, token by
-  token, as an uninterrupted run finds it: the run ends at the token that completes it, with the
-  text cut where the stop string begins.
+followed by the generated ones, with `max_tokens` reduced by their number. The text of such a
+run is Vigil's to make, not the engine's: vLLM would decode the new tokens with the whole
+checkpoint as its prompt, and a checkpoint that ends inside a character (a token that is half of
+a UTF-8 sequence) makes its decoder start over from the prompt's first byte; and it would check
+stop strings against the new text only. So the resumed run asks the engine for token ids only
+(no stop strings, no detokenizing), and `Seam` here does both, as an uninterrupted vLLM run does
+them: a `tokenizers` DecodeStream primed with the prompt and stepped through every generated
+token (the checkpoint's, then the new ones), the stop strings checked after each new token over
+the whole generated text (a stop string may begin in text the first engine still held back and
+end in the new tokens), the text released to readers held back by the longest stop string less
+one character, as vLLM holds it back.
 
 `refusal` says when a checkpoint must not be continued (the run restarts from the prompt).
 """
@@ -35,9 +35,9 @@ def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,
         return "the stream does not hold the prompt's token ids"
     if cp.tokens > max_tokens:
         return f"the stream holds {cp.tokens} tokens, more than max_tokens ({max_tokens})"
-    if len(cp.prompt_ids) + max_tokens > max_model_len:
-        return (f"the prompt ({len(cp.prompt_ids)} tokens) and max_tokens ({max_tokens}) do "
-                f"not fit this engine's context ({max_model_len})")
+    if len(cp.prompt_ids) + cp.tokens >= max_model_len:
+        return (f"the prompt ({len(cp.prompt_ids)} tokens) and the {cp.tokens} generated do "
+                f"not leave room in this engine's context ({max_model_len})")
     if cp.adapter_fingerprint != adapter_fingerprint:
         return "the LoRA adapter's files changed since its tokens were generated"
     return ""
@@ -45,7 +45,8 @@ def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,
 
 @dataclass
 class Cut:
-    """A stop string found across the seam: keep `tokens` new tokens; the new text is `text`."""
+    """Where a stop string ends the run: keep `tokens` new tokens; the whole generated text is
+    `text` (cut where the stop string begins)."""
 
     tokens: int
     text: str
@@ -53,73 +54,50 @@ class Cut:
 
 
 class Seam:
-    """The text of a resumed run: the held-back characters, then the engine's new text, with
-    the stop strings that straddle the seam checked here (module docstring)."""
+    """The text of a resumed run, decoded here token by token (module docstring)."""
 
     def __init__(self, cp: Checkpoint, stops: list[str] | None, decoder: DecoderFactory):
-        step = decoder(list(cp.prompt_ids or ()))
-        full = "".join(step(t) or "" for t in cp.token_ids)
-        if not full.startswith(cp.text):
+        self._step = decoder(list(cp.prompt_ids or ()))
+        self.text = "".join(self._step(t) or "" for t in cp.token_ids)  # all generated text
+        if not self.text.startswith(cp.text):
             raise ValueError("the stream's text is not the decoding of its tokens")
-        self.held = full[len(cp.text):]
-        self._step = step
+        self.released = len(cp.text)  # characters readers were given
         self._stops = [s for s in stops or () if s]
-        # A stop string that straddles the seam begins in the held-back text, so it ends within
-        # longest - 1 characters of new text: past that, the engine's check is the whole check.
-        longest = max((len(s) for s in self._stops), default=0)
-        self._open = bool(self.held) and longest > 0
-        self._window = longest - 1
-        self._new = ""  # new text as decoded here (while the seam is open)
-        self._new_tokens = 0
-        self._released = False
-        self._buffered: list[str] = []
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.new_tokens = 0
 
-    def feed(self, token_ids: list[int], text: str) -> tuple[str | None, Cut | None]:
-        """The engine's next output (new tokens and the text it released with them): returns
-        the text to release now (None: nothing yet, the seam is still open) and, when a stop
-        string across the seam ends within these tokens, where the run ends."""
-        if self._open:
-            for i, t in enumerate(token_ids):
-                piece = self._step(t) or ""
-                before = len(self._new)
-                self._new += piece
-                self._new_tokens += 1
-                window = self.held + self._new
-                cut = self._straddling(window, len(self.held) + before)
-                if cut is not None:
-                    return None, Cut(self._new_tokens, window[:cut[0]], cut[1])
-                if len(self._new) >= self._window:
-                    self._open = False
-                    break
-            self._buffered.append(text)
-            if self._open:
-                return None, None
-        else:
-            self._buffered.append(text)
-        out = "".join(self._buffered)
-        self._buffered = []
-        if not self._released:
-            self._released = True
-            out = self.held + out
+    def feed(self, token_ids: list[int]) -> tuple[str, Cut | None]:
+        """The next generated tokens: returns the text to release with them ('' while it is
+        held back) and, when a stop string ends within them, where the run ends."""
+        for t in token_ids:
+            piece = self._step(t) or ""
+            old = len(self.text)
+            self.text += piece
+            self.new_tokens += 1
+            if piece and self._stops:
+                stop = self._stop_in(old)
+                if stop is not None:
+                    return "", Cut(self.new_tokens, self.text[:stop[0]], stop[1])
+        upto = len(self.text) - self._hold
+        if upto <= self.released:
+            return "", None
+        out = self.text[self.released:upto]
+        self.released = upto
         return out, None
 
     def finish(self) -> str:
-        """The text still unreleased when the engine finished the run (no stop across the
-        seam): the held-back characters (if not yet released) and anything buffered."""
-        out = "".join(self._buffered)
-        self._buffered = []
-        if not self._released:
-            self._released = True
-            out = self.held + out
+        """The text not yet released when the run ended without a stop string."""
+        out = self.text[self.released:]
+        self.released = len(self.text)
         return out
 
-    def _straddling(self, window: str, old_len: int) -> tuple[int, str] | None:
-        """The stop string (and where it begins) that the last token completed, begun in the
-        held-back text; the one that ends first wins, as vLLM picks."""
+    def _stop_in(self, old_len: int) -> tuple[int, str] | None:
+        """The stop string that the last token completed (it ends past `old_len`), and where it
+        begins; the one that ends first wins, as vLLM picks."""
         best = None
         for s in self._stops:
-            i = window.find(s, max(0, old_len - len(s) + 1))
-            if 0 <= i < len(self.held) and (best is None or i + len(s) < best[0] + len(best[1])):
+            i = self.text.find(s, max(0, old_len - len(s) + 1))
+            if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
                 best = (i, s)
         return best
 

@@ -12,9 +12,9 @@ state every `period` seconds: its new token ids, and the text vLLM would have re
 reads happen on the loop thread between the output handler's steps, so they see a consistent
 state. A tick costs a few microseconds per request in flight.
 
-For a resumed run the new tokens go through the run's Seam first (workers/engine/resume.py):
-it releases the held-back text and may find a stop string across the seam, which ends the run
-(the engine request is cancelled, so vLLM aborts it).
+A resumed run's engine request does not detokenize: its new tokens go through the run's Seam
+(workers/engine/resume.py), which makes their text and may find a stop string, which ends the
+run (the engine request is cancelled, so vLLM aborts it).
 """
 from __future__ import annotations
 
@@ -34,30 +34,26 @@ class WatchedRun:
     tap: object  # workers.streaming.StreamTap
     seam: Seam | None = None
     fed: int = 0  # new tokens read so far
-    fed_chars: int = 0  # characters of the run's own text read so far
+    fed_chars: int = 0  # characters of the engine's text read so far (runs from the prompt)
     new_ids: list[int] = field(default_factory=list)  # every new token read, in order
-    unsent: list[int] = field(default_factory=list)  # tokens whose text the seam still holds
     cut: Cut | None = None
     task: asyncio.Future | None = None  # the engine request's task (cancelled on a cut)
 
     def feed(self, token_ids: list[int], text: str) -> None:
-        """New tokens and the text released with them: to the tap (through the seam)."""
+        """New tokens and the text the engine released with them (a resumed run's text is the
+        seam's): to the tap."""
         self.fed += len(token_ids)
         self.new_ids += token_ids
         if self.seam is None:
             self.tap.add(token_ids, text)
             return
-        released, cut = self.seam.feed(token_ids, text)
+        released, cut = self.seam.feed(token_ids)
         if cut is not None:
             self.cut = cut
             if self.task is not None and not self.task.done():
                 self.task.cancel()  # vLLM aborts the request
             return
-        if released is None:
-            self.unsent += token_ids
-            return
-        self.tap.add(self.unsent + token_ids, released)
-        self.unsent = []
+        self.tap.add(token_ids, released)
 
 
 class StreamWatch:

@@ -105,16 +105,19 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is None or bool(self._llm.errored)
 
-    def _sampling(self, req: GenerateRequest, max_tokens: int | None = None):
+    def _sampling(self, req: GenerateRequest, max_tokens: int | None = None,
+                  resumed: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step
         # (it shares two cores with Celery and Redis: docs/field-notes.md); token streams read
-        # the progress otherwise (workers/engine/stream_watch.py).
+        # the progress otherwise (workers/engine/stream_watch.py). A resumed run's text and stop
+        # strings are Vigil's (workers/engine/resume.py): token ids only.
         return SamplingParams(
             max_tokens=max_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+            top_p=req.top_p, seed=req.seed, stop=None if resumed else req.stop,
+            ignore_eos=req.ignore_eos, detokenize=not resumed,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -134,14 +137,16 @@ class VllmEngine:
             return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
                                 len(final.prompt_token_ids or ()))
         cp, seam = self._resume_point(req, tap)
-        if cp is not None and cp.tokens >= req.max_tokens:
-            # It had made them all: only the result was lost.
-            if self.witness is not None:
-                self.witness.finished(request_id, 0, cp.tokens)
-            return EngineOutput(cp.text + seam.finish(), cp.token_ids, "length",
-                                len(cp.prompt_ids), tap.resumed_at)
         if cp is not None:
             tap.took_over()
+        if cp is not None and cp.tokens >= req.max_tokens:
+            # It had made them all and only the result was lost (a guard: the engine's last
+            # tokens reach the stream only with the result).
+            if self.witness is not None:
+                self.witness.finished(request_id, 0, cp.tokens)
+            seam.finish()
+            return EngineOutput(seam.text, cp.token_ids, "length", len(cp.prompt_ids),
+                                tap.resumed_at)
         return await self._run_watched(req, request_id, adapter, tap, cp, seam)
 
     def _resume_point(self, req: GenerateRequest, tap):
@@ -176,7 +181,7 @@ class VllmEngine:
             params = self._sampling(req)
         else:
             prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
-            params = self._sampling(req, req.max_tokens - cp.tokens)
+            params = self._sampling(req, req.max_tokens - cp.tokens, resumed=True)
         if self._watch is None:
             self._watch = StreamWatch(self._llm, tap.watch_period)
         run = WatchedRun(tap, seam)
@@ -196,26 +201,28 @@ class VllmEngine:
         return self._watched_output(request_id, run, final, cp)
 
     def _watched_output(self, request_id: str, run: WatchedRun, final, cp) -> EngineOutput:
-        """The whole generation of a watched run: its final output, or the cut at the seam."""
-        if final is not None:
-            comp = final.outputs[0]
-            ids, text, finish = list(comp.token_ids), comp.text, comp.finish_reason
-            if cp is not None and run.cut is None:  # the seam may end it in the last tokens
-                run.cut = run.seam.feed(ids[run.fed:], text[run.fed_chars:])[1]
-        else:
-            ids, text, finish = run.new_ids, "", "stop"
+        """The whole generation of a watched run: its final output, or where its seam cut it."""
         if cp is None:
-            prompt_tokens = len(final.prompt_token_ids or ())
+            comp = final.outputs[0]
             if self.witness is not None:
-                self.witness.finished(request_id, len(ids))
-            return EngineOutput(text, ids, finish, prompt_tokens, run.tap.resumed_at)
-        if run.cut is not None:  # a stop string across the seam: end as an unbroken run
+                self.witness.finished(request_id, len(comp.token_ids))
+            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
+                                len(final.prompt_token_ids or ()), run.tap.resumed_at)
+        if final is not None:  # the tokens after the last tick may hold a stop string too
+            comp = final.outputs[0]
+            ids, finish = list(comp.token_ids), comp.finish_reason
+            if run.cut is None:
+                run.cut = run.seam.feed(ids[run.fed:])[1]
+        else:
+            ids, finish = run.new_ids, "stop"
+        if run.cut is not None:  # a stop string: end as an unbroken run ends
             ids, text, finish = ids[:run.cut.tokens], run.cut.text, "stop"
         else:
-            text = run.seam.held + text
+            run.seam.finish()
+            text = run.seam.text
         if self.witness is not None:
             self.witness.finished(request_id, len(ids), cp.tokens)
-        return EngineOutput(cp.text + text, cp.token_ids + ids, finish, len(cp.prompt_ids),
+        return EngineOutput(text, cp.token_ids + ids, finish, len(cp.prompt_ids),
                             run.tap.resumed_at)
 
     @staticmethod
