@@ -79,7 +79,7 @@ DEFAULT_HEALTH_WINDOW_S = 3600.0
 # Token streams (app/state/streams.py): a worker's flush interval and the chunk size that calls
 # an early flush. Chosen by measurement (docs/performance.md, "Token streams").
 DEFAULT_STREAM_FLUSH_MS = 1000
-DEFAULT_STREAM_CHUNK_TOKENS = 256
+DEFAULT_STREAM_CHUNK_TOKENS = 64
 # Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
 # deadlocked). Far above one engine step (milliseconds to seconds); at most half the request
 # timeout is used.

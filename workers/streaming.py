@@ -2,8 +2,8 @@
 flusher thread per worker.
 
 The engine feeds a request's tap on its loop thread as tokens come out (`add`: token ids and the
-text released with them; workers/engine/stream_watch.py reads them out of vLLM every quarter
-flush interval). The flusher thread writes every tap's unwritten tokens as one chunk per
+text released with them; workers/engine/stream_watch.py reads them out of vLLM every 100 ms at
+most). The flusher thread writes every tap's unwritten tokens as one chunk per
 request, all of them in one pipelined round trip, every `flush_ms`, or as soon as a request has
 `chunk_tokens` unwritten; never one write per request per token. The last tokens of a request
 that ends are not written: its result carries them (a reader takes the rest from the result). A
@@ -56,9 +56,10 @@ class StreamTap:
     @property
     def watch_period(self) -> float:
         """How often the engine reads this request's progress (workers/engine/stream_watch.py):
-        a quarter of the flush interval, between 20 ms and 1 s."""
+        a quarter of the flush interval, between 20 and 100 ms (a full chunk is noticed, and
+        written, within that)."""
         flush_s = self._sink.flush_s if self._sink is not None else 0.2
-        return max(0.02, min(flush_s / 4, 1.0))
+        return max(0.02, min(flush_s / 4, 0.1))
 
     def resume_point(self) -> Checkpoint | None:
         """Where a run of this request continues: every token made so far (by earlier attempts
