@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from app.local.embedded import free_port
+from bench.throughput import stop_all
 
 POOLS = {"resumed": "tiny-llama-long", "restarted": "tiny-llama-long-nostream"}
 CONTEXT = 2048
@@ -193,13 +194,8 @@ class Benefit:
             self.say(f"ratio {statistics.median(ratios):.2f}")
             return 0
         finally:
-            for proc in list(self.workers.values()) + self.procs:
-                self.emb.stop_process(proc)
-            self.redis.stop()
-            if not a.keep_logs:
-                import shutil
-
-                shutil.rmtree(self.tmp, ignore_errors=True)
+            stop_all(self.emb, list(self.workers.values()) + self.procs, self.redis, self.tmp,
+                     a.keep_logs)
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,7 @@ import time
 from bench.cpu_meter import _errors_note, _fmt_cpu, collect
 from bench.direct_engine import MODEL, make_prompts
 from bench.redis_ops import server_stats as command_counts
-from bench.throughput import Bench, _spread
+from bench.throughput import Bench, _spread, stop_all
 
 TWIN = "tiny-llama-nostream"
 
@@ -147,13 +147,7 @@ class StreamCost(Bench):
             self.say(f"ratio {statistics.median(ratios):.2f}")
             return 0
         finally:
-            for proc in reversed(self.procs):
-                self.emb.stop_process(proc)
-            self.redis.stop()
-            if not a.keep_logs:
-                import shutil
-
-                shutil.rmtree(self.tmp, ignore_errors=True)
+            stop_all(self.emb, list(reversed(self.procs)), self.redis, self.tmp, a.keep_logs)
 
 
 def main(argv=None) -> int:

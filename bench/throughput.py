@@ -386,14 +386,19 @@ class Bench:
                 self.say(f"ratio {ratio:.2f}")
             return 0
         finally:
-            for proc in reversed(self.procs):
-                self.emb.stop_process(proc)
-            self.redis.stop()
-            if not a.keep_logs:
-                import shutil
+            stop_all(self.emb, list(reversed(self.procs)), self.redis, self.tmp, a.keep_logs)
 
-                # the model cache lives in tmp unless VIGIL_CACHE_DIR was given
-                shutil.rmtree(self.tmp, ignore_errors=True)
+
+def stop_all(emb, procs: list, redis, tmp: Path, keep_logs: bool) -> None:
+    """A bench's end: every process it started (in order), its Redis, and its temp dir unless
+    the logs are kept (the model cache lives there too unless VIGIL_CACHE_DIR was given)."""
+    for proc in procs:
+        emb.stop_process(proc)
+    redis.stop()
+    if not keep_logs:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _spread(values: list[float], unit: str) -> str:
