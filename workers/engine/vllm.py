@@ -162,6 +162,8 @@ class VllmEngine:
                 return cp, Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
             except ValueError as e:
                 why = str(e)
+            except Exception as e:  # a tokenizer `tokenizers` cannot step (not a fast one)
+                why = f"its tokens cannot be decoded here ({type(e).__name__}: {e})"
         tap.refuse_resume(why)
         return None, None
 
