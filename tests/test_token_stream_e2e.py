@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from app import app
 from app.local.embedded import vigil_env
+from app.ops.request_view import describe
 from app.requests.models import get_registry
 from app.requests.publish import republish
 from app.requests.schemas import parse_request
@@ -131,6 +132,9 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     assert res["text"] == unbroken["text"] and res["finish_reason"] == "stop"
     assert res["resumed_at"] == [k] and res["attempts"] == 2
     assert "".join(ch["text"] for ch in chunks) == res["text"]
+    view = describe("seam-1", client=app.vigil_redis, settings=get_settings(),
+                    registry=get_registry())  # what `vigil request seam-1` shows
+    assert view["resumed_at"] == [k] and view["tokens_so_far"] == len(res["token_ids"])
 
 
 def test_a_resume_that_would_be_unsound_restarts_from_the_prompt_and_says_so(warm_worker):
