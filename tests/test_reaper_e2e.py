@@ -71,14 +71,15 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         assert not wrong
         assert_each_ran_to_a_result_once(store, [r.id for r in rs])
         # Resumed from the tokens the dead worker streamed, and the same tokens as a run that
-        # was never interrupted (a fresh copy of each, on the survivor).
+        # was never interrupted (a fresh copy of three of them, on the survivor: suite time).
         resumed = [i for i, o in enumerate(outs) if o.get("resumed_at")]
         assert resumed and all(outs[i]["request_id"] in held for i in resumed)
-        again = [generate.delay(**kws[i]) for i in resumed]
-        for i, r in zip(resumed, again):
+        again = [(i, generate.delay(**kws[i])) for i in resumed[:3]]
+        for i, r in again:
             assert r.get(timeout=300)["token_ids"] == outs[i]["token_ids"], outs[i]["resumed_at"]
         print(f"{len(resumed)} of them resumed at tokens "
-              f"{sorted(outs[i]['resumed_at'][0] for i in resumed)}, token-identical")
+              f"{sorted(outs[i]['resumed_at'][0] for i in resumed)}; {len(again)} compared with "
+              f"an uninterrupted run: token-identical")
         # The reaper, not the visibility timeout, brought them back.
         assert recovered_s < get_settings().visibility_timeout / 4
         assert store.r.zscore(keys.WORKERS, inst) is None

@@ -42,6 +42,16 @@ def greedy(**kw) -> dict:
                 **kw)
 
 
+_whole: dict = {}
+
+
+def whole_run() -> dict:
+    """PROMPT's 200-token greedy generation, uninterrupted (run once per session)."""
+    if not _whole:
+        _whole.update(generate.delay(**greedy(max_tokens=200)).get(timeout=120))
+    return _whole
+
+
 def pieces(token_ids: list[int]) -> list[str]:
     """The text each generated token adds, decoded as vLLM decodes it (primed with PROMPT)."""
     tok = Tokenizer.from_file(str(Path(get_registry().get("tiny-llama").path) / "tokenizer.json"))
@@ -68,11 +78,11 @@ def resubmit_after_a_ghost_attempt(rid: str, kw: dict, token_ids: list[int], tex
 
 
 def test_a_request_streams_its_tokens_and_the_chunks_add_up_to_its_result(warm_worker):
-    """Given a 400-token greedy request, when a reader follows its stream, then chunks arrive
+    """Given a 256-token greedy request, when a reader follows its stream, then chunks arrive
     before the request ends, in order and without gaps, and their text and token ids add up
     to the result exactly; a reader after token N, here and in another process (`vigil
     request ID --follow --after N`), gets exactly what follows token N."""
-    r = generate.delay(**greedy(max_tokens=400))
+    r = generate.delay(**greedy(max_tokens=256))
     chunks, arrived = [], []
     for c in r.stream(timeout=120):
         chunks.append(c)
@@ -97,7 +107,7 @@ def test_a_request_streams_its_tokens_and_the_chunks_add_up_to_its_result(warm_w
                          text=True, timeout=120, env=vigil_env(app.conf.broker_url))
     assert out.returncode == 0, out.stderr
     assert out.stdout == "".join(c["text"] for c in tail)
-    assert "400 tokens" in out.stderr
+    assert "256 tokens" in out.stderr
 
 
 def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroken_run(
@@ -106,7 +116,7 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     and ends in tokens only the second attempt makes, when the second attempt resumes from the
     stream, then it stops at the same token with the same text as an uninterrupted run, and
     reports where it took over."""
-    whole = generate.delay(**greedy(max_tokens=200)).get(timeout=120)
+    whole = whole_run()
     text, ids = whole["text"], whole["token_ids"]
     parts = pieces(ids)
     assert "".join(parts) == text  # the test decodes as the engine does
@@ -141,8 +151,8 @@ def test_a_resume_that_would_be_unsound_restarts_from_the_prompt_and_says_so(war
     """Given a stream made with another LoRA adapter's files than the request has now, when the
     next attempt begins, then it does not continue those tokens: the stream restarts at token 0
     (a reader is told), and the result is the uninterrupted run's."""
-    whole = generate.delay(**greedy(max_tokens=120)).get(timeout=120)
-    r = resubmit_after_a_ghost_attempt("refused-1", greedy(max_tokens=120), [7] * 40,
+    whole = whole_run()
+    r = resubmit_after_a_ghost_attempt("refused-1", greedy(max_tokens=200), [7] * 40,
                                        "made with other files", fingerprint="not-these-files")
     chunks = list(r.stream(timeout=120))
     res = chunks[-1]["result"]
