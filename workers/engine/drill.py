@@ -41,6 +41,15 @@ class DrillEngine(VllmEngine):
             while not self.dead and time.monotonic() < deadline:
                 time.sleep(0.05)
 
+    async def _entered(self, request_id: str, bound_s: float = 1.0) -> None:
+        """Wait (at most `bound_s`) until the engine's front end holds `request_id`. The crash
+        comes before the request's first step, as a real poison's: a fixed time instead let a
+        resumed poison finish its last few tokens before the kill, run after run."""
+        deadline = time.monotonic() + bound_s
+        held = self._llm.output_processor.external_req_ids
+        while request_id not in held and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+
     def kill_core(self) -> None:
         """SIGKILL this engine's EngineCore, as a crash in an engine step would end it."""
         log.warning("DRILL: killing EngineCore pid(s) %s", engine_core_pids())
@@ -54,7 +63,7 @@ class DrillEngine(VllmEngine):
             await asyncio.sleep(self.drill.slow_run_s)  # cancelled by an abort, as a run is
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:
             task = asyncio.ensure_future(super().run(req, request_id, adapter, tap))
-            await asyncio.sleep(0.05)  # in the engine's batch, then the crash
+            await self._entered(request_id)  # in the engine's batch, then the crash
             self.kill_core()
             return await task
         return await super().run(req, request_id, adapter, tap)
