@@ -33,16 +33,19 @@ class WatchedRun:
 
     tap: object  # workers.streaming.StreamTap
     seam: Seam | None = None
-    fed: int = 0  # new tokens read so far
     fed_chars: int = 0  # characters of the engine's text read so far (runs from the prompt)
     new_ids: list[int] = field(default_factory=list)  # every new token read, in order
     cut: Cut | None = None
     task: asyncio.Future | None = None  # the engine request's task (cancelled on a cut)
 
+    @property
+    def fed(self) -> int:
+        """New tokens read so far."""
+        return len(self.new_ids)
+
     def feed(self, token_ids: list[int], text: str) -> None:
         """New tokens and the text the engine released with them (a resumed run's text is the
         seam's): to the tap."""
-        self.fed += len(token_ids)
         self.new_ids += token_ids
         if self.seam is None:
             self.tap.add(token_ids, text)

@@ -128,8 +128,7 @@ class VllmEngine:
         go to the request's token stream while it runs, and the run continues from the tap's
         resume point, if it has one and may (workers/engine/resume.py)."""
         if tap is None:
-            prompt = ({"prompt": req.prompt} if req.prompt is not None
-                      else {"prompt_token_ids": list(req.prompt_token_ids)})
+            prompt = _prompt(req)
             final = await self._final(prompt, self._sampling(req), request_id, adapter)
             comp = final.outputs[0]
             if self.witness is not None:
@@ -178,8 +177,7 @@ class VllmEngine:
         """A streamed run (from the prompt, or continuing `cp`), read while it runs by the
         engine's StreamWatch."""
         if cp is None:
-            prompt = ({"prompt": req.prompt} if req.prompt is not None
-                      else {"prompt_token_ids": list(req.prompt_token_ids)})
+            prompt = _prompt(req)
             params = self._sampling(req)
         else:
             prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
@@ -263,6 +261,12 @@ class VllmEngine:
         llm.shutdown(timeout=timeout)
         del llm
         gc.collect()
+
+
+def _prompt(req: GenerateRequest) -> dict:
+    """The engine's prompt for a request run from its start: its text or its token ids."""
+    return ({"prompt": req.prompt} if req.prompt is not None
+            else {"prompt_token_ids": list(req.prompt_token_ids)})
 
 
 def engine_core_pids() -> list[int]:
