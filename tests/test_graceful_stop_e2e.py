@@ -59,7 +59,10 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         assert victim.entry() is None
         log = victim.log.read_text()
         assert "handed back" in log
-        for bad in ("leaked shared_memory", "__del__", "orphan guard"):
+        # vLLM SIGTERMs an engine model process that overruns its exit grace; a SIGTERMed one
+        # may leave its shared memory behind (docs/failure-modes.md).
+        for bad in ("leaked shared_memory", "__del__", "orphan guard",
+                    "still running after grace period"):
             assert bad not in log, f"{bad!r} in worker log"
         # Celery logs the expected give-back of a delivery that arrived during the stop
         # (Reject, requeued untouched) with a traceback; any other traceback is a crash.

@@ -31,6 +31,11 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/engine/memory.py
     # picks for each engine start (an operator who sets it fixes the size instead).
+    # vLLM gives the engine's worker process 5 s to exit after a polite stop, then SIGTERMs it;
+    # on a loaded host its exit takes longer, and a SIGTERMed worker may leave its shared-memory
+    # queue behind (docs/failure-modes.md, "A stop that leaks shared memory"). 20 s stays inside
+    # the engine host's 30 s shutdown budget (workers/engine/host.py).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
