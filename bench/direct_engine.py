@@ -68,7 +68,8 @@ def direct_server(lora: bool = True) -> int:
         proto.write(json.dumps({
             "ready": round(time.monotonic() - started, 1),
             "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
-            "args": {k: v for k, v in args.items() if k != "engine_args"}}) + "\n")
+            "args": {k: v for k, v in args.items() if k != "engine_args"}},
+            default=lambda v: getattr(v, "__name__", str(v))) + "\n")  # the executor class
         loop = asyncio.get_running_loop()
 
         async def one(rid: str, prompt: str, max_tokens: int) -> int:

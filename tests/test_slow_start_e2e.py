@@ -11,7 +11,7 @@ from tasks.inference import generate
 from tests.conftest import SLOW_START_MODEL, RunningWorker
 
 pytestmark = pytest.mark.worker
-# Below an engine start on these 2 cores (18-27 s, longer with two starting together); the drill
+# Below an engine start on these 2 cores (9-17 s, longer with two starting together); the drill
 # adds SLOW_START_S to every start, so the test holds on a faster machine too.
 REQUEST_TIMEOUT_S = 10
 SLOW_START_S = 6
