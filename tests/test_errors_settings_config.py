@@ -177,6 +177,8 @@ def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():
     argv = worker_argv(args, 8)
     assert argv[argv.index("-n") + 1] == "a@%h"
     assert argv[argv.index("-Q") + 1] == f"{HOUSEKEEPING_QUEUE},vigil.pool.tiny-llama"
+    # No mingle: a second saved at every start; Vigil has no revoked-task list to sync.
+    assert "--without-mingle" in argv
 
 
 def test_worker_refuses_both_or_neither_device_flag():

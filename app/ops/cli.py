@@ -35,6 +35,11 @@ from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
 from app.state.store import RequestStore
 
 
+# Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
+# clocks; Vigil revokes nothing (requests end through their records: app/fleet/outcomes.py).
+WITHOUT_MINGLE = ("--without-mingle",)
+
+
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     """The `celery worker` command line for `vigil worker` (pure, for tests)."""
     from app import app
@@ -51,6 +56,7 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
         "-P", "threads", "-c", str(args.concurrency or concurrency),
         "-n", name, "-Q", ",".join(queues), *(["-E"] if get_settings().task_events else []),
         "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
+        *WITHOUT_MINGLE,
     ]
 
 
@@ -102,6 +108,7 @@ def housekeeper_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
         "-P", "threads", "-c", str(args.concurrency or concurrency),
         "-n", args.name or "housekeeper@%h", "-Q", HOUSEKEEPING_QUEUE,
         "--prefetch-multiplier", "1", "-l", args.loglevel or get_settings().log_level,
+        *WITHOUT_MINGLE,
     ]
 
 
