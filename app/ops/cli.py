@@ -34,7 +34,6 @@ from app.state.conn import connect, preflight
 from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
 from app.state.store import RequestStore
 
-
 # Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
 # clocks; Vigil revokes nothing (requests end through their records: app/fleet/outcomes.py).
 WITHOUT_MINGLE = ("--without-mingle",)

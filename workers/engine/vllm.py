@@ -31,9 +31,10 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/engine/memory.py
     # picks for each engine start (an operator who sets it fixes the size instead).
-    # vLLM gives the engine's worker process 5 s to exit after a polite stop, then SIGTERMs it;
-    # on a loaded host its exit takes longer, and a SIGTERMed worker may leave its shared-memory
-    # queue behind (docs/failure-modes.md, "A stop that leaks shared memory"). 20 s stays inside
+    # With the model in a process of its own (vLLM's "mp" executor: several GPUs, or a registry
+    # entry asking for it), vLLM gives that process 5 s to exit after a polite stop, then
+    # SIGTERMs it; on a loaded host its exit takes longer, and a SIGTERMed one may leave its
+    # shared-memory queue behind (docs/failure-modes.md, "Kills under load"). 20 s stays inside
     # the engine host's 30 s shutdown budget (workers/engine/host.py).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -69,13 +70,10 @@ def executor_args(spec: ModelSpec) -> dict:
     the CPU it always starts a model process of its own below EngineCore (the "mp" executor),
     which costs a second vLLM import at every engine start, a shared-memory queue between the
     two on every step, and a second core spinning while requests are in flight. Vigil asks for
-    the GPU's layout on the CPU too (measured on tiny-llama here: engine start 6.7 vs 12.7 s, 32
-    greedy requests of 64 tokens 0.29 vs 0.56 s, the same tokens; docs/performance.md). A
-    registry entry that names an executor or asks for parallelism keeps vLLM's choice."""
-    ea = spec.engine_args
-    if "distributed_executor_backend" in ea or any(
-            int(ea.get(k, 1)) > 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                            "data_parallel_size")):
+    the GPU's layout on the CPU too (bench/engine_layout.py on tiny-llama: engine start 0.52x,
+    generation 0.82x, memory 0.79x, the same greedy tokens; docs/performance.md). A registry
+    entry that chooses the executor itself keeps vLLM's choice (`chooses_executor`)."""
+    if chooses_executor(spec.engine_args):
         return {}
     from vllm.platforms import current_platform
 
@@ -84,6 +82,14 @@ def executor_args(spec: ModelSpec) -> dict:
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return {"distributed_executor_backend": UniProcExecutor}
+
+
+def chooses_executor(engine_args: dict) -> bool:
+    """True when registry engine args choose where the model runs: they name an executor, or
+    ask for more than one device (tensor, pipeline or data parallelism)."""
+    return "distributed_executor_backend" in engine_args or any(
+        int(engine_args.get(k, 1)) > 1
+        for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
 
 
 class VllmEngine:
