@@ -85,6 +85,8 @@ def _beat_schedule(s: VigilSettings) -> dict:
     sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
     # Open requests whose message is nowhere (a producer that died between record and publish).
     sched["vigil.message_audit"] = (s.message_audit_interval, "vigil.message_audit", {})
+    # Batch objects: validate, submit the next lines, record results, end (app/fleet/batches.py).
+    sched["vigil.batch_tick"] = (s.batch_tick_interval, "vigil.batch_tick", {})
     # vigil.generate sent to another app's default queue (no `queue=`): moved to be forwarded.
     if s.foreign_queue_names:
         sched["vigil.foreign_queues"] = (s.foreign_queue_scan_interval, "vigil.foreign_queues",

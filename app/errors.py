@@ -21,7 +21,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed, engine_start_failed      |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
-|                  |                                            | attempts_exhausted, request_lost        |
+|                  |                                            | attempts_exhausted, batch_cancelled,    |
+|                  |                                            | batch_expired, request_lost             |
 |                  |                                            | (raised by `r.get()`: Redis has no      |
 |                  |                                            | record of the request)                  |
 """
@@ -64,6 +65,10 @@ ENGINE_START_FAILED = "engine_start_failed"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 JOB_DELETED = "job_deleted"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+# A batch's line that had not ended when its batch was cancelled, or when its completion window
+# ran out (app/fleet/batches.py).
+BATCH_CANCELLED = "batch_cancelled"
+BATCH_EXPIRED = "batch_expired"
 # A request waiting for memory (memory_pressure) is tried again at least this often.
 MEMORY_RETRY_MAX_S = 15.0
 # Raised by `r.get()` only: Redis has no record of the request any more (lost by a Redis crash

@@ -56,6 +56,18 @@ DEFAULT_DEADLINE_SWEEP_S = 30.0
 # Terminal records (and Celery results) are kept a day for late pollers and duplicate deliveries.
 DEFAULT_RESULT_TTL_S = 86400
 MIN_RESULT_TTL_S = 60
+# Batch objects (app/fleet/batches.py). A batch's file may hold OpenAI's limits: 50,000 requests
+# and 200 MB; each line is kept in Redis while its batch lives (docs/batch.md, Limits).
+DEFAULT_BATCH_MAX_REQUESTS = 50_000
+DEFAULT_BATCH_MAX_BYTES = 200 * 1024 * 1024
+# How often beat advances the live batches: a batch's results are recorded at most this late.
+DEFAULT_BATCH_TICK_S = 2.0
+# The most requests of one batch in flight at once (the rest wait in Redis as lines, not as
+# requests, so other jobs' requests are not stuck behind 50,000 of them in the pool's queues).
+DEFAULT_BATCH_WINDOW = 512
+# An ended batch, its results and its input file are kept this long (OpenAI keeps files until
+# deleted; a week bounds what Redis holds).
+DEFAULT_BATCH_RETENTION_S = 7 * 86400
 # Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
 DEFAULT_WORKER_CONCURRENCY = 128
 # Threads of `vigil housekeeper`: beat's five tasks each run alone under their lock, so a few
@@ -247,6 +259,23 @@ class VigilSettings(BaseSettings):
     flower_password: SecretStr = Field(SecretStr(""), description="Flower's basic-auth password.")
     flower_auth_disabled: bool = Field(False, description="Let `vigil flower` run without auth "
                                        "(local use only: it then listens on 127.0.0.1).")
+    # Batch objects and `vigil api` (app/fleet/batches.py, app/ops/api.py; docs/batch.md).
+    batch_max_requests: int = Field(DEFAULT_BATCH_MAX_REQUESTS, ge=1, le=1_000_000,
+                                    description="Most request lines a batch file may hold.")
+    batch_max_bytes: int = Field(DEFAULT_BATCH_MAX_BYTES, ge=1024, le=512 * 1024 * 1024,
+                                 description="Largest batch input file, in bytes.")
+    batch_tick_interval: float = Field(DEFAULT_BATCH_TICK_S, gt=0, description="How often beat "
+                                       "advances the live batches (submit, collect, end).")
+    batch_window: int = Field(DEFAULT_BATCH_WINDOW, ge=1, le=100_000, description="Most "
+                              "requests of one batch in flight at once.")
+    batch_retention: float = Field(DEFAULT_BATCH_RETENTION_S, ge=60, description="How long an "
+                                   "ended batch, its results and files are kept.")
+    # `vigil api`: the OpenAI Files and Batches endpoints, behind a bearer token (as Flower, it
+    # refuses to start without one unless auth is disabled, and then listens on 127.0.0.1).
+    api_token: SecretStr = Field(SecretStr(""), description="The bearer token `vigil api` "
+                                 "requires.")
+    api_auth_disabled: bool = Field(False, description="Let `vigil api` run without a token "
+                                    "(local use only: it then listens on 127.0.0.1).")
     # What a `celery worker` process of this app is: a worker serving pools (an engine), or the
     # housekeeper (beat's tasks only, no engine, no registry entry). `vigil housekeeper` sets it.
     role: Literal["worker", "housekeeper"] = Field(
@@ -421,7 +450,7 @@ class VigilSettings(BaseSettings):
 
 
 # Settings whose value an error message must never show.
-SECRET_FIELDS = frozenset({"flower_password", "redis_sentinel_password"})
+SECRET_FIELDS = frozenset({"flower_password", "redis_sentinel_password", "api_token"})
 # Settings whose value is shown with its credentials removed.
 URL_FIELDS = frozenset({"redis_url"})
 

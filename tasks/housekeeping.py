@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from app import app, control
+from app.fleet.batches import BatchDriver
 from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.foreign_queues import move_foreign_messages
@@ -12,15 +13,23 @@ from app.fleet.jobs import delete_job, expire_jobs
 from app.fleet.message_audit import audit_after_restart, audit_orphans
 from app.fleet.reaper import reap_workers
 from app.fleet.reconcile import reconcile_pools
+from app.local.tiny_model import build_if_local
+from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
 from app.requests.publish import republish
+from app.requests.submit import submit_request
 from app.settings import get_settings
+from app.state.batches import BatchStore
 from app.state.health import HealthLedger
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
 
 # Beat's own lock around a whole reconcile pass (the job-queue repair has its own).
 POOL_RECONCILE_LOCK = "pool_reconcile"
+# One batch tick at a time: two would submit the same lines (harmless: the ids are fixed) and
+# race to end the same batch.
+BATCH_TICK_LOCK = "batch_tick"
+BATCH_TICK_LOCK_S = 300.0
 
 
 @app.task(name="vigil.deadline_sweep", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
@@ -109,3 +118,34 @@ def message_audit() -> int | None:
     """Publish again the open requests no queue, worker or unacked entry holds (a producer
     that stopped between record and message; app/fleet/message_audit.py); returns how many."""
     return audit_orphans(shared_store(), time.time(), republish)
+
+
+_chat = None
+
+
+def _render_chat(model: str, messages: list) -> list[int]:
+    global _chat
+    if _chat is None:  # tokenizers are loaded once per process, on the first chat line
+        _chat = ChatTemplates(get_registry(), build_if_local)
+    return _chat(model, messages)
+
+
+@app.task(name="vigil.batch_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+def batch_tick() -> dict:
+    """Advance every live batch one step (app/fleet/batches.py): validate, submit the next
+    lines, record what ended, end it; returns {batch id: status}."""
+    s = get_settings()
+    store = shared_store()
+
+    def submit(request_id: str, kwargs: dict) -> None:
+        submit_request(kwargs, request_id, settings=s, registry=get_registry(), store=store)
+
+    def end_job(name: str, reason: str, code: str) -> int:
+        return delete_job(store, name, reason, code=code)
+
+    with store.locked(BATCH_TICK_LOCK, BATCH_TICK_LOCK_S) as held:
+        if not held:
+            return {}
+        driver = BatchDriver(BatchStore(store.r), store, s, submit=submit, end_job=end_job,
+                             render_chat=_render_chat, chat_budget=rest_of_context)
+        return driver.advance_all(time.time())

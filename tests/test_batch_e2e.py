@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
-from app.ops import batch_file as batch
 from app.ops.cli import main
+from app.requests import batch_file as batch
 from app.requests.models import TINY_MAX_POSITIONS, get_registry
 from app.state.store import RequestStore
 from tests.conftest import UNSERVED_MODEL

@@ -1,4 +1,4 @@
-"""Unit tier: `vigil batch`'s file format (app/ops/batch_file.py), its runner with a fake fleet
+"""Unit tier: `vigil batch`'s file format (app/requests/batch_file.py), its runner with a fake fleet
 (app/ops/batch_run.py) and chat rendering with real tokenizers saved in a temporary directory
 (app/requests/chat.py). No Redis, no Celery."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from app.errors import RequestError
-from app.ops import batch_file as batch
 from app.ops.batch_run import BatchUsageError, default_paths, load_done, run_batch
+from app.requests import batch_file as batch
 from app.requests.chat import ChatTemplates
 from app.requests.models import ModelRegistry, ModelSpec
 from app.requests.schemas import parse_request
@@ -136,7 +136,7 @@ def test_a_chat_line_without_max_tokens_gets_the_rest_of_the_context_a_completio
 
 
 def test_rest_of_context_reads_the_registry_and_the_cap(monkeypatch):
-    from app.ops.batch_run import rest_of_context
+    from app.requests.chat import rest_of_context
     from app.requests.models import TINY_MAX_POSITIONS, get_registry
     from app.settings import get_settings
 

@@ -53,9 +53,10 @@ Abort = Callable[[list[str]], None]  # request ids that workers should stop runn
 
 def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Backend | None,
             cancel: Cancel, pools: list[str], tombstone_s: float, lock_ttl_s: float = 120.0,
-            abort: Abort | None = None) -> int:
+            abort: Abort | None = None, code: str = JOB_DELETED) -> int:
     """Delete a job: tombstone first (no new request is accepted for it), then end every open
-    request `job_deleted: <reason>` (told to `backend`), each chunk right after workers were
+    request `<code>: <reason>` (`job_deleted` unless a batch ending names its own code; told
+    to `backend`), each chunk right after workers were
     told to abort the ones they are running (`abort`: an aborted request whose record is not
     failed yet is dropped as stale, and failed here a moment later), drop its queues (and their
     messages) in `pools`, and tell their workers to stop consuming them. Under the job's lock;
@@ -67,7 +68,7 @@ def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Ba
             return -1
         failed = 0
         job_state.tombstone(client, name, now, reason, tombstone_s)
-        err = TerminalError.of(JOB_DELETED, reason)
+        err = TerminalError.of(code, reason)
         while True:
             ids = job_state.open_request_ids(client, name, CHUNK)
             if not ids:
@@ -115,7 +116,8 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
     return ended
 
 
-def delete_job(store: RequestStore, name: str, reason: str, now: float | None = None) -> int:
+def delete_job(store: RequestStore, name: str, reason: str, now: float | None = None,
+               code: str = JOB_DELETED) -> int:
     """`end_job` with this process's settings and registry, Celery's result backend and its
     control bus (app/control.py): what `vigil job delete` and the lease sweep run. Returns how
     many requests it failed, or -1 when someone else is ending the job right now."""
@@ -123,4 +125,4 @@ def delete_job(store: RequestStore, name: str, reason: str, now: float | None = 
 
     return end_job(store, name, time.time() if now is None else now, reason, app.backend,
                    control.cancel_consumer, get_registry().names(),
-                   get_settings().request_deadline, abort=control.abort_requests)
+                   get_settings().request_deadline, abort=control.abort_requests, code=code)

@@ -2,7 +2,7 @@
 
 The input is streamed; at most `window` requests are in flight; each result is appended to the
 output file (or the error file) as it arrives, in order of completion. Request ids are
-deterministic per (job, custom_id) (app/ops/batch_file.py), so rerunning the same command after an
+deterministic per (job, custom_id) (app/requests/batch_file.py), so rerunning the same command after an
 interruption re-attaches to the requests already submitted (`apply_async` with the same task id
 and the same request returns the existing one) and skips the custom_ids already in the output
 file. The error file is rewritten by every run: failures are cheap to find again (a failed
@@ -29,8 +29,8 @@ from rich.text import Text
 from app.errors import (INVALID_REQUEST, REQUEST_LOST, RequestError, TransientError,
                         error_from_record)
 from app.local.tiny_model import build_if_local
-from app.ops import batch_file as batch
-from app.requests.chat import ChatTemplates
+from app.requests import batch_file as batch
+from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
 from app.settings import get_settings
@@ -298,17 +298,6 @@ def _store_poll() -> Poll:
 
 def _chat_templates() -> batch.RenderChat:
     return ChatTemplates(get_registry(), build_if_local)
-
-
-def rest_of_context(model: str, prompt_tokens: int) -> int | None:
-    """The max_tokens of a chat line that names none: what is left of the model's context
-    (`max_model_len`) after its prompt, at most VIGIL_MAX_TOKENS_CAP and at least 1 (a prompt
-    that fills the context then ends prompt_too_long); None when the registry does not give
-    the model's context."""
-    spec = get_registry().get(model)
-    if not spec.max_model_len:
-        return None
-    return max(1, min(get_settings().max_tokens_cap, spec.max_model_len - prompt_tokens))
 
 
 class _progress:

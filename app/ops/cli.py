@@ -1,4 +1,4 @@
-"""The `vigil` command: worker, status, model, flower, demo, batch.
+"""The `vigil` command: worker, status, model, flower, demo, batch, api.
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
@@ -9,6 +9,9 @@
     vigil flower --port 5555             # Flower behind basic auth (VIGIL_FLOWER_USER/_PASSWORD)
     vigil demo [--keep]                  # the end-to-end demo (make demo); --keep: stay up
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
+    vigil batch submit FILE.jsonl        # a batch object the fleet runs; then status ID
+                                         # [--watch], list, cancel ID, results ID
+    vigil api --port 8000                # OpenAI Files + Batches endpoints (VIGIL_API_TOKEN)
     vigil request ID [--json]            # one request: status, attempts, and why it waits
     vigil request ID --follow            # its text as it is generated, until it ends
 """
@@ -24,12 +27,15 @@ from app.errors import VigilError
 from app.fleet import jobs
 from app.local.demo import run_demo
 from app.local.tiny_model import build_tiny_llama
+from app.ops import batch_cli
+from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
 from app.ops.batch_run import run_command
 from app.ops.request_view import follow_request, run_request
 from app.ops.status import run_status
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
 from app.state import jobs as job_state
+from app.state.batches import BatchStore
 from app.state.conn import connect, preflight
 from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
 from app.state.store import RequestStore
@@ -221,6 +227,22 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                        window=args.window, quiet=args.quiet)
 
 
+def _cmd_api(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    try:
+        address = listen_address(args, settings)
+    except ApiAuthMissing as e:
+        print(f"vigil api: {e}", file=sys.stderr)
+        return 2
+    if not settings.api_token.get_secret_value():
+        print("vigil api: no token (VIGIL_API_AUTH_DISABLED); for local use only",
+              file=sys.stderr)
+    print(f"vigil api: OpenAI Files and Batches on http://{address}:{args.port}/v1",
+          file=sys.stderr)
+    serve(args, settings, BatchStore(connect(settings)))
+    return 0
+
+
 def _cmd_request(args: argparse.Namespace) -> int:
     if args.follow:
         from app import app  # the results' app: its AsyncResult reads the token stream
@@ -293,7 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("batch", help="run an OpenAI Batch input file (JSONL) through Vigil; "
-                       "rerun the same command to resume")
+                       "rerun the same command to resume. Batch objects kept by the fleet: "
+                       "vigil batch submit|status|list|cancel|results (vigil batch submit -h)",
+                       description="vigil batch FILE runs a file from this terminal; "
+                       "vigil batch submit FILE stores it in the fleet, which runs it "
+                       "(then: status, list, cancel, results; docs/batch.md)")
     b.add_argument("file", help="input JSONL: one {custom_id, method, url, body} per line")
     b.add_argument("--job", help="job name; with custom_id it fixes each request's id (default: "
                    "the file name, FILE.jsonl -> FILE)")
@@ -303,6 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests in flight at once (default %(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_batch)
+
+    a = sub.add_parser("api", help="serve OpenAI's Files and Batches endpoints (the official "
+                       "openai client works against it) behind VIGIL_API_TOKEN")
+    a.add_argument("--port", type=int, default=DEFAULT_API_PORT,
+                   help="port to listen on (default %(default)s)")
+    a.add_argument("--address", help="address to listen on (default: all interfaces; "
+                   "127.0.0.1 when auth is disabled)")
+    a.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
+    a.set_defaults(func=_cmd_api)
 
     r = sub.add_parser("request", help="one request: status, attempts, result or error, and "
                        "while it waits, why")
@@ -321,9 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def batch_objects_parser() -> argparse.ArgumentParser:
+    """The parser of `vigil batch submit|status|list|cancel|results` (app/ops/batch_cli.py)."""
+    p = argparse.ArgumentParser(prog="vigil batch", description="Batch objects kept by the "
+                                "fleet (docs/batch.md)")
+    sub = p.add_subparsers(dest="batch_cmd", required=True)
+    batch_cli.add_parsers(sub)
+    p.set_defaults(func=batch_cli.run)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vigil` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "batch" and argv[1] in batch_cli.SUBCOMMANDS:
+        args = batch_objects_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except SettingsError as e:

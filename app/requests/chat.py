@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Callable
 
 from app.errors import INVALID_REQUEST, RequestError
-from app.requests.models import ModelRegistry, ModelSpec
+from app.requests.models import ModelRegistry, ModelSpec, get_registry
+from app.settings import get_settings
 
 
 class ChatTemplates:
     """Renders chat messages for the models of `registry`; callable as `render_chat` in
-    app/ops/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template,
+    app/requests/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template,
     fails every chat line for it with the same RequestError(invalid_request), found once.
     `build_local(spec)` builds a locally built model's files first (app/local/tiny_model.py)."""
 
@@ -78,3 +79,13 @@ def _load(spec: ModelSpec, build_local: Callable[[ModelSpec], object]):
         raise refuse("its tokenizer has no chat template")
     return tok
 
+
+def rest_of_context(model: str, prompt_tokens: int) -> int | None:
+    """The max_tokens of a chat line that names none: what is left of the model's context
+    (`max_model_len`) after its prompt, at most VIGIL_MAX_TOKENS_CAP and at least 1 (a prompt
+    that fills the context then ends prompt_too_long); None when the registry does not give
+    the model's context."""
+    spec = get_registry().get(model)
+    if not spec.max_model_len:
+        return None
+    return max(1, min(get_settings().max_tokens_cap, spec.max_model_len - prompt_tokens))

@@ -44,6 +44,25 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      | sets it)                    | the running attempt appends (fenced by   |
 |                             |      |                             | the record), an `end` entry at the finish|
 
+| vigil:file:{file_id}        | hash | VIGIL_BATCH_RETENTION from  | an uploaded batch input file (app/state/ |
+|                             |      | upload; a batch extends it  | batches.py): id, bytes, created_at,      |
+|                             |      |                             | filename, purpose, lines; or an output   |
+|                             |      |                             | file's (batch, kind: output|error)       |
+| vigil:filelines:{file_id}   | list | as its file                 | the uploaded file's raw lines, in order  |
+| vigil:files                 | zset | none; expired ids pruned on | file id -> created_at (the file list)    |
+|                             |      | listing                     |                                          |
+| vigil:batch:{batch_id}      | hash | none while live; VIGIL_     | a batch (app/fleet/batches.py): OpenAI's |
+|                             |      | BATCH_RETENTION once ended  | Batch fields, job, cursor, counts        |
+| vigil:batchin:{batch_id}    | hash | none; deleted at the end    | request id -> {n, c, k}: lines in flight |
+| vigil:batchdone:{batch_id}  | hash | as its batch                | line number -> o|e: a line's result is   |
+|                             |      |                             | recorded (once: HSETNX)                  |
+| vigil:batchout:{batch_id}   | list | as its batch                | the output file's lines (successes)      |
+| vigil:batcherr:{batch_id}   | list | as its batch                | the error file's lines                   |
+| vigil:batches               | zset | none; expired ids pruned on | batch id -> created_at (`batch list`)    |
+|                             |      | listing                     |                                          |
+| vigil:batches:active        | zset | none; a batch leaves it when| batch id -> created_at: what the batch   |
+|                             |      | it ends                     | tick walks                               |
+
 Record fields (vigil:req:*): status (PENDING|RUNNING|SUCCEEDED|FAILED), model, pool, job,
 request (validated request JSON), created_at, deadline_at, attempts, dispatch, worker, instance,
 started_at, finished_at, result (result JSON), error_kind, error, last_error, history,
@@ -135,3 +154,43 @@ def worker(instance_id: int | str) -> str:
 def lock(name: str) -> str:
     """A beat task's lock."""
     return f"{PREFIX}lock:{name}"
+
+
+FILES = PREFIX + "files"
+BATCHES = PREFIX + "batches"
+BATCHES_ACTIVE = PREFIX + "batches:active"
+
+
+def file(file_id: str) -> str:
+    """A batch file's metadata hash (app/state/batches.py)."""
+    return f"{PREFIX}file:{file_id}"
+
+
+def file_lines(file_id: str) -> str:
+    """An uploaded batch file's lines (a list)."""
+    return f"{PREFIX}filelines:{file_id}"
+
+
+def batch(batch_id: str) -> str:
+    """A batch object's hash (app/fleet/batches.py)."""
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_inflight(batch_id: str) -> str:
+    """A batch's requests in flight: request id -> the line it runs."""
+    return f"{PREFIX}batchin:{batch_id}"
+
+
+def batch_done(batch_id: str) -> str:
+    """A batch's recorded lines: line number -> o (output) or e (error)."""
+    return f"{PREFIX}batchdone:{batch_id}"
+
+
+def batch_output(batch_id: str) -> str:
+    """A batch's output file lines (a list)."""
+    return f"{PREFIX}batchout:{batch_id}"
+
+
+def batch_errors(batch_id: str) -> str:
+    """A batch's error file lines (a list)."""
+    return f"{PREFIX}batcherr:{batch_id}"

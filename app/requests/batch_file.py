@@ -91,6 +91,30 @@ def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat,
     a completions line keeps the request's default, 16, as OpenAI's legacy endpoint does. Raises
     RequestError: invalid_request for a bad envelope or body, or what `render_chat` raises. The
     values themselves (types, bounds) are checked later by `generate.apply_async`."""
+    kind, body, model, kwargs = _shape(obj, lineno)
+    kwargs["job"] = job
+    if kind == CHAT:
+        ids = render_chat(model, normalize_messages(body, lineno))
+        kwargs["prompt_token_ids"] = ids
+        if "max_tokens" not in kwargs:
+            budget = chat_budget(model, len(ids))
+            if budget is not None:
+                kwargs["max_tokens"] = budget
+    return kind, kwargs
+
+
+def check_line(obj: dict, lineno: int) -> str:
+    """The line's kind when its envelope and body have the shape of a request (every rule of
+    `to_request` but the chat template, which needs the model's tokenizer); RequestError
+    (invalid_request) naming the first thing wrong otherwise. What a batch's validation runs."""
+    kind, body, _, _ = _shape(obj, lineno)
+    if kind == CHAT:
+        normalize_messages(body, lineno)
+    return kind
+
+
+def _shape(obj: dict, lineno: int) -> tuple[str, dict, str, dict]:
+    """(kind, body, model, kwargs without the chat prompt) of a line, or RequestError."""
     extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if extra:
         raise _bad(lineno, f"unknown field(s) {', '.join(extra)}")
@@ -106,17 +130,10 @@ def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat,
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad(lineno, "body.model must be a non-empty string")
-    kwargs = _sampling(body, lineno, kind) | {"model": model, "job": job}
+    kwargs = _sampling(body, lineno, kind) | {"model": model}
     if kind == COMPLETION:
         kwargs |= _prompt(body, lineno)
-    else:
-        ids = render_chat(model, normalize_messages(body, lineno))
-        kwargs["prompt_token_ids"] = ids
-        if "max_tokens" not in kwargs:
-            budget = chat_budget(model, len(ids))
-            if budget is not None:
-                kwargs["max_tokens"] = budget
-    return kind, kwargs
+    return kind, body, model, kwargs
 
 
 def _sampling(body: dict, lineno: int, kind: str) -> dict:

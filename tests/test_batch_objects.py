@@ -1,0 +1,356 @@
+"""Redis tier: batch objects (app/fleet/batches.py) driven tick by tick on a real Redis, with an
+injected clock. Requests go through the real `submit_request` (records, backpressure, ids) with
+their messages captured instead of published; the fleet's side is played by `end_request`, the
+one function every worker and sweeper ends a request with. Witnesses: the request records (each
+line's request ran once, failed with the batch's code when cut short) and the captured
+messages (none sent twice); every object validates as the `openai` package's own types."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import openai.types
+import pytest
+import redis
+
+from app.errors import BATCH_CANCELLED, BATCH_EXPIRED, PROMPT_TOO_LONG, RequestError, TerminalError
+from app.fleet import batches
+from app.fleet.batches import BatchDriver
+from app.fleet.jobs import end_job
+from app.fleet.outcomes import end_request
+from app.local.embedded import EmbeddedRedis, stop_process
+from app.requests import batch_file as fmt
+from app.requests.models import get_registry
+from app.requests.submit import submit_request
+from app.settings import load_settings
+from app.state import keys
+from app.state.batches import BatchStore
+from app.state.store import RequestStore
+from tests.conftest import CACHE_DIR
+
+pytestmark = pytest.mark.redis
+T0 = 1_800_000_000.0
+
+
+def line(cid: str, prompt="hello", url="/v1/completions", **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url,
+            "body": {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, **body}}
+
+
+CHAT_LINE = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}}
+
+
+def jsonl(*lines) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+class Fleet:
+    """A batch store, a request store and a driver on one Redis; `sent` holds every request
+    id published, in order."""
+
+    def __init__(self, client: redis.Redis, **overrides):
+        self.client = client
+        self.settings = load_settings(redis_url="redis://unused:1/0", cache_dir=CACHE_DIR,
+                                      **overrides)
+        self.store = RequestStore(client, 3600)
+        self.bs = BatchStore(client)
+        self.sent: list[str] = []
+        self.now = T0
+        self.driver = BatchDriver(self.bs, self.store, self.settings, submit=self.submit,
+                                  end_job=self.end_job, render_chat=lambda m, msgs: [5, 6, 7],
+                                  chat_budget=lambda m, n: None)
+
+    def submit(self, rid: str, kwargs: dict) -> None:
+        submit_request(kwargs, rid, settings=self.settings, registry=get_registry(),
+                       store=self.store, send=lambda *a, **kw: self.sent.append(rid))
+
+    def end_job(self, name: str, reason: str, code: str) -> int:
+        return end_job(self.store, name, self.now, reason, None, lambda q, n: None,
+                       get_registry().names(), 3600, code=code)
+
+    def create(self, data: bytes, window: str = "24h", endpoint="/v1/completions",
+               metadata=None) -> str:
+        f = batches.upload_file(self.bs, data, "in.jsonl", "batch", self.now, self.settings)
+        return batches.create_batch(self.bs, f["id"], endpoint, window, metadata, self.now,
+                                    self.settings)["id"]
+
+    def tick(self, dt: float = 1.0) -> dict:
+        self.now += dt
+        return self.driver.advance_all(self.now)
+
+    def obj(self, bid: str) -> dict:
+        b = batches.get_batch(self.bs, bid)
+        openai.types.Batch.model_validate(b)  # the official client's own type
+        return b
+
+    def open_ids(self) -> list[str]:
+        return [rid for rid in dict.fromkeys(self.sent)
+                if (self.store.get(rid) or {}).get("status") in ("PENDING", "RUNNING")]
+
+    def finish(self, rid: str, text: str = "out") -> None:
+        """What a worker does with a finished generation."""
+        rec = self.store.get(rid)
+        end_request(self.store, rid, now=self.now, result={
+            "model": rec["model"], "text": text, "finish_reason": "length",
+            "prompt_tokens": 1, "completion_tokens": 4, "token_ids": [1, 2, 3, 4]})
+
+    def fail(self, rid: str, err) -> None:
+        end_request(self.store, rid, error=err, now=self.now)
+
+    def content(self, file_id: str | None) -> list[dict]:
+        if file_id is None:
+            return []
+        meta = self.bs.file(file_id)
+        openai.types.FileObject.model_validate(batches.file_object(meta))
+        data = b"".join(batches.file_content(self.bs, file_id))
+        assert len(data) == int(meta["bytes"])
+        return [json.loads(x) for x in data.splitlines()]
+
+
+@pytest.fixture()
+def fleet(redis_db1_url) -> Fleet:
+    return Fleet(redis.Redis.from_url(redis_db1_url))
+
+
+def test_a_batch_runs_to_completed_and_records_each_line_once(fleet):
+    """Given a file of five lines (a blank line among them), when the batch is created, it is
+    validating; the first tick validates and submits every line; results recorded by later
+    ticks are counted once however often a tick runs; a failed request becomes an error line
+    with its code; once all have ended the batch is completed with an output and an error
+    file in OpenAI's shapes, and no request was ever published twice."""
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(4)), "", line("q4")),
+                       metadata={"team": "eval"})
+    assert fleet.obj(bid)["status"] == "validating"
+    assert fleet.tick() == {bid: "in_progress"}
+    b = fleet.obj(bid)
+    assert b["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
+    assert b["in_progress_at"] == int(fleet.now) and b["metadata"] == {"team": "eval"}
+    assert len(fleet.sent) == 5
+    ids = fleet.open_ids()
+    for rid in ids[:3]:
+        fleet.finish(rid)
+    fleet.tick()
+    fleet.tick()
+    assert fleet.obj(bid)["request_counts"] == {"total": 5, "completed": 3, "failed": 0}
+    fleet.finish(ids[3])
+    fleet.fail(ids[4], RequestError.of(PROMPT_TOO_LONG, "prompt has 900 tokens"))
+    assert fleet.tick() == {bid: "completed"}
+    b = fleet.obj(bid)
+    assert b["status"] == "completed" and b["request_counts"] == {
+        "total": 5, "completed": 4, "failed": 1}
+    assert b["finalizing_at"] and b["completed_at"] == int(fleet.now)
+    out, errs = fleet.content(b["output_file_id"]), fleet.content(b["error_file_id"])
+    assert sorted(x["custom_id"] for x in out) == ["q0", "q1", "q2", "q3"]
+    assert out[0]["response"]["body"]["object"] == "text_completion"
+    assert out[0]["response"]["body"]["choices"][0]["text"] == "out"
+    [e] = errs
+    assert e["custom_id"] == "q4" and e["error"]["code"] == PROMPT_TOO_LONG
+    assert all(n == 1 for n in Counter(fleet.sent).values())
+    assert fleet.bs.active_ids() == [] and fleet.tick() == {}
+    assert fleet.client.ttl(keys.batch(bid)) > 0  # kept for the retention, then gone
+
+
+def test_a_bad_file_fails_in_validating_with_per_line_errors_and_submits_nothing(fleet):
+    """Given a file with a line that is not JSON, a duplicate custom_id, a line for another
+    endpoint and a body field that is not served, when the tick validates it, then the batch is
+    failed with one error per bad line (its line number), and no request was submitted."""
+    bid = fleet.create(jsonl(line("a"), "{not json", line("a"),
+                             CHAT_LINE, line("d", logit_bias={})))
+    assert fleet.tick() == {bid: "failed"}
+    b = fleet.obj(bid)
+    assert b["failed_at"] == int(fleet.now) and b["in_progress_at"] is None
+    errors = b["errors"]["data"]
+    assert [(e["line"], e["param"]) for e in errors] == [(2, None), (3, "custom_id"),
+                                                         (4, "url"), (5, None)]
+    assert "not valid JSON" in errors[0]["message"] and "logit_bias" in errors[3]["message"]
+    assert fleet.sent == [] and b["output_file_id"] is None
+
+
+def test_limits_refuse_a_file_too_large_and_fail_one_with_too_many_lines(redis_db1_url):
+    """Given limits of 2 KiB and 3 requests, a larger upload is refused before anything is
+    stored, and a file of 4 lines fails validation naming the limit."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_max_bytes=2048,
+                  batch_max_requests=3)
+    with pytest.raises(RequestError, match="VIGIL_BATCH_MAX_BYTES"):
+        fleet.create(jsonl(*(line(f"q{i}", "x" * 100) for i in range(20))))
+    assert fleet.bs.file_ids() == []
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(4))))
+    fleet.tick()
+    b = fleet.obj(bid)
+    assert b["status"] == "failed" and "VIGIL_BATCH_MAX_REQUESTS" in b["errors"]["data"][0][
+        "message"]
+
+
+@pytest.mark.parametrize("window, endpoint, metadata, match", [
+    ("25x", "/v1/completions", None, "completion_window"),
+    ("30s", "/v1/completions", None, "completion_window"),
+    ("24h", "/v1/embeddings", None, "endpoint"),
+    ("24h", "/v1/completions", {"k": 1}, "metadata"),
+])
+def test_create_refuses_bad_parameters_before_storing_a_batch(fleet, window, endpoint,
+                                                              metadata, match):
+    with pytest.raises(RequestError, match=match):
+        fleet.create(jsonl(line("a")), window=window, endpoint=endpoint, metadata=metadata)
+    assert fleet.bs.batch_ids(10) == []
+
+
+def test_no_more_than_the_window_is_in_flight(redis_db1_url):
+    """Given a window of 2 and five lines, each tick keeps at most two requests open, and the
+    batch completes once all five ran, each submitted once."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_window=2)
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(5))))
+    rounds = 0
+    while fleet.tick().get(bid) != "completed":
+        assert len(fleet.open_ids()) <= 2
+        for rid in fleet.open_ids():
+            fleet.finish(rid)
+        rounds += 1
+        assert rounds < 10
+    assert rounds == 3 and len(fleet.sent) == 5 == len(set(fleet.sent))
+    assert fleet.obj(bid)["request_counts"]["completed"] == 5
+
+
+def test_cancel_keeps_finished_results_and_ends_the_rest_batch_cancelled(redis_db1_url):
+    """Given a batch with one result in, one request open and two lines not yet submitted,
+    when it is cancelled, then it is cancelling until the next tick, which fails the open
+    request batch_cancelled (its record says so), writes an error line for it and for each
+    line never submitted, keeps the finished result and ends cancelled."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_window=2)
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(4))))
+    fleet.tick()
+    first, second = fleet.open_ids()
+    fleet.finish(first)
+    b = batches.cancel_batch(fleet.bs, bid, fleet.now)
+    assert b["status"] == "cancelling" and b["cancelling_at"] == int(fleet.now)
+    assert fleet.tick() == {bid: "cancelled"}
+    assert fleet.store.get(second)["status"] == "FAILED"
+    assert fleet.store.get(second)["error"].startswith(BATCH_CANCELLED + ":")
+    b = fleet.obj(bid)
+    assert b["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
+    assert b["cancelled_at"] == int(fleet.now)
+    assert [x["custom_id"] for x in fleet.content(b["output_file_id"])] == ["q0"]
+    errs = fleet.content(b["error_file_id"])
+    assert sorted(x["custom_id"] for x in errs) == ["q1", "q2", "q3"]
+    assert {x["error"]["code"] for x in errs} == {BATCH_CANCELLED}
+    assert len(fleet.sent) == 2
+    assert batches.cancel_batch(fleet.bs, bid, fleet.now)["status"] == "cancelled"
+    with pytest.raises(batches.BatchNotFound):
+        batches.cancel_batch(fleet.bs, "batch_nope", fleet.now)
+
+
+def test_a_completed_batch_cannot_be_cancelled(fleet):
+    bid = fleet.create(jsonl(line("a")))
+    fleet.tick()
+    fleet.finish(fleet.open_ids()[0])
+    fleet.tick()
+    with pytest.raises(RequestError, match="completed"):
+        batches.cancel_batch(fleet.bs, bid, fleet.now)
+
+
+def test_at_the_end_of_its_window_a_batch_expires_with_its_results_kept(redis_db1_url):
+    """Given a batch with a one-minute window, a result in and a request open, when the tick
+    runs after the minute, then the open request fails batch_expired, the lines not submitted
+    get batch_expired error lines, and the batch is expired with its result kept."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_window=2)
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(3))), window="1m")
+    fleet.tick()
+    first, second = fleet.open_ids()
+    fleet.finish(first)
+    assert fleet.tick(dt=30).get(bid) == "in_progress"
+    assert fleet.tick(dt=30) == {bid: "expired"}
+    b = fleet.obj(bid)
+    assert b["expired_at"] == int(fleet.now) and b["expires_at"] == int(T0 + 60)
+    assert b["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert {x["error"]["code"] for x in fleet.content(b["error_file_id"])} == {BATCH_EXPIRED}
+    assert fleet.store.get(second)["error"].startswith(BATCH_EXPIRED + ":")
+
+
+def test_a_request_whose_record_vanished_is_submitted_again_under_its_id(fleet):
+    """Given a batch whose request record was lost (a Redis crash inside the fsync window),
+    the next tick submits that line again under the same id, and its result is recorded once."""
+    bid = fleet.create(jsonl(line("a"), line("b")))
+    fleet.tick()
+    lost, kept = fleet.open_ids()
+    fleet.store.delete(lost)
+    fleet.finish(kept)
+    fleet.tick()
+    assert fleet.sent.count(lost) == 2 and fleet.store.get(lost)["status"] == "PENDING"
+    fleet.finish(lost)
+    assert fleet.tick() == {bid: "completed"}
+    assert fleet.obj(bid)["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_a_line_refused_at_submit_becomes_an_error_line_and_the_batch_goes_on(fleet):
+    """Given lines naming an unknown model and asking more tokens than the model has, they are
+    refused at submit (never published) and become error lines with their codes."""
+    bid = fleet.create(jsonl(line("ok"), line("nomodel", model="gpt-9"),
+                             line("toomany", max_tokens=10**6)))
+    fleet.tick()
+    assert len(fleet.sent) == 1
+    fleet.finish(fleet.sent[0])
+    assert fleet.tick() == {bid: "completed"}
+    b = fleet.obj(bid)
+    codes = {x["custom_id"]: x["error"]["code"] for x in fleet.content(b["error_file_id"])}
+    assert codes == {"nomodel": "model_not_found", "toomany": "invalid_request"}
+
+
+def test_a_deleted_job_fails_the_batchs_remaining_lines_job_deleted(redis_db1_url):
+    """Given a batch whose job an operator deleted (`vigil job delete`), the lines still to
+    submit are refused job_deleted and the batch still completes, every line accounted for."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_window=1)
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(3))))
+    fleet.tick()
+    job = fleet.bs.get(bid)["job"]
+    fleet.end_job(job, "deleted by hand", "job_deleted")
+    while fleet.tick().get(bid) != "completed":
+        pass
+    b = fleet.obj(bid)
+    assert b["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert {x["error"]["code"] for x in fleet.content(b["error_file_id"])} == {"job_deleted"}
+
+
+def test_lists_are_newest_first_and_forget_expired_batches(fleet):
+    a = fleet.create(jsonl(line("a")))
+    fleet.now += 1
+    b = fleet.create(jsonl(line("a")))
+    assert fleet.bs.batch_ids(10) == [b, a]
+    assert fleet.bs.batch_ids(1, after=b) == [a]
+    fleet.client.delete(keys.batch(a))
+    assert fleet.bs.batch_ids(10) == [b]
+    assert fleet.client.zscore(keys.BATCHES, a) is None
+
+
+def test_a_batch_survives_a_redis_restart_with_aof(tmp_path):
+    """Given a batch in progress on a Redis with AOF, when Redis restarts, then the next ticks
+    carry on from where it was: nothing submitted twice, every line recorded once."""
+    rds = EmbeddedRedis(appendonly=True).start()
+    try:
+        fleet = Fleet(rds.client(), batch_window=2)
+        bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(4))))
+        fleet.tick()
+        for rid in fleet.open_ids():
+            fleet.finish(rid)
+        stop_process(rds.proc)  # SIGTERM: Redis writes its AOF and exits
+        rds.start()
+        while fleet.tick().get(bid) != "completed":
+            for rid in fleet.open_ids():
+                fleet.finish(rid)
+        assert len(fleet.sent) == 4 == len(set(fleet.sent))
+        assert fleet.obj(bid)["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    finally:
+        rds.stop()
+
+
+def test_the_batch_object_parses_as_openais_batch_at_every_status(fleet):
+    bid = fleet.create(jsonl(line("a")))
+    for status in ("validating", "in_progress"):
+        assert fleet.obj(bid)["status"] == status
+        fleet.tick()
+    assert isinstance(openai.types.Batch.model_validate(fleet.obj(bid)), openai.types.Batch)
+
+
+def test_ending_a_request_with_the_batch_codes_is_a_terminal_error():
+    e = TerminalError.of(BATCH_CANCELLED, "batch x was cancelled")
+    assert str(e).startswith("batch_cancelled: ") and e.code == BATCH_CANCELLED
+    assert fmt.error_line("i", "c", e.code, e.detail)["error"]["code"] == BATCH_CANCELLED
