@@ -96,6 +96,7 @@ def test_the_procfile_runs_gpu_workers_the_housekeeper_beat_and_vigil_flower():
     assert procs["beat"].startswith("celery -A app beat ")
     assert shlex.split(procs["flower"])[:2] == ["vigil", "flower"]
     assert "PASSWORD" not in procs["flower"]  # credentials never on a command line
+    assert shlex.split(procs["api"])[:2] == ["vigil", "api"] and "TOKEN" not in procs["api"]
 
 
 # -- docker/compose.yaml -----------------------------------------------------------------------
@@ -146,6 +147,12 @@ def test_each_compose_gpu_worker_reserves_exactly_its_own_gpu(compose):
         assert len(d["device_ids"]) == 1, name
         seen += d["device_ids"]
     assert len(seen) == len(set(seen)), f"two GPU workers share a GPU: {seen}"
+
+
+def test_compose_api_runs_vigil_api_and_requires_its_token(compose):
+    api = compose["services"]["api"]
+    assert _command(api)[:2] == ["vigil", "api"]
+    assert ":?" in api["environment"]["VIGIL_API_TOKEN"]  # compose refuses to start without it
 
 
 def test_compose_flower_runs_vigil_flower_and_requires_both_credentials(compose):

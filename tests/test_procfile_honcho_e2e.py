@@ -87,21 +87,23 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
         redis_server, tmp_path):
     """Given the Procfile with its GPU worker as a CPU worker, when `honcho start` runs it against
     the suite's Redis, then the worker serves a request from a separate producer, Flower (started
-    by the Procfile's `vigil flower` line) lists the worker and the housekeeper behind basic auth
-    and beat is up; and
+    by the Procfile's `vigil flower` line) lists the worker and the housekeeper behind basic auth,
+    `vigil api` answers behind its token and beat is up; and
     when honcho gets SIGTERM it stops every process and none of theirs survives (the worker's
     engine processes and orphan guard included)."""
     procfile = tmp_path / "Procfile"
     procfile.write_text(cpu_procfile((REPO / "Procfile").read_text()))
     procs = parse_procfile(procfile.read_text()).processes
     assert procs["cpu1"] == "vigil worker --cpu --name cpu1@%h"
-    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower"}
+    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower", "api"}
     (tmp_path / "empty.env").write_text("")
     url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
     redis.Redis.from_url(url).flushdb()
     port, password = free_port(), secrets.token_urlsafe(12)
+    api_port, token = free_port(), secrets.token_urlsafe(12)
     env = vigil_env(url, VIGIL_FLOWER_USER="ops", VIGIL_FLOWER_PASSWORD=password,
-                    VIGIL_FLOWER_PORT=str(port),
+                    VIGIL_FLOWER_PORT=str(port), VIGIL_API_TOKEN=token,
+                    VIGIL_API_PORT=str(api_port),
                     VIGIL_BEAT_SCHEDULE=str(tmp_path / "beat-schedule"),
                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     log = tmp_path / "honcho.log"
@@ -141,11 +143,23 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
         assert requests.get(f"http://127.0.0.1:{port}/api/workers",
                             timeout=10).status_code == 401
         wait_for(running(lambda: "beat: Starting" in log.read_text()), 60, 0.5, "beat")
+        batches = f"http://127.0.0.1:{api_port}/v1/batches"
+
+        def api_list():
+            try:
+                return requests.get(batches, headers={"Authorization": f"Bearer {token}"},
+                                    timeout=10)
+            except requests.RequestException:
+                return None
+
+        listed = wait_for(running(api_list), 60, 0.5, "vigil api to answer")
+        assert listed.status_code == 200 and listed.json()["object"] == "list"
+        assert requests.get(batches, timeout=10).status_code == 401
         running(lambda: True)()  # a last look at the process tree
         titles = list(seen.values())
         assert any("EngineCore" in t for t in titles), titles
         assert any("workers.orphan_guard" in t for t in titles), titles
-        assert password not in log.read_text()
+        assert password not in log.read_text() and token not in log.read_text()
 
         honcho.send_signal(signal.SIGTERM)
         honcho.wait(timeout=120)
