@@ -84,6 +84,8 @@ def test_cancel_through_the_client_and_a_deleted_file(served):
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                          completion_window="24h")
     assert c.batches.cancel(b.id).status == "cancelling"
+    with pytest.raises(openai.BadRequestError, match="has not ended"):
+        c.files.delete(f.id)  # a live batch reads it
     fleet.tick()
     assert c.batches.retrieve(b.id).status == "cancelled"
     assert c.files.delete(f.id).deleted is True

@@ -113,6 +113,20 @@ def file_content(bs: BatchStore, file_id: str) -> list[bytes]:
     return _all(lambda s, n: bs.file_lines(file_id, s, n))
 
 
+def delete_file(bs: BatchStore, file_id: str) -> dict:
+    """Delete an uploaded file; returns OpenAI's deletion object. BatchNotFound for no such
+    uploaded file; RequestError(invalid_request) while a live batch reads it."""
+    meta = bs.file(file_id)
+    if meta is None or meta.get("batch"):
+        raise BatchNotFound(f"No uploaded file found with id {file_id!r}.")
+    for batch_id in bs.active_ids():
+        if (bs.get(batch_id) or {}).get("input_file_id") == file_id:
+            raise RequestError.of(INVALID_REQUEST, f"file {file_id} is the input of batch "
+                                  f"{batch_id}, which has not ended; cancel it first")
+    bs.delete_file(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
 def result_lines(bs: BatchStore, batch_id: str, errors: bool) -> list[bytes]:
     """Every output line (error line with `errors`) a batch has recorded so far, in order of
     completion, without line ends."""

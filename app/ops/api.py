@@ -144,11 +144,7 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
 
     @api.delete("/v1/files/{file_id}", dependencies=auth)
     def delete_file(file_id: str) -> dict:
-        meta = bs.file(file_id)
-        if meta is None or meta.get("batch"):
-            raise batches.BatchNotFound(f"No uploaded file found with id {file_id!r}.")
-        bs.delete_file(file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return batches.delete_file(bs, file_id)
 
     @api.post("/v1/batches", dependencies=auth)
     def create(body: BatchCreate) -> dict:
