@@ -354,3 +354,10 @@ def test_ending_a_request_with_the_batch_codes_is_a_terminal_error():
     e = TerminalError.of(BATCH_CANCELLED, "batch x was cancelled")
     assert str(e).startswith("batch_cancelled: ") and e.code == BATCH_CANCELLED
     assert fmt.error_line("i", "c", e.code, e.detail)["error"]["code"] == BATCH_CANCELLED
+
+
+def test_a_batch_deleted_by_hand_leaves_the_active_set(fleet):
+    bid = fleet.create(jsonl(line("a")))
+    fleet.client.delete(keys.batch(bid))
+    assert fleet.tick() == {bid: "gone"}
+    assert fleet.bs.active_ids() == [] and fleet.tick() == {}

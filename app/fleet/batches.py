@@ -271,7 +271,8 @@ class BatchDriver:
     def advance(self, batch_id: str, now: float) -> str:
         """One step of one batch; returns its status after the step."""
         b = self.bs.get(batch_id)
-        if b is None:
+        if b is None:  # deleted by hand: nothing left to advance
+            self.bs.forget_active(batch_id)
             return "gone"
         if b["status"] == VALIDATING:
             b = self._validate(b, now)

@@ -153,6 +153,10 @@ class BatchStore:
 
         return self._call(self.r.transaction, change, key, value_from_callable=True)
 
+    def forget_active(self, batch_id: str) -> None:
+        """Take a batch whose hash is gone (deleted by hand) off the active set."""
+        self._call(self.r.zrem, keys.BATCHES_ACTIVE, batch_id)
+
     def active_ids(self) -> list[str]:
         """The batches not ended yet, oldest first."""
         return [i.decode() for i in self._call(self.r.zrange, keys.BATCHES_ACTIVE, 0, -1)]
@@ -207,13 +211,6 @@ class BatchStore:
         k = [keys.batch(batch_id), keys.batch_done(batch_id), keys.batch_output(batch_id),
              keys.batch_errors(batch_id), keys.batch_inflight(batch_id)]
         return int(self._call(self._record, keys=k, args=args))
-
-    def is_recorded(self, batch_id: str, lines: list[int]) -> list[bool]:
-        """For each line number, whether its result is recorded."""
-        if not lines:
-            return []
-        return [v is not None for v in self._call(self.r.hmget, keys.batch_done(batch_id),
-                                                  lines)]
 
     def close(self, batch_id: str, fields: dict, ttl_s: float) -> None:
         """End a batch: write its last fields, take it off the active set, and let its keys
