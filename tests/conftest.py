@@ -254,6 +254,19 @@ def warm_worker(redis_server, tmp_path_factory):
         w.stop()
 
 
+def start_batch_beat(redis_server, tmp: Path, **env):
+    """A real `celery beat` on the suite's Redis whose batch tick runs every half second (the
+    batch objects' driver; the warm worker, which consumes vigil.housekeeping, runs it)."""
+    import sys
+
+    from app.local.embedded import start_process, vigil_env
+
+    return start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
+                          "-s", str(tmp / "batch-beat-schedule")],
+                         vigil_env(redis_server.url, VIGIL_BATCH_TICK_INTERVAL="0.5", **env),
+                         tmp / "batch-beat.log")
+
+
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:
     """True once every request of `results` has left the queue and is held by one of the worker
     `instances` (or has ended). Fault tests kill only then: a message a consumer fetched in the

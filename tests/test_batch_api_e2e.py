@@ -19,10 +19,9 @@ from app.ops.cli import main
 from app.requests import batch_file as fmt
 from app.state import keys
 from app.state.store import RequestStore
-from tests.conftest import assert_each_ran_to_a_result_once
+from tests.conftest import assert_each_ran_to_a_result_once, start_batch_beat
 
 pytestmark = pytest.mark.worker
-TICK_S = "0.5"
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +30,11 @@ def services(warm_worker, redis_server, tmp_path_factory):
     port, both real processes on the suite's Redis."""
     tmp = tmp_path_factory.mktemp("batch-api")
     token, port = secrets.token_urlsafe(16), free_port()
-    env = vigil_env(redis_server.url, VIGIL_BATCH_TICK_INTERVAL=TICK_S, VIGIL_API_TOKEN=token)
-    beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
-                          "-s", str(tmp / "schedule")], env, tmp / "beat.log")
+    beat = start_batch_beat(redis_server, tmp)
     api = start_process([sys.executable, "-m", "app.ops.cli", "api", "--port", str(port),
-                         "--address", "127.0.0.1"], env, tmp / "api.log")
+                         "--address", "127.0.0.1"], vigil_env(redis_server.url,
+                                                              VIGIL_API_TOKEN=token),
+                        tmp / "api.log")
     base = f"http://127.0.0.1:{port}/v1"
     try:
         c = openai.OpenAI(base_url=base, api_key=token, max_retries=0)

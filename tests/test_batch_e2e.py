@@ -1,6 +1,8 @@
-"""Worker tier: `vigil batch` end to end against the warm worker (real Redis, real Celery worker,
-real vLLM CPU engine on tiny-llama): the output and error files, chat lines rendered with the
-model's template, and a run killed midway then rerun without submitting anything twice."""
+"""Worker tier: `vigil batch FILE.jsonl` end to end against the warm worker (real Redis, real
+Celery worker, real vLLM CPU engine on tiny-llama) and a real beat ticking the batch objects the
+command submits: the output and error files, chat lines rendered with the model's template by
+the fleet, and a command killed midway then rerun: it follows the same batch, nothing runs
+twice."""
 from __future__ import annotations
 
 import json
@@ -17,9 +19,18 @@ from app.ops.cli import main
 from app.requests import batch_file as batch
 from app.requests.models import TINY_MAX_POSITIONS, get_registry
 from app.state.store import RequestStore
-from tests.conftest import UNSERVED_MODEL
+from tests.conftest import UNSERVED_MODEL, start_batch_beat
 
 pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(scope="module", autouse=True)
+def batch_beat(warm_worker, redis_server, tmp_path_factory):
+    beat = start_batch_beat(redis_server, tmp_path_factory.mktemp("batch-beat"))
+    try:
+        yield beat
+    finally:
+        stop_process(beat)
 
 
 @pytest.fixture()
@@ -129,10 +140,10 @@ def test_a_batch_writes_openai_shaped_outputs_and_errors(warm_worker, store, tmp
 def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
         warm_worker, store, redis_server, tmp_path):
     """Given a `vigil batch` process killed (SIGKILL) once some outputs are written and more
-    requests are in flight, when the same command runs again, then every custom_id is in the
-    output exactly once, the bad line is in the error file once, the requests still in flight
-    were re-attached (each request ran one attempt, no delivery was a duplicate or stale) and the
-    rerun exits 1 (the bad line)."""
+    requests are in flight, when the same command runs again, then it follows the same batch
+    (the fleet went on without the command), every custom_id is in the output exactly once,
+    the bad line is in the error file once, each request ran one attempt (no delivery was a
+    duplicate or stale) and the rerun exits 1 (the bad line)."""
     job = f"e2e-resume-{uuid.uuid4().hex[:8]}"
     good = [completion(f"q{i:02d}", f"the river number {i} sings", max_tokens=48,
                        temperature=0, ignore_eos=True) for i in range(40)]
@@ -174,7 +185,7 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
         stop_process(second)
     log = (tmp_path / "second.log").read_text()
     assert second.returncode == 1, log
-    assert f"{len(before)} already done" in log
+    assert "following batch" in log and "submitted batch" not in log
 
     outs = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(o["custom_id"] for o in outs) == sorted(cids)  # each exactly once

@@ -1,6 +1,6 @@
-"""Unit tier: `vigil batch`'s file format (app/requests/batch_file.py), its runner with a fake fleet
-(app/ops/batch_run.py) and chat rendering with real tokenizers saved in a temporary directory
-(app/requests/chat.py). No Redis, no Celery."""
+"""Unit tier: the batch file format (app/requests/batch_file.py), the command's default paths
+(app/ops/batch_run.py; the command itself: tests/test_batch_run.py) and chat rendering with real
+tokenizers saved in a temporary directory (app/requests/chat.py). No Redis, no Celery."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import RequestError
-from app.ops.batch_run import BatchUsageError, default_paths, load_done, run_batch
+from app.ops.batch_run import default_paths
 from app.requests import batch_file as batch
 from app.requests.chat import ChatTemplates
 from app.requests.models import ModelRegistry, ModelSpec
@@ -216,156 +216,6 @@ def test_an_error_line_has_a_null_response_and_the_vigil_code():
         "id": "batch_req_r1", "custom_id": "q1", "response": None,
         "error": {"code": "model_not_found", "message": "no model"}}
     assert batch.dumps({"t": "é"}) == '{"t":"é"}\n'
-
-
-# -- the output file on resume ----------------------------------------------------------------
-def test_load_done_reads_custom_ids_and_cuts_a_torn_last_line(tmp_path):
-    p = tmp_path / "out.jsonl"
-    p.write_bytes(b'{"custom_id":"a"}\n{"custom_id":"b"}\n{"custom_id":"c", "resp')
-    with open(p, "a+b") as f:
-        assert load_done(f) == {"a", "b"}
-        f.write(b'{"custom_id":"d"}\n')
-    assert p.read_bytes() == b'{"custom_id":"a"}\n{"custom_id":"b"}\n{"custom_id":"d"}\n'
-
-
-def test_load_done_refuses_a_file_that_is_not_an_output_file(tmp_path):
-    p = tmp_path / "out.jsonl"
-    p.write_bytes(b'{"custom_id":"a"}\nhello\n')
-    with open(p, "a+b") as f, pytest.raises(BatchUsageError, match="line 2"):
-        load_done(f)
-
-
-# -- the runner with a fake fleet --------------------------------------------------------------
-class FakeFleet:
-    """submit/poll for run_batch: every request ends at the next poll; a prompt 'fail' fails
-    with engine-side prompt_too_long; a prompt 'bad' is refused at submit."""
-
-    def __init__(self):
-        self.submitted: dict[str, dict] = {}
-        self.pending: list[str] = []
-        self.most_in_flight = 0
-
-    def submit(self, rid, kwargs):
-        if kwargs.get("prompt") == "bad":
-            raise RequestError("invalid_request: max_tokens: too big")
-        if rid in self.submitted:  # like apply_async: the same id re-attaches
-            assert self.submitted[rid] == kwargs
-        self.submitted[rid] = kwargs
-        self.pending.append(rid)
-        self.most_in_flight = max(self.most_in_flight, len(self.pending))
-
-    def poll(self, ids):
-        done = {}
-        for rid in [r for r in self.pending if r in ids]:
-            self.pending.remove(rid)
-            kw = self.submitted[rid]
-            if kw.get("prompt") == "fail":
-                done[rid] = (None, ("prompt_too_long", "too long"))
-            else:
-                done[rid] = ({**RESULT, "request_id": rid, "text": kw.get("prompt", "chat")}, None)
-        return done
-
-
-def write_input(path: Path, objs) -> Path:
-    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-def run(tmp_path, fleet, window=2, job="j", **kw):
-    src = tmp_path / "in.jsonl"
-    return run_batch(src, tmp_path / "out.jsonl", tmp_path / "err.jsonl", job, window,
-                     submit=fleet.submit, poll=fleet.poll, render_chat=fake_render,
-                     chat_budget=fake_budget,
-                     sleep=lambda s: None, **kw)
-
-
-def test_the_runner_writes_successes_and_every_kind_of_failure_and_bounds_the_window(tmp_path):
-    write_input(tmp_path / "in.jsonl", [
-        line("a", prompt="one"), "not json", line("b", prompt="fail"), "", line("a", prompt="x"),
-        line("c", prompt="bad"), {**line("d", prompt="x"), "url": "/v1/embeddings"},
-        line("e", url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}]),
-        *[line(f"n{i}", prompt=f"p{i}") for i in range(6)]])
-    with (tmp_path / "in.jsonl").open("ab") as f:
-        f.write(b"\xff\xfe\n")  # line 15: not UTF-8
-    fleet = FakeFleet()
-    tally = run(tmp_path, fleet)
-    outs, errs = read_jsonl(tmp_path / "out.jsonl"), read_jsonl(tmp_path / "err.jsonl")
-    assert sorted(o["custom_id"] for o in outs) == ["a", "e"] + [f"n{i}" for i in range(6)]
-    assert all(o["id"] == "batch_req_" + batch.request_id_for("j", o["custom_id"]) for o in outs)
-    chat = next(o for o in outs if o["custom_id"] == "e")["response"]["body"]
-    assert chat["object"] == "chat.completion"
-    by_line = {(e["custom_id"], e["error"]["code"], e["error"]["message"].split(":")[0])
-               for e in errs}
-    assert by_line == {(None, "invalid_request", "line 2"), ("b", "prompt_too_long", "too long"),
-                       ("a", "invalid_request", "line 5"), ("c", "invalid_request", "max_tokens"),
-                       ("d", "invalid_request", "line 7"), (None, "invalid_request", "line 15")}
-    assert {e["id"] for e in errs if e["custom_id"] in (None, "a")} == {
-        "batch_req_line_2", "batch_req_line_5", "batch_req_line_15"}
-    assert fleet.most_in_flight <= 2
-    assert (tally.total, tally.skipped, tally.ok, tally.failed) == (14, 0, 8, 6)  # 1 blank line
-
-
-def test_a_rerun_skips_what_is_written_rewrites_the_errors_and_reattaches_the_rest(tmp_path):
-    """Given a run that wrote some outputs and stopped, when the same command runs again, then
-    written custom_ids are skipped, the others are submitted under the same ids, and each
-    custom_id ends up once in one of the two files."""
-    write_input(tmp_path / "in.jsonl", [line(f"n{i}", prompt=f"p{i}") for i in range(6)] +
-                [line("b", prompt="fail"), line("n0", prompt="dup")])
-    first = FakeFleet()
-    (tmp_path / "out.jsonl").write_text("".join(
-        batch.dumps(batch.success_line(batch.request_id_for("j", c), c, "completion", RESULT, 1))
-        for c in ("n0", "n1")) + '{"custom_id": "n2", "respo')  # torn by a kill
-    (tmp_path / "err.jsonl").write_text("stale\n")
-    progress = []
-    tally = run(tmp_path, first, on_progress=lambda t: progress.append(t.finished))
-    outs = read_jsonl(tmp_path / "out.jsonl")
-    assert sorted(o["custom_id"] for o in outs) == [f"n{i}" for i in range(6)]
-    assert sorted(first.submitted) == sorted(batch.request_id_for("j", c)
-                                             for c in ("n2", "n3", "n4", "n5", "b"))
-    errs = read_jsonl(tmp_path / "err.jsonl")
-    assert [(e["custom_id"], e["error"]["code"]) for e in sorted(errs, key=lambda e: e["id"])] == \
-        sorted([("b", "prompt_too_long"), ("n0", "invalid_request")])
-    assert (tally.total, tally.skipped, tally.ok, tally.failed) == (8, 2, 4, 2)
-    assert progress[0] == 2 and progress[-1] == 8
-    again = FakeFleet()
-    tally = run(tmp_path, again)
-    assert sorted(again.submitted) == [batch.request_id_for("j", "b")]
-    assert (tally.skipped, tally.ok, tally.failed) == (6, 0, 2)
-    assert len(read_jsonl(tmp_path / "err.jsonl")) == 2
-
-
-def test_usage_errors_are_refused_before_anything_is_written(tmp_path):
-    fleet = FakeFleet()
-    with pytest.raises(BatchUsageError, match="no such file"):
-        run(tmp_path, fleet)
-    write_input(tmp_path / "in.jsonl", [line(prompt="x")])
-    with pytest.raises(BatchUsageError, match="window"):
-        run(tmp_path, fleet, window=0)
-    with pytest.raises(BatchUsageError, match="three different files"):
-        run_batch(tmp_path / "in.jsonl", tmp_path / "in.jsonl", tmp_path / "e", "j", 1,
-                  submit=fleet.submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
-    assert not fleet.submitted and not (tmp_path / "err.jsonl").exists()
-
-
-def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
-    write_input(tmp_path / "in.jsonl", [line(prompt="x")])
-    fleet = FakeFleet()
-    inner = []
-
-    def submit(rid, kwargs):
-        with pytest.raises(BatchUsageError, match="another vigil batch"):
-            run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err2.jsonl",
-                      "j", 1, submit=fleet.submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
-        inner.append(rid)
-        fleet.submit(rid, kwargs)
-
-    run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl", "j", 1,
-              submit=submit, poll=fleet.poll, render_chat=fake_render, chat_budget=fake_budget)
-    assert len(inner) == 1 and len(read_jsonl(tmp_path / "out.jsonl")) == 1
 
 
 # -- chat templates ---------------------------------------------------------------------------

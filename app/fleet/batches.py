@@ -169,10 +169,20 @@ def check_metadata(metadata: dict | None) -> dict:
 
 
 def create_batch(bs: BatchStore, input_file_id: str, endpoint: str, completion_window: str,
-                 metadata: dict | None, now: float, settings: VigilSettings) -> dict:
+                 metadata: dict | None, now: float, settings: VigilSettings, *,
+                 job: str | None = None, lenient: bool = False, window: int | None = None,
+                 digest: str | None = None) -> dict:
     """Create a batch over an uploaded file; returns its Batch object (status `validating`:
     the tick validates the file). RequestError(invalid_request) for an unknown file, an endpoint
-    not served, a bad window or bad metadata; nothing is stored then."""
+    not served, a bad window or bad metadata; nothing is stored then.
+
+    `vigil batch FILE` (app/ops/batch_run.py) also gives: `job`, the requests' job (it fixes
+    their ids with each custom_id; the batch is then found again by it), `lenient` (a bad line
+    becomes an error line instead of failing the batch, and lines may mix the two endpoints,
+    as that command always allowed), `window` (its most requests in flight, instead of
+    VIGIL_BATCH_WINDOW) and `digest` (the file's sha256, to tell a rerun from another file)."""
+    if job is not None and not fmt.valid_job(job):
+        raise RequestError.of(INVALID_REQUEST, f"job {job!r} must match {fmt.JOB_PATTERN}")
     if endpoint not in ENDPOINTS:
         raise RequestError.of(INVALID_REQUEST, f"endpoint {endpoint!r} is not served (use "
                               f"{' or '.join(ENDPOINTS)})")
@@ -187,10 +197,16 @@ def create_batch(bs: BatchStore, input_file_id: str, endpoint: str, completion_w
     fields = {"id": batch_id, "status": VALIDATING, "endpoint": endpoint,
               "input_file_id": input_file_id, "completion_window": completion_window,
               "created_at": int(now), "expires_at": int(now + window_s),
-              "metadata": json.dumps(metadata), "job": "batch_" + hex_id, "cursor": 0,
+              "metadata": json.dumps(metadata), "job": job or "batch_" + hex_id, "cursor": 0,
               "total": 0, "completed": 0, "failed": 0}
+    if lenient:
+        fields["lenient"] = 1
+    if window is not None:
+        fields["window"] = max(1, int(window))
+    if digest is not None:
+        fields["sha256"] = digest
     bs.keep_file(input_file_id, window_s + settings.batch_retention)
-    bs.create(batch_id, fields, active=True)
+    bs.create(batch_id, fields, active=True, job=job)
     return batch_object(fields)
 
 
@@ -298,30 +314,41 @@ class BatchDriver:
 
     # validating --------------------------------------------------------------------------
     def _validate(self, b: dict, now: float) -> dict:
-        errors, total, seen = [], 0, set()
+        """Check every line; a strict batch fails on any bad line, a lenient one records each
+        bad line as an error line (as `vigil batch FILE` always did) and goes on."""
+        errors, total, seen, lenient = [], 0, set(), bool(b.get("lenient"))
         nlines = self.bs.file_line_count(b["input_file_id"])
+        refused: list = []  # a lenient batch's error lines
 
-        def bad(n: int, message: str, param: str | None = None) -> None:
-            errors.append({"code": "invalid_request", "message": message, "param": param,
-                           "line": n})
+        def bad(n: int, message: str, param: str | None = None, cid: str | None = None,
+                rid: str | None = None) -> None:
+            if lenient:
+                refused.append(self._error(n, rid, cid, "invalid_request", message))
+            else:
+                errors.append({"code": "invalid_request", "message": message, "param": param,
+                               "line": n})
 
         for n, text in self._lines(b["input_file_id"], 0, nlines):
+            total += 1
             if text is None:
                 bad(n, f"line {n}: not UTF-8 text")
                 continue
-            total += 1
+            cid = None
             try:
                 cid, obj = fmt.read_custom_id(text, n)
                 if cid in seen:
-                    bad(n, f"line {n}: duplicate custom_id {cid!r}", "custom_id")
+                    bad(n, f"line {n}: duplicate custom_id {cid!r}", "custom_id", cid)
                     continue
                 seen.add(cid)
                 fmt.check_line(obj, n)
-                if obj.get("url") != b["endpoint"]:
+                if obj.get("url") != b["endpoint"] and not lenient:
                     bad(n, f"line {n}: url {obj.get('url')!r} differs from the batch's endpoint "
                         f"{b['endpoint']}", "url")
             except RequestError as e:
-                bad(n, e.detail)
+                rid = fmt.request_id_for(b["job"], cid) if cid is not None else None
+                bad(n, e.detail, None, cid, rid)
+        for i in range(0, len(refused), READ_CHUNK):
+            self.bs.record(b["id"], refused[i:i + READ_CHUNK])
         if total == 0:
             bad(0, "the file has no request lines")
         if total > self.s.batch_max_requests:
@@ -399,13 +426,17 @@ class BatchDriver:
         """Submit lines from the cursor while fewer than the window are in flight; returns how
         many were submitted. Stops early (the next tick goes on) when the fleet is overloaded or
         Redis is unreachable."""
-        room = self.s.batch_window - len(self.bs.inflight(b["id"]))
+        room = int(b.get("window") or self.s.batch_window) - len(self.bs.inflight(b["id"]))
         nlines = self.bs.file_line_count(b["input_file_id"])
         cursor, submitted = int(b["cursor"]), 0
         while room > 0 and cursor < nlines:
             stop = min(nlines, cursor + min(room, READ_CHUNK))
             entries, failures, next_cursor = {}, [], stop
-            for n, text in self._lines(b["input_file_id"], cursor, stop):
+            chunk = list(self._lines(b["input_file_id"], cursor, stop))
+            done = self.bs.recorded(b["id"], [n for n, _ in chunk])  # refused in validation
+            for n, text in chunk:
+                if n in done:
+                    continue
                 cid, obj = fmt.read_custom_id(text or "", n)  # validated: cannot fail
                 rid = fmt.request_id_for(b["job"], cid)
                 try:
@@ -478,4 +509,4 @@ class BatchDriver:
                     "batch": b["id"], "kind": kind}, keep)
                 fields[f"{kind}_file_id"] = file_id
         self.bs.keep_file(b["input_file_id"], keep)
-        self.bs.close(b["id"], fields, keep)
+        self.bs.close(b["id"], fields, keep, job=b.get("job"))

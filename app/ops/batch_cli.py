@@ -141,7 +141,8 @@ def summary(b: dict) -> str:
     for name in ("created", "in_progress", "finalizing", "completed", "failed", "expired",
                  "cancelling", "cancelled", "expires"):
         if b[f"{name}_at"]:
-            lines.append(f"  {name + '_at':<15} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(b[f'{name}_at']))}")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b[f"{name}_at"]))
+            lines.append(f"  {name + '_at':<15} {when}")
     for name in ("input_file_id", "output_file_id", "error_file_id"):
         if b[name]:
             lines.append(f"  {name:<15} {b[name]}")
@@ -176,8 +177,9 @@ def _list(bs: BatchStore, args: argparse.Namespace) -> int:
         print(json.dumps(rows))
     for b in rows if not args.json else ():
         c = b["request_counts"]
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(b["created_at"]))
         print(f"{b['id']:<40} {b['status']:<11} {c['completed']:>7} ok {c['failed']:>7} failed "
-              f"of {c['total']:<7} {time.strftime('%Y-%m-%d %H:%M', time.localtime(b['created_at']))}")
+              f"of {c['total']:<7} {created}")
     return 0
 
 

@@ -120,14 +120,29 @@ class BatchStore:
         return self._call(self.r.lrange, key, start, start + count - 1)
 
     # -- batches ---------------------------------------------------------------------------
-    def create(self, batch_id: str, fields: dict, active: bool) -> None:
-        """Write a new batch; `active` ones are walked by the batch tick."""
+    def create(self, batch_id: str, fields: dict, active: bool, job: str | None = None) -> None:
+        """Write a new batch; `active` ones are walked by the batch tick; with `job`, it becomes
+        the batch that job name finds (`for_job`)."""
         pipe = self._call.pipeline(transaction=True)
         pipe.hset(keys.batch(batch_id), mapping=fields)
+        if job is not None:
+            pipe.set(keys.batch_job(job), batch_id)
         pipe.zadd(keys.BATCHES, {batch_id: float(fields["created_at"])})
         if active:
             pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: float(fields["created_at"])})
         self._call(pipe.execute)
+
+    def for_job(self, job: str) -> str | None:
+        """The id of the last batch created under the job name `job`, if it is still kept."""
+        raw = self._call(self.r.get, keys.batch_job(job))
+        return raw.decode() if raw else None
+
+    def recorded(self, batch_id: str, lines: list[int]) -> set[int]:
+        """Those of the line numbers whose result is recorded."""
+        if not lines:
+            return set()
+        got = self._call(self.r.hmget, keys.batch_done(batch_id), lines)
+        return {n for n, v in zip(lines, got) if v is not None}
 
     def get(self, batch_id: str) -> dict[str, str] | None:
         """A batch's hash, or None when there is no such batch (or it expired)."""
@@ -212,9 +227,9 @@ class BatchStore:
              keys.batch_errors(batch_id), keys.batch_inflight(batch_id)]
         return int(self._call(self._record, keys=k, args=args))
 
-    def close(self, batch_id: str, fields: dict, ttl_s: float) -> None:
+    def close(self, batch_id: str, fields: dict, ttl_s: float, job: str | None = None) -> None:
         """End a batch: write its last fields, take it off the active set, and let its keys
-        expire after `ttl_s`."""
+        (and its job name's pointer to it, `job`) expire after `ttl_s`."""
         pipe = self._call.pipeline(transaction=True)
         pipe.hset(keys.batch(batch_id), mapping=fields)
         pipe.zrem(keys.BATCHES_ACTIVE, batch_id)
@@ -222,4 +237,6 @@ class BatchStore:
         for key in (keys.batch(batch_id), keys.batch_done(batch_id),
                     keys.batch_output(batch_id), keys.batch_errors(batch_id)):
             pipe.expire(key, int(ttl_s))
+        if job is not None:
+            pipe.expire(keys.batch_job(job), int(ttl_s))
         self._call(pipe.execute)

@@ -58,6 +58,8 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | recorded (once: HSETNX)                  |
 | vigil:batchout:{batch_id}   | list | as its batch                | the output file's lines (successes)      |
 | vigil:batcherr:{batch_id}   | list | as its batch                | the error file's lines                   |
+| vigil:batchjob:{job}        | str  | none while its batch lives; | the last batch created under a job name  |
+|                             |      | as its batch once ended     | (`vigil batch FILE` finds its batch)     |
 | vigil:batches               | zset | none; expired ids pruned on | batch id -> created_at (`batch list`)    |
 |                             |      | listing                     |                                          |
 | vigil:batches:active        | zset | none; a batch leaves it when| batch id -> created_at: what the batch   |
@@ -174,6 +176,11 @@ def file_lines(file_id: str) -> str:
 def batch(batch_id: str) -> str:
     """A batch object's hash (app/fleet/batches.py)."""
     return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_job(job: str) -> str:
+    """The id of the last batch created under a job name (`vigil batch FILE`)."""
+    return f"{PREFIX}batchjob:{job}"
 
 
 def batch_inflight(batch_id: str) -> str:
