@@ -2,15 +2,18 @@
 backend and control bus (app/control.py) as its collaborators."""
 from __future__ import annotations
 
+import logging
 import time
 
 from app import app, control
+from app.errors import TerminalError
 from app.fleet.batches import BatchDriver
 from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.foreign_queues import move_foreign_messages
 from app.fleet.jobs import delete_job, expire_jobs
 from app.fleet.message_audit import audit_after_restart, audit_orphans
+from app.fleet.outcomes import end_requests_failed
 from app.fleet.reaper import reap_workers
 from app.fleet.reconcile import reconcile_pools
 from app.local.tiny_model import build_if_local
@@ -23,6 +26,8 @@ from app.state.batches import BatchStore
 from app.state.health import HealthLedger
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
+
+log = logging.getLogger("vigil.housekeeping")
 
 # Beat's own lock around a whole reconcile pass (the job-queue repair has its own).
 POOL_RECONCILE_LOCK = "pool_reconcile"
@@ -143,9 +148,18 @@ def batch_tick() -> dict:
     def end_job(name: str, reason: str, code: str) -> int:
         return delete_job(store, name, reason, code=code)
 
+    def end_requests(ids: list[str], code: str, reason: str) -> int:
+        try:  # first: a worker running one frees its engine slot (as ending a job does)
+            control.abort_requests(ids)
+        except Exception as e:
+            log.warning("batch: abort broadcast failed: %s", e)
+        return end_requests_failed(store, ids, TerminalError.of(code, reason), now=time.time(),
+                                   backend=app.backend)
+
     with store.locked(BATCH_TICK_LOCK, BATCH_TICK_LOCK_S) as held:
         if not held:
             return {}
-        driver = BatchDriver(BatchStore(store.r), store, s, submit=submit, end_job=end_job,
+        driver = BatchDriver(BatchStore(store.r), store, s, submit=submit,
+                             end_requests=end_requests, end_job=end_job,
                              render_chat=_render_chat, chat_budget=rest_of_context)
         return driver.advance_all(time.time())

@@ -136,3 +136,22 @@ def test_vigil_api_refuses_to_start_without_a_token_unless_disabled_for_loopback
     assert listen_address(args, off) == "127.0.0.1"
     assert listen_address(args, load_settings(cache_dir=CACHE_DIR, api_token="t")) == "0.0.0.0"
     assert "tok3n" not in repr(load_settings(cache_dir=CACHE_DIR, api_token="tok3n"))
+
+
+def test_the_gate_answers_before_reading_a_body_and_unknown_paths_get_openais_shape(served):
+    """An upload without the token is refused 401 however large, one with it but larger than
+    the limit is refused 400 from its Content-Length; an unknown path is a 404 in OpenAI's
+    error shape, not FastAPI's."""
+    fleet, base = served
+    big = b"x" * (fleet.settings.batch_max_bytes + 70 * 1024)
+    r = requests.post(f"{base}/files", files={"file": ("big.jsonl", big)},
+                      data={"purpose": "batch"}, timeout=10)
+    assert r.status_code == 401
+    r = requests.post(f"{base}/files", files={"file": ("big.jsonl", big)},
+                      data={"purpose": "batch"}, headers={"Authorization": f"Bearer {TOKEN}"},
+                      timeout=10)
+    assert r.status_code == 400 and "VIGIL_BATCH_MAX_BYTES" in r.json()["error"]["message"]
+    r = requests.get(f"{base}/models", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        client(base).models.list()

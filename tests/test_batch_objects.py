@@ -13,13 +13,13 @@ import openai.types
 import pytest
 import redis
 
-from app.errors import BATCH_CANCELLED, BATCH_EXPIRED, PROMPT_TOO_LONG, RequestError, TerminalError
+from app.errors import (BATCH_CANCELLED, BATCH_EXPIRED, PROMPT_TOO_LONG, REDIS_UNAVAILABLE,
+                        RequestError, TerminalError, TransientError)
 from app.fleet import batches
 from app.fleet.batches import BatchDriver
 from app.fleet.jobs import end_job
-from app.fleet.outcomes import end_request
+from app.fleet.outcomes import end_request, end_requests_failed
 from app.local.embedded import EmbeddedRedis, stop_process
-from app.requests import batch_file as fmt
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
 from app.settings import load_settings
@@ -58,12 +58,16 @@ class Fleet:
         self.sent: list[str] = []
         self.now = T0
         self.driver = BatchDriver(self.bs, self.store, self.settings, submit=self.submit,
-                                  end_job=self.end_job, render_chat=lambda m, msgs: [5, 6, 7],
+                                  end_requests=self.end_requests, end_job=self.end_job,
+                                  render_chat=lambda m, msgs: [5, 6, 7],
                                   chat_budget=lambda m, n: None)
 
     def submit(self, rid: str, kwargs: dict) -> None:
         submit_request(kwargs, rid, settings=self.settings, registry=get_registry(),
                        store=self.store, send=lambda *a, **kw: self.sent.append(rid))
+
+    def end_requests(self, ids: list[str], code: str, reason: str) -> int:
+        return end_requests_failed(self.store, ids, TerminalError.of(code, reason), now=self.now)
 
     def end_job(self, name: str, reason: str, code: str) -> int:
         return end_job(self.store, name, self.now, reason, None, lambda q, n: None,
@@ -80,9 +84,23 @@ class Fleet:
         return self.driver.advance_all(self.now)
 
     def obj(self, bid: str) -> dict:
+        """The batch's object, validated with the official client's own type (so every status
+        the tests reach is checked against it)."""
         b = batches.get_batch(self.bs, bid)
-        openai.types.Batch.model_validate(b)  # the official client's own type
+        openai.types.Batch.model_validate(b)
         return b
+
+    def until_ended(self, bid: str, work: bool = False, ticks: int = 20) -> str:
+        """Tick (finishing every open request first, with `work`) until the batch ends; its
+        final status. Fails after `ticks` ticks instead of hanging."""
+        for _ in range(ticks):
+            if work:
+                for rid in self.open_ids():
+                    self.finish(rid)
+            status = self.tick().get(bid)
+            if status in batches.ENDED:
+                return status
+        raise AssertionError(f"batch {bid} still {status} after {ticks} ticks")
 
     def open_ids(self) -> list[str]:
         return [rid for rid in dict.fromkeys(self.sent)
@@ -303,8 +321,7 @@ def test_a_deleted_job_fails_the_batchs_remaining_lines_job_deleted(redis_db1_ur
     fleet.tick()
     job = fleet.bs.get(bid)["job"]
     fleet.end_job(job, "deleted by hand", "job_deleted")
-    while fleet.tick().get(bid) != "completed":
-        pass
+    assert fleet.until_ended(bid) == "completed"
     b = fleet.obj(bid)
     assert b["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
     assert {x["error"]["code"] for x in fleet.content(b["error_file_id"])} == {"job_deleted"}
@@ -333,27 +350,11 @@ def test_a_batch_survives_a_redis_restart_with_aof(tmp_path):
             fleet.finish(rid)
         stop_process(rds.proc)  # SIGTERM: Redis writes its AOF and exits
         rds.start()
-        while fleet.tick().get(bid) != "completed":
-            for rid in fleet.open_ids():
-                fleet.finish(rid)
+        assert fleet.until_ended(bid, work=True) == "completed"
         assert len(fleet.sent) == 4 == len(set(fleet.sent))
         assert fleet.obj(bid)["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     finally:
         rds.stop()
-
-
-def test_the_batch_object_parses_as_openais_batch_at_every_status(fleet):
-    bid = fleet.create(jsonl(line("a")))
-    for status in ("validating", "in_progress"):
-        assert fleet.obj(bid)["status"] == status
-        fleet.tick()
-    assert isinstance(openai.types.Batch.model_validate(fleet.obj(bid)), openai.types.Batch)
-
-
-def test_ending_a_request_with_the_batch_codes_is_a_terminal_error():
-    e = TerminalError.of(BATCH_CANCELLED, "batch x was cancelled")
-    assert str(e).startswith("batch_cancelled: ") and e.code == BATCH_CANCELLED
-    assert fmt.error_line("i", "c", e.code, e.detail)["error"]["code"] == BATCH_CANCELLED
 
 
 def test_a_batch_deleted_by_hand_leaves_the_active_set(fleet):
@@ -361,3 +362,116 @@ def test_a_batch_deleted_by_hand_leaves_the_active_set(fleet):
     fleet.client.delete(keys.batch(bid))
     assert fleet.tick() == {bid: "gone"}
     assert fleet.bs.active_ids() == [] and fleet.tick() == {}
+
+
+class FailOnce:
+    """Wraps a BatchStore method: its first call raises TransientError (a tick dying between
+    two writes: Redis gone, the housekeeper killed), later calls go through."""
+
+    def __init__(self, fn):
+        self.fn, self.failed = fn, False
+
+    def __call__(self, *a, **kw):
+        if not self.failed:
+            self.failed = True
+            raise TransientError.of(REDIS_UNAVAILABLE, "the tick died here")
+        return self.fn(*a, **kw)
+
+
+def test_a_tick_that_dies_after_submitting_loses_no_line_and_submits_none_twice(fleet):
+    """Given a tick that submitted a chunk (one line refused at submit) and died before noting
+    what it submitted, the next tick goes over the same lines: the submitted ones re-attach
+    (not published again), the refused one is recorded once, and the batch completes with
+    every line accounted for."""
+    bid = fleet.create(jsonl(line("a"), line("b", model="gpt-9"), line("c")))
+    fleet.bs.add_inflight = FailOnce(fleet.bs.add_inflight)
+    assert fleet.tick() == {bid: "stalled"}
+    assert len(fleet.sent) == 2
+    assert fleet.until_ended(bid, work=True) == "completed"
+    b = fleet.obj(bid)
+    assert b["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert len(fleet.sent) == 2 == len(set(fleet.sent))
+    assert len(fleet.content(b["error_file_id"])) == 1
+
+
+def test_a_line_the_books_lost_is_looked_at_again_not_dropped(fleet):
+    """Given every line submitted and nothing noted in flight, yet fewer lines recorded than
+    the batch has (its in-flight note lost), the batch is not completed: the lines are looked
+    at again, the lost one re-attaches to its request, and its result is recorded once."""
+    bid = fleet.create(jsonl(line("a"), line("b")))
+    fleet.tick()
+    fleet.client.delete(keys.batch_inflight(bid))  # the note of both requests, lost
+    for rid in fleet.open_ids():
+        fleet.finish(rid)
+    assert fleet.tick() == {bid: "in_progress"}  # 0 of 2 recorded: not completed
+    assert fleet.until_ended(bid) == "completed"
+    assert fleet.obj(bid)["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert len(fleet.sent) == 2
+
+
+def test_a_cancel_after_a_tick_died_fails_the_requests_it_had_submitted(fleet):
+    """Given a tick that submitted lines and died before noting them, when the batch is
+    cancelled, then those requests (found by their fixed ids) fail batch_cancelled rather
+    than run on unseen, and each line is recorded once."""
+    bid = fleet.create(jsonl(line("a"), line("b")))
+    fleet.bs.add_inflight = FailOnce(fleet.bs.add_inflight)
+    fleet.tick()
+    batches.cancel_batch(fleet.bs, bid, fleet.now)
+    assert fleet.tick() == {bid: "cancelled"}
+    for rid in fleet.sent:
+        assert fleet.store.get(rid)["error"].startswith(BATCH_CANCELLED + ":")
+    assert fleet.obj(bid)["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+
+
+def test_a_batch_cancelled_while_validating_counts_every_line(fleet):
+    bid = fleet.create(jsonl(line("a"), "not json", line("c")))
+    batches.cancel_batch(fleet.bs, bid, fleet.now)
+    assert fleet.tick() == {bid: "cancelled"}
+    assert fleet.obj(bid)["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert fleet.sent == []
+
+
+def test_cancelling_a_lenient_batch_under_a_shared_job_ends_only_its_own_requests(fleet):
+    """Given a `vigil batch FILE` batch (lenient, job "shared") and another producer's request
+    in the same job, cancelling the batch fails its own requests only: the job lives on."""
+    other = "other-producer-request"
+    fleet.submit(other, {"model": "tiny-llama", "prompt": "mine", "job": "shared"})
+    f = batches.upload_file(fleet.bs, jsonl(line("a"), line("b")), "f.jsonl", "batch",
+                            fleet.now, fleet.settings)
+    bid = batches.create_batch(fleet.bs, f["id"], "/v1/completions", "24h", None, fleet.now,
+                               fleet.settings, job="shared", lenient=True)["id"]
+    fleet.tick()
+    batches.cancel_batch(fleet.bs, bid, fleet.now)
+    assert fleet.tick() == {bid: "cancelled"}
+    assert fleet.store.get(other)["status"] == "PENDING"
+    assert fleet.client.hget(keys.job("shared"), "state") != b"deleted"
+    assert fleet.obj(bid)["request_counts"]["failed"] == 2
+
+
+def test_a_lenient_batch_still_fails_on_the_line_limit(redis_db1_url):
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), batch_max_requests=2)
+    f = batches.upload_file(fleet.bs, jsonl(line("a"), "bad", line("c")), "f.jsonl", "batch",
+                            fleet.now, fleet.settings)
+    bid = batches.create_batch(fleet.bs, f["id"], "/v1/completions", "24h", None, fleet.now,
+                               fleet.settings, job="j", lenient=True)["id"]
+    assert fleet.tick() == {bid: "failed"}
+    b = fleet.obj(bid)
+    assert "VIGIL_BATCH_MAX_REQUESTS" in b["errors"]["data"][0]["message"]
+    assert fleet.sent == [] and b["error_file_id"] is None  # no line recorded: nothing ran
+
+
+def test_a_step_that_raises_does_not_stop_the_batches_after_it(fleet, caplog):
+    """Given two batches and a chat template that raises something unexpected for the first,
+    the tick logs it and still advances the second."""
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}}
+    first = fleet.create(jsonl(chat), endpoint="/v1/chat/completions")
+    fleet.now += 1
+    second = fleet.create(jsonl(line("a")))
+
+    def broken(model, messages):
+        raise KeyError("a tokenizer bug")
+
+    fleet.driver.render_chat = broken
+    assert fleet.tick() == {first: "stalled", second: "in_progress"}
+    assert "a tokenizer bug" in caplog.text

@@ -5,6 +5,7 @@ workers) finishes what is open and runs one batch tick. Witnesses: the files the
 writes, and the messages the fleet captured (none sent twice)."""
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,8 +15,10 @@ import redis
 
 from app.errors import PROMPT_TOO_LONG, RequestError
 from app.fleet import batches
+from app.ops import batch_cli
 from app.ops.batch_run import run_file
 from app.requests import batch_file as fmt
+from app.state import keys
 from tests.test_batch_objects import Fleet
 
 pytestmark = pytest.mark.redis
@@ -173,3 +176,24 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(run
     runner.between = second_run
     assert runner.run(job="j") == 0
     assert inner and set(inner) == {2} and len(runner.out()) == 1
+
+
+def test_a_batch_deleted_while_followed_ends_the_command_with_status_1(runner, tmp_path):
+    write(tmp_path / "in.jsonl", [line("a")])
+    runner.between = lambda: runner.fleet.client.delete(
+        keys.batch(runner.fleet.bs.for_job("j")))
+    assert runner.run(job="j") == 1
+
+
+def test_submit_refuses_an_endpoint_not_served_before_storing_anything(runner, tmp_path):
+    """`vigil batch submit` of a file whose first line names /v1/embeddings (and no
+    --endpoint) exits 2 with nothing stored, as its other refusals do."""
+    write(tmp_path / "in.jsonl", [{**line("a"), "url": "/v1/embeddings"}])
+    args = argparse.Namespace(file=str(tmp_path / "in.jsonl"), completion_window="24h",
+                              metadata=[], endpoint=None)
+    assert batch_cli._submit(runner.fleet.bs, args) == 2
+    assert runner.fleet.bs.file_ids() == [] and runner.fleet.bs.batch_ids(10) == []
+    # `vigil batch FILE` (lenient) runs such a file: that line is its error line.
+    assert runner.run(job="j") == 1
+    [e] = runner.err()
+    assert e["custom_id"] == "a" and "not supported" in e["error"]["message"]

@@ -149,6 +149,12 @@ def test_each_compose_gpu_worker_reserves_exactly_its_own_gpu(compose):
     assert len(seen) == len(set(seen)), f"two GPU workers share a GPU: {seen}"
 
 
+def test_compose_housekeeper_has_transformers_for_batch_chat_lines(compose):
+    """The batch tick renders chat lines with the model's template: the housekeeper's image
+    must be one with transformers (the cpu target), not the bare base."""
+    assert compose["services"]["housekeeper"]["build"]["target"] == "cpu"
+
+
 def test_compose_api_runs_vigil_api_and_requires_its_token(compose):
     api = compose["services"]["api"]
     assert _command(api)[:2] == ["vigil", "api"]

@@ -31,7 +31,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from app.errors import (BATCH_CANCELLED, BATCH_EXPIRED, INVALID_REQUEST, RequestError,
                         TerminalError, TransientError, error_from_record)
@@ -64,6 +64,9 @@ READ_CHUNK = 500
 Submit = Callable[[str, dict], None]
 # end_job(job, reason, code): app/fleet/jobs.py's delete_job; -1 when someone else is ending it.
 EndJob = Callable[[str, str, str], int]
+# end_requests(request_ids, code, reason): fail these open requests TerminalError(code) once
+# each, aborting those that run (app/fleet/outcomes.py end_requests_failed, app/control.py).
+EndRequests = Callable[[list[str], str, str], int]
 
 
 class BatchNotFound(LookupError):
@@ -101,16 +104,29 @@ def file_object(meta: dict) -> dict:
             "status_details": None}
 
 
-def file_content(bs: BatchStore, file_id: str) -> list[bytes]:
-    """A file's bytes as a list of chunks: an uploaded file as it was sent, an output or error
-    file as its batch's lines (so far). BatchNotFound when there is no such file."""
+def file_content(bs: BatchStore, file_id: str) -> Iterator[bytes]:
+    """A file's bytes, in chunks of a few thousand lines (read from Redis as they are sent, so a
+    large file is never whole in memory): an uploaded file as it was sent, an output or error
+    file as its batch's lines. BatchNotFound at once when there is no such file."""
     meta = bs.file(file_id)
     if meta is None:
         raise BatchNotFound(f"no file {file_id!r}")
     if meta.get("batch"):
-        return [line + b"\n" for line in result_lines(bs, meta["batch"],
-                                                       meta.get("kind") == "error")]
-    return _all(lambda s, n: bs.file_lines(file_id, s, n))
+        errors = meta.get("kind") == "error"
+        return (b"".join(x + b"\n" for x in chunk) for chunk in _chunks(
+            lambda s, n: bs.results(meta["batch"], errors, s, n)))
+    return (b"".join(chunk) for chunk in _chunks(lambda s, n: bs.file_lines(file_id, s, n)))
+
+
+def _chunks(read) -> Iterator[list[bytes]]:
+    start, size = 0, 10 * READ_CHUNK
+    while True:
+        chunk = read(start, size)
+        if chunk:
+            yield chunk
+        if len(chunk) < size:
+            return
+        start += len(chunk)
 
 
 def delete_file(bs: BatchStore, file_id: str) -> dict:
@@ -130,17 +146,8 @@ def delete_file(bs: BatchStore, file_id: str) -> dict:
 def result_lines(bs: BatchStore, batch_id: str, errors: bool) -> list[bytes]:
     """Every output line (error line with `errors`) a batch has recorded so far, in order of
     completion, without line ends."""
-    return _all(lambda s, n: bs.results(batch_id, errors, s, n))
-
-
-def _all(read) -> list[bytes]:
-    out, start = [], 0
-    while True:
-        chunk = read(start, 10 * READ_CHUNK)
-        out += chunk
-        if len(chunk) < 10 * READ_CHUNK:
-            return out
-        start += len(chunk)
+    return [x for chunk in _chunks(lambda s, n: bs.results(batch_id, errors, s, n))
+            for x in chunk]
 
 
 # -- creating and cancelling ---------------------------------------------------------------
@@ -262,25 +269,29 @@ class BatchDriver:
     """Advances every live batch one step (module docstring); what beat's batch tick runs.
 
     Collaborators: the batch store, the request store (records are the outcomes' source of
-    truth), `submit`, `end_job`, `render_chat` / `chat_budget` for chat lines
+    truth), `submit`, `end_requests`, `end_job`, `render_chat` / `chat_budget` for chat lines
     (app/requests/chat.py), and the settings (window, limits, retention)."""
 
     def __init__(self, bs: BatchStore, store: RequestStore, settings: VigilSettings, *,
-                 submit: Submit, end_job: EndJob, render_chat: fmt.RenderChat,
-                 chat_budget: fmt.ChatBudget):
+                 submit: Submit, end_requests: EndRequests, end_job: EndJob,
+                 render_chat: fmt.RenderChat, chat_budget: fmt.ChatBudget):
         self.bs, self.store, self.s = bs, store, settings
-        self.submit, self.end_job = submit, end_job
+        self.submit, self.end_requests, self.end_job = submit, end_requests, end_job
         self.render_chat, self.chat_budget = render_chat, chat_budget
 
     def advance_all(self, now: float) -> dict[str, str]:
         """One step of every live batch; returns {batch id: status after}. A batch whose step
-        fails (Redis unreachable, a bug) is logged and tried again on the next tick."""
+        fails (Redis unreachable, or anything else: a tokenizer that cannot load, a bug) is
+        logged and tried again on the next tick; the batches after it still get their step."""
         out = {}
         for batch_id in self.bs.active_ids():
             try:
                 out[batch_id] = self.advance(batch_id, now)
             except TransientError as e:
                 log.warning("batch %s: stopped this tick: %s", batch_id, e)
+                out[batch_id] = "stalled"
+            except Exception:
+                log.exception("batch %s: its step failed; tried again next tick", batch_id)
                 out[batch_id] = "stalled"
         return out
 
@@ -306,11 +317,24 @@ class BatchDriver:
             b = self.bs.get(batch_id) or b
             if int(b["cursor"]) >= self.bs.file_line_count(b["input_file_id"]) \
                     and not self.bs.inflight(batch_id):
-                self.bs.update(batch_id, {"status": FINALIZING,
-                                          "finalizing_at": b.get("finalizing_at") or int(now)})
-                self._close(b, now, COMPLETED)
-                return COMPLETED
+                return self._finish(b, now)
         return (self.bs.get(batch_id) or b)["status"]
+
+    def _finish(self, b: dict, now: float) -> str:
+        """Every line submitted and nothing in flight: `completed` once every line is recorded.
+        A line the count misses (its record lost in a crash) sends the cursor back to the
+        start: the lines not recorded are submitted again (re-attached), none twice."""
+        recorded = int(b.get("completed") or 0) + int(b.get("failed") or 0)
+        if recorded < int(b.get("total") or 0):
+            log.warning("batch %s: %d of %d lines recorded with nothing left to submit; "
+                        "looking at the others again", b["id"], recorded, int(b["total"]))
+            self.bs.add_inflight(b["id"], {}, 0)
+            return b["status"]
+        if b["status"] == IN_PROGRESS and not self.bs.set_status_if(
+                b["id"], (IN_PROGRESS,), {"status": FINALIZING, "finalizing_at": int(now)}):
+            return (self.bs.get(b["id"]) or b)["status"]  # cancelled meanwhile: next tick
+        self._close(b, now, COMPLETED)
+        return COMPLETED
 
     # validating --------------------------------------------------------------------------
     def _validate(self, b: dict, now: float) -> dict:
@@ -347,19 +371,25 @@ class BatchDriver:
             except RequestError as e:
                 rid = fmt.request_id_for(b["job"], cid) if cid is not None else None
                 bad(n, e.detail, None, cid, rid)
+        # The limits fail any batch, lenient or not.
+        if total == 0:
+            errors.append({"code": "invalid_request", "line": 0, "param": None,
+                           "message": "the file has no request lines"})
+        if total > self.s.batch_max_requests:
+            errors.append({"code": "invalid_request", "line": 0, "param": None,
+                           "message": f"the file has {total:,} request lines; a batch may have "
+                           f"at most {self.s.batch_max_requests:,} (VIGIL_BATCH_MAX_REQUESTS)"})
+        if errors:
+            refused = []  # nothing runs: the limits' errors say why
         for i in range(0, len(refused), READ_CHUNK):
             self.bs.record(b["id"], refused[i:i + READ_CHUNK])
-        if total == 0:
-            bad(0, "the file has no request lines")
-        if total > self.s.batch_max_requests:
-            bad(0, f"the file has {total:,} request lines; a batch may have at most "
-                f"{self.s.batch_max_requests:,} (VIGIL_BATCH_MAX_REQUESTS)")
         if errors:
             shown = errors[:MAX_LISTED_ERRORS]
             if len(errors) > len(shown):
                 shown.append({"code": "invalid_request", "line": None, "param": None,
                               "message": f"... and {len(errors) - len(shown)} more"})
-            self._close(b | {"total": total}, now, FAILED, {"errors": json.dumps(shown)})
+            if self.bs.set_status_if(b["id"], (VALIDATING,), {"status": FAILED}):
+                self._close(b | {"total": total}, now, FAILED, {"errors": json.dumps(shown)})
             return self.bs.get(b["id"]) or b
         fields = {"total": total, "in_progress_at": int(now)}
         if self.bs.set_status_if(b["id"], (VALIDATING,), {"status": IN_PROGRESS, **fields}):
@@ -451,8 +481,8 @@ class BatchDriver:
                     next_cursor = n - 1
                     break
                 entries[rid] = {"n": n, "c": cid, "k": kind}
+            self.bs.record(b["id"], failures)  # before the cursor passes them
             self.bs.add_inflight(b["id"], entries, next_cursor)
-            self.bs.record(b["id"], failures)
             submitted += len(entries)
             room -= len(entries) + len(failures)
             if next_cursor < stop:
@@ -462,29 +492,43 @@ class BatchDriver:
 
     # ending ----------------------------------------------------------------------------
     def _end_early(self, b: dict, now: float, status: str, code: str, reason: str) -> str:
-        """Cancel or expire: end the job's open requests with `code`, record them and every
-        line never submitted as errors, keep every finished result, then close the batch."""
-        if int(b.get("cursor") or 0) > 0 and self.end_job(b["job"], reason, code) < 0:
-            return b["status"]  # someone else is ending the job right now: next tick
+        """Cancel or expire: fail the batch's own open requests with `code` (in flight, and any
+        a tick submitted just before it stopped), record them and every line not recorded yet
+        as errors, keep every finished result, then close the batch. Only the batch's requests
+        are ended: a `vigil batch FILE` job may be shared with other producers. A job the batch
+        owns (`batch_<hex>`) is ended too, which drops its queues."""
+        self._collect(b, now)
+        nlines = self.bs.file_line_count(b["input_file_id"])
+        lines = []  # (n, request id or None, custom_id or None) not recorded yet past the cursor
+        for first in range(int(b.get("cursor") or 0), nlines, READ_CHUNK):
+            chunk = list(self._lines(b["input_file_id"], first, min(nlines, first + READ_CHUNK)))
+            done = self.bs.recorded(b["id"], [n for n, _ in chunk])
+            for n, text in chunk:
+                if n in done:
+                    continue
+                try:
+                    cid = fmt.read_custom_id(text or "", n)[0]
+                except RequestError:  # cancelled while validating: lines never checked
+                    cid = None
+                lines.append((n, fmt.request_id_for(b["job"], cid) if cid else None, cid))
+        ids = list(self.bs.inflight(b["id"])) + [rid for _, rid, _ in lines if rid]
+        for k in range(0, len(ids), READ_CHUNK):
+            chunk = ids[k:k + READ_CHUNK]
+            ended = self.store.ended(chunk)  # ended or gone: nothing to fail
+            still_open = [rid for rid in chunk if rid not in ended]
+            if still_open:
+                self.end_requests(still_open, code, reason)
         self._collect(b, now)
         if self.bs.inflight(b["id"]):  # a record not ended yet (Redis hiccup): next tick
             return b["status"]
-        nlines = self.bs.file_line_count(b["input_file_id"])
-        cursor = int(b.get("cursor") or 0)
-        pending: list = []
-        for n, text in self._lines(b["input_file_id"], cursor, nlines):
-            try:
-                cid = fmt.read_custom_id(text or "", n)[0]
-            except RequestError:  # a batch cancelled while validating: lines never checked
-                cid = None
-            rid = fmt.request_id_for(b["job"], cid) if cid is not None else None
-            pending.append(self._error(n, rid, cid, code, reason))
-            if len(pending) >= READ_CHUNK:
-                self.bs.record(b["id"], pending)
-                pending = []
-        self.bs.record(b["id"], pending)
-        if b["status"] == VALIDATING or not b.get("total"):
+        for k in range(0, len(lines), READ_CHUNK):
+            self.bs.record(b["id"], [self._error(n, rid, cid, code, reason)
+                                     for n, rid, cid in lines[k:k + READ_CHUNK]])
+        if int(b.get("total") or 0) == 0:  # cancelled before its validation counted them
             b = b | {"total": sum(1 for _ in self._lines(b["input_file_id"], 0, nlines))}
+        if b["job"] == "batch_" + b["id"].removeprefix("batch_") and \
+                self.end_job(b["job"], reason, code) < 0:
+            return b["status"]  # someone else is ending the job right now: next tick
         self._close(b, now, status)
         log.warning("batch %s %s", b["id"], status)
         return status

@@ -23,12 +23,13 @@ import hmac
 import time
 
 import uvicorn
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
-from app.errors import RequestError
+from app.errors import RequestError, TransientError
 from app.fleet import batches
 from app.settings import VigilSettings
 from app.state.batches import BatchStore
@@ -37,6 +38,8 @@ DEFAULT_API_PORT = 8000
 API_LOCAL_ADDRESS = "127.0.0.1"  # where `vigil api` listens when it runs without a token
 # The most batches or files one list call returns (OpenAI's cap for batches).
 MAX_LIST = 100
+# What a multipart upload may add around the file itself (boundaries, the purpose field).
+UPLOAD_OVERHEAD = 64 * 1024
 
 
 class ApiAuthMissing(Exception):
@@ -83,89 +86,108 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
                   docs_url=None, redoc_url=None, openapi_url=None)
     token = settings.api_token.get_secret_value()
 
-    def authorized(request: Request) -> None:
-        if not token:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                 token.encode()):
-            raise ApiError(401, "Incorrect API key provided (Authorization: Bearer "
-                           "<VIGIL_API_TOKEN>).", "invalid_api_key")
-
-    @api.exception_handler(ApiError)
-    def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    def error(e: ApiError) -> JSONResponse:
         return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
                                        "code": e.code}}, status_code=e.status)
 
+    @api.middleware("http")
+    async def gate(request: Request, call_next):
+        # Before any body is read: an unauthenticated client cannot make the server spool an
+        # upload, and an upload over the limit is refused from its Content-Length.
+        if token:
+            scheme, _, value = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
+                                                                     token.encode()):
+                return error(ApiError(401, "Incorrect API key provided (Authorization: Bearer "
+                                      "<VIGIL_API_TOKEN>).", "invalid_api_key"))
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > settings.batch_max_bytes + UPLOAD_OVERHEAD:
+            return error(ApiError(400, f"the request has {int(length):,} bytes; a batch file "
+                                  f"may have at most {settings.batch_max_bytes:,} "
+                                  "(VIGIL_BATCH_MAX_BYTES)", "invalid_request"))
+        return await call_next(request)
+
+    @api.exception_handler(ApiError)
+    def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error(e)
+
     @api.exception_handler(RequestError)
     def _request_error(request: Request, e: RequestError) -> JSONResponse:
-        return _api_error(request, ApiError(400, str(e), e.code))
+        return error(ApiError(400, str(e), e.code))
 
     @api.exception_handler(batches.BatchNotFound)
     def _not_found(request: Request, e: batches.BatchNotFound) -> JSONResponse:
-        return _api_error(request, ApiError(404, str(e.args[0]), "not_found"))
+        return error(ApiError(404, str(e.args[0]), "not_found"))
+
+    @api.exception_handler(TransientError)
+    def _unavailable(request: Request, e: TransientError) -> JSONResponse:
+        # 503: the openai client retries it (its max_retries) as it does OpenAI's own outages.
+        return error(ApiError(503, str(e), e.code, "server_error"))
+
+    @api.exception_handler(HTTPException)
+    def _http(request: Request, e: HTTPException) -> JSONResponse:  # unknown path or method
+        return error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail} "
+                              "(Vigil serves the Files and Batches endpoints only)",
+                              "not_found" if e.status_code == 404 else "invalid_request"))
 
     @api.exception_handler(RequestValidationError)
     def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _api_error(request, ApiError(400, f"invalid request: {first.get('msg', e)}",
-                                            "invalid_request", param=param))
+        return error(ApiError(400, f"invalid request: {first.get('msg', e)}", "invalid_request",
+                              param=param))
 
-    auth = [Depends(authorized)]
-
-    @api.post("/v1/files", dependencies=auth)
+    @api.post("/v1/files")
     def upload(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:
         data = file.file.read(settings.batch_max_bytes + 1)
         return batches.upload_file(bs, data, file.filename or "upload.jsonl", purpose, clock(),
                                    settings)
 
-    @api.get("/v1/files", dependencies=auth)
+    @api.get("/v1/files")
     def list_files(purpose: str | None = None) -> dict:
         rows = [batches.file_object(m) for m in map(bs.file, bs.file_ids()) if m]
         rows = [r for r in rows if purpose is None or r["purpose"] == purpose]
         return _page(rows, False)
 
-    @api.get("/v1/files/{file_id}", dependencies=auth)
+    @api.get("/v1/files/{file_id}")
     def get_file(file_id: str) -> dict:
         meta = bs.file(file_id)
         if meta is None:
             raise batches.BatchNotFound(f"No file found with id {file_id!r}.")
         return batches.file_object(meta)
 
-    @api.get("/v1/files/{file_id}/content", dependencies=auth)
-    def file_content(file_id: str) -> Response:
+    @api.get("/v1/files/{file_id}/content")
+    def file_content(file_id: str) -> StreamingResponse:
         try:
-            body = b"".join(batches.file_content(bs, file_id))
+            chunks = batches.file_content(bs, file_id)
         except batches.BatchNotFound:
             raise batches.BatchNotFound(f"No file found with id {file_id!r}.") from None
-        return Response(body, media_type="application/octet-stream")
+        return StreamingResponse(chunks, media_type="application/octet-stream")
 
-    @api.delete("/v1/files/{file_id}", dependencies=auth)
+    @api.delete("/v1/files/{file_id}")
     def delete_file(file_id: str) -> dict:
         return batches.delete_file(bs, file_id)
 
-    @api.post("/v1/batches", dependencies=auth)
+    @api.post("/v1/batches")
     def create(body: BatchCreate) -> dict:
         return batches.create_batch(bs, body.input_file_id, body.endpoint,
                                     body.completion_window, body.metadata, clock(), settings)
 
-    @api.get("/v1/batches", dependencies=auth)
+    @api.get("/v1/batches")
     def list_batches(limit: int = 20, after: str | None = None) -> dict:
         limit = max(1, min(limit, MAX_LIST))
         ids = bs.batch_ids(limit + 1, after)
         rows = [batches.batch_object(b) for b in map(bs.get, ids[:limit]) if b]
         return _page(rows, len(ids) > limit)
 
-    @api.get("/v1/batches/{batch_id}", dependencies=auth)
+    @api.get("/v1/batches/{batch_id}")
     def retrieve(batch_id: str) -> dict:
         try:
             return batches.get_batch(bs, batch_id)
         except batches.BatchNotFound:
             raise batches.BatchNotFound(f"No batch found with id {batch_id!r}.") from None
 
-    @api.post("/v1/batches/{batch_id}/cancel", dependencies=auth)
+    @api.post("/v1/batches/{batch_id}/cancel")
     def cancel(batch_id: str) -> dict:
         try:
             return batches.cancel_batch(bs, batch_id, clock())

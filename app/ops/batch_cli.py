@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from app.errors import RequestError, TransientError
+from app.errors import INVALID_REQUEST, RequestError, TransientError
 from app.fleet import batches
 from app.settings import get_settings
 from app.state.batches import BatchStore
@@ -97,6 +97,10 @@ def _submit(bs: BatchStore, args: argparse.Namespace) -> int:
     endpoint = args.endpoint or first_url(data)
     now = time.time()
     try:  # everything checkable before storing anything
+        if endpoint not in batches.ENDPOINTS:
+            raise RequestError.of(INVALID_REQUEST, f"endpoint {endpoint!r} is not served (use "
+                                  f"{' or '.join(batches.ENDPOINTS)}; the first line's url is "
+                                  "the batch's unless --endpoint says otherwise)")
         batches.parse_window(args.completion_window)
         batches.check_metadata(metadata)
         f = batches.upload_file(bs, data, path.name, batches.PURPOSE, now, s)

@@ -140,7 +140,10 @@ def find_or_submit(bs: BatchStore, data: bytes, name: str, job: str, window: int
         f = batches.upload_file(bs, data, name, batches.PURPOSE, now, settings)
     except RequestError as e:  # an empty file
         raise BatchUsageError(e.detail) from None
-    b = batches.create_batch(bs, f["id"], first_url(data), "24h", {"vigil_batch": name}, now,
+    endpoint = first_url(data)  # lenient: a line of another url is that line's error
+    if endpoint not in batches.ENDPOINTS:
+        endpoint = batches.ENDPOINTS[0]
+    b = batches.create_batch(bs, f["id"], endpoint, "24h", {"vigil_batch": name[:500]}, now,
                              settings, job=job, lenient=True, window=window, digest=digest)
     return b["id"], True
 
@@ -215,6 +218,9 @@ def run_file(store: Callable[[], BatchStore], settings: VigilSettings, src: str 
     except BatchUsageError as e:
         say(str(e))
         return 2
+    except batches.BatchNotFound as e:  # deleted by hand, or past its retention, meanwhile
+        say(f"{e}; rerun to submit the file again")
+        return 1
     except (TransientError, KeyboardInterrupt) as e:
         why = str(e) or "interrupted"
         goes_on = f"; batch {batch_id} goes on in the fleet" if batch_id else ""
