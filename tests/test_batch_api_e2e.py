@@ -139,7 +139,8 @@ def test_a_batch_submitted_from_a_terminal_that_exits_runs_and_a_cancel_ends_the
     batch_cancelled, its request failed so, and nothing finished is lost."""
     src = tmp_path / "short.jsonl"
     src.write_bytes(jsonl([chat("a", "hello there", max_tokens=5),
-                           chat("b", "hello world", max_tokens=4, temperature=0),
+                           chat("b", "hello world", max_tokens=4, temperature=0,
+                                ignore_eos=True),
                            chat("c", "Alice reads", max_tokens=3)]))
     run = _vigil("batch", "submit", str(src), "--metadata", "who=cli",
                  redis_url=redis_server.url)

@@ -47,8 +47,8 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         wait_for(lambda: client.llen(pool_queue(DRILL_MODEL)) == 0
                  and int(w.entry()["in_flight"]) == 0, 120, 0.2, "an idle worker")
         before = scrape(port)
-        ok = [generate.delay(model=DRILL_MODEL, prompt=f"count {i}", max_tokens=4)
-              for i in range(3)]
+        ok = [generate.delay(model=DRILL_MODEL, prompt=f"count {i}", max_tokens=4,
+                             ignore_eos=True) for i in range(3)]  # no early EOS: 4 each
         too_long = generate.delay(model=DRILL_MODEL, prompt="word " * 700, max_tokens=4)
         assert all(r.get(timeout=120)["completion_tokens"] == 4 for r in ok)
         with pytest.raises(RequestError, match="^prompt_too_long: "):

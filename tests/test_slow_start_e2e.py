@@ -33,8 +33,8 @@ def test_two_workers_whose_engines_load_slower_than_the_request_timeout_serve_ev
     try:
         instances = [w.wait_registered()["instance_id"] for w in workers]
         assert all(int(w.entry().get("engine_loads", 0)) == 0 for w in workers)
-        rs = [generate.delay(model=SLOW_START_MODEL, prompt=f"patience {i}", max_tokens=8)
-              for i in range(24)]
+        rs = [generate.delay(model=SLOW_START_MODEL, prompt=f"patience {i}", max_tokens=8,
+                             ignore_eos=True) for i in range(24)]  # no early EOS: 8 each
         outs = [r.get(timeout=300) for r in rs]
         assert [o["completion_tokens"] for o in outs] == [8] * 24
         assert {o["attempts"] for o in outs} == {1}
