@@ -66,7 +66,7 @@ DEADLINE_EXCEEDED = "deadline_exceeded"
 JOB_DELETED = "job_deleted"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 # A batch's line that had not ended when its batch was cancelled, or when its completion window
-# ran out (app/fleet/batches.py).
+# ran out (app/fleet/batch_tick.py).
 BATCH_CANCELLED = "batch_cancelled"
 BATCH_EXPIRED = "batch_expired"
 # A request waiting for memory (memory_pressure) is tried again at least this often.

@@ -7,7 +7,7 @@ import time
 
 from app import app, control
 from app.errors import TerminalError
-from app.fleet.batches import BatchDriver
+from app.fleet.batch_tick import BatchDriver
 from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
 from app.fleet.deadlines import sweep_deadlines
 from app.fleet.foreign_queues import move_foreign_messages

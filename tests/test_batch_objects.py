@@ -16,7 +16,7 @@ import redis
 from app.errors import (BATCH_CANCELLED, BATCH_EXPIRED, PROMPT_TOO_LONG, REDIS_UNAVAILABLE,
                         RequestError, TerminalError, TransientError)
 from app.fleet import batches
-from app.fleet.batches import BatchDriver
+from app.fleet.batch_tick import BatchDriver
 from app.fleet.jobs import end_job
 from app.fleet.outcomes import end_request, end_requests_failed
 from app.local.embedded import EmbeddedRedis, stop_process
