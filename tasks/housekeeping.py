@@ -137,7 +137,7 @@ def _render_chat(model: str, messages: list) -> list[int]:
 
 @app.task(name="vigil.batch_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def batch_tick() -> dict:
-    """Advance every live batch one step (app/fleet/batches.py): validate, submit the next
+    """Advance every live batch one step (app/fleet/batch_tick.py): validate, submit the next
     lines, record what ended, end it; returns {batch id: status}."""
     s = get_settings()
     store = shared_store()
