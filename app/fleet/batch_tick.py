@@ -192,6 +192,13 @@ class BatchDriver:
                 if text.strip():
                     yield n, text
 
+    def _unrecorded(self, b: dict, start: int, stop: int) -> list[tuple[int, str | None]]:
+        """The non-blank lines start..stop-1 (as `_lines`) whose result is not recorded yet
+        (a lenient validation records the bad ones)."""
+        chunk = list(self._lines(b["input_file_id"], start, stop))
+        done = self.bs.recorded(b["id"], [n for n, _ in chunk])
+        return [(n, text) for n, text in chunk if n not in done]
+
     # running ---------------------------------------------------------------------------
     def _collect(self, b: dict, now: float) -> int:
         """Record the output line of every request of the batch that has ended; submit again
@@ -244,11 +251,7 @@ class BatchDriver:
         while room > 0 and cursor < nlines:
             stop = min(nlines, cursor + min(room, READ_CHUNK))
             entries, failures, next_cursor = {}, [], stop
-            chunk = list(self._lines(b["input_file_id"], cursor, stop))
-            done = self.bs.recorded(b["id"], [n for n, _ in chunk])  # refused in validation
-            for n, text in chunk:
-                if n in done:
-                    continue
+            for n, text in self._unrecorded(b, cursor, stop):
                 cid, obj = fmt.read_custom_id(text or "", n)  # validated: cannot fail
                 rid = fmt.request_id_for(b["job"], cid)
                 try:
@@ -283,11 +286,7 @@ class BatchDriver:
         nlines = self.bs.file_line_count(b["input_file_id"])
         lines = []  # (n, request id or None, custom_id or None) not recorded yet past the cursor
         for first in range(int(b.get("cursor") or 0), nlines, READ_CHUNK):
-            chunk = list(self._lines(b["input_file_id"], first, min(nlines, first + READ_CHUNK)))
-            done = self.bs.recorded(b["id"], [n for n, _ in chunk])
-            for n, text in chunk:
-                if n in done:
-                    continue
+            for n, text in self._unrecorded(b, first, min(nlines, first + READ_CHUNK)):
                 try:
                     cid = fmt.read_custom_id(text or "", n)[0]
                 except RequestError:  # cancelled while validating: lines never checked
@@ -308,8 +307,7 @@ class BatchDriver:
                                      for n, rid, cid in lines[k:k + READ_CHUNK]])
         if int(b.get("total") or 0) == 0:  # cancelled before its validation counted them
             b = b | {"total": sum(1 for _ in self._lines(b["input_file_id"], 0, nlines))}
-        if b["job"] == "batch_" + b["id"].removeprefix("batch_") and \
-                self.end_job(b["job"], reason, code) < 0:
+        if b["job"] == b["id"] and self.end_job(b["job"], reason, code) < 0:  # its own job
             return b["status"]  # someone else is ending the job right now: next tick
         self._close(b, now, status)
         log.warning("batch %s %s", b["id"], status)

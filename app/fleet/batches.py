@@ -44,7 +44,17 @@ READ_CHUNK = 500
 
 
 class BatchNotFound(LookupError):
-    """No batch or file with that id (or it expired)."""
+    """No batch or file with that id (or it expired). Its message is OpenAI's wording."""
+
+
+def no_batch(batch_id: str) -> BatchNotFound:
+    """The miss of an unknown batch id."""
+    return BatchNotFound(f"No batch found with id {batch_id!r}.")
+
+
+def no_file(file_id: str) -> BatchNotFound:
+    """The miss of an unknown file id."""
+    return BatchNotFound(f"No file found with id {file_id!r}.")
 
 
 # -- files ---------------------------------------------------------------------------------
@@ -69,6 +79,14 @@ def upload_file(bs: BatchStore, data: bytes, filename: str, purpose: str, now: f
     return file_object(meta)
 
 
+def get_file_meta(bs: BatchStore, file_id: str) -> dict:
+    """A file's metadata; BatchNotFound for an unknown (or expired) id."""
+    meta = bs.file(file_id)
+    if meta is None:
+        raise no_file(file_id)
+    return meta
+
+
 def file_object(meta: dict) -> dict:
     """A file's metadata as OpenAI's FileObject."""
     return {"id": meta["id"], "object": "file", "bytes": int(meta["bytes"]),
@@ -82,9 +100,7 @@ def file_content(bs: BatchStore, file_id: str) -> Iterator[bytes]:
     """A file's bytes, in chunks of a few thousand lines (read from Redis as they are sent, so a
     large file is never whole in memory): an uploaded file as it was sent, an output or error
     file as its batch's lines. BatchNotFound at once when there is no such file."""
-    meta = bs.file(file_id)
-    if meta is None:
-        raise BatchNotFound(f"no file {file_id!r}")
+    meta = get_file_meta(bs, file_id)
     if meta.get("batch"):
         errors = meta.get("kind") == "error"
         return (b"".join(x + b"\n" for x in chunk) for chunk in _chunks(
@@ -173,12 +189,11 @@ def create_batch(bs: BatchStore, input_file_id: str, endpoint: str, completion_w
     if meta is None or meta.get("batch"):
         raise RequestError.of(INVALID_REQUEST, f"input_file_id {input_file_id!r}: no such "
                               "uploaded file (purpose \"batch\")")
-    hex_id = uuid.uuid4().hex
-    batch_id = "batch_" + hex_id
+    batch_id = "batch_" + uuid.uuid4().hex  # also the job it runs as, unless `job` is given
     fields = {"id": batch_id, "status": VALIDATING, "endpoint": endpoint,
               "input_file_id": input_file_id, "completion_window": completion_window,
               "created_at": int(now), "expires_at": int(now + window_s),
-              "metadata": json.dumps(metadata), "job": job or "batch_" + hex_id, "cursor": 0,
+              "metadata": json.dumps(metadata), "job": job or batch_id, "cursor": 0,
               "total": 0, "completed": 0, "failed": 0}
     if lenient:
         fields["lenient"] = 1
@@ -200,7 +215,7 @@ def cancel_batch(bs: BatchStore, batch_id: str, now: float) -> dict:
         return batch_object(bs.get(batch_id))
     b = bs.get(batch_id)
     if b is None:
-        raise BatchNotFound(f"no batch {batch_id!r}")
+        raise no_batch(batch_id)
     if b["status"] not in (CANCELLING, CANCELLED):
         raise RequestError.of(INVALID_REQUEST, f"batch {batch_id} is {b['status']}: only a "
                               "validating or in-progress batch can be cancelled")
@@ -211,7 +226,7 @@ def get_batch(bs: BatchStore, batch_id: str) -> dict:
     """A batch's Batch object; BatchNotFound for an unknown (or expired) id."""
     b = bs.get(batch_id)
     if b is None:
-        raise BatchNotFound(f"no batch {batch_id!r}")
+        raise no_batch(batch_id)
     return batch_object(b)
 
 

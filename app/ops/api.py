@@ -151,18 +151,12 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
 
     @api.get("/v1/files/{file_id}")
     def get_file(file_id: str) -> dict:
-        meta = bs.file(file_id)
-        if meta is None:
-            raise batches.BatchNotFound(f"No file found with id {file_id!r}.")
-        return batches.file_object(meta)
+        return batches.file_object(batches.get_file_meta(bs, file_id))
 
     @api.get("/v1/files/{file_id}/content")
     def file_content(file_id: str) -> StreamingResponse:
-        try:
-            chunks = batches.file_content(bs, file_id)
-        except batches.BatchNotFound:
-            raise batches.BatchNotFound(f"No file found with id {file_id!r}.") from None
-        return StreamingResponse(chunks, media_type="application/octet-stream")
+        return StreamingResponse(batches.file_content(bs, file_id),
+                                 media_type="application/octet-stream")
 
     @api.delete("/v1/files/{file_id}")
     def delete_file(file_id: str) -> dict:
@@ -182,17 +176,11 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
 
     @api.get("/v1/batches/{batch_id}")
     def retrieve(batch_id: str) -> dict:
-        try:
-            return batches.get_batch(bs, batch_id)
-        except batches.BatchNotFound:
-            raise batches.BatchNotFound(f"No batch found with id {batch_id!r}.") from None
+        return batches.get_batch(bs, batch_id)
 
     @api.post("/v1/batches/{batch_id}/cancel")
     def cancel(batch_id: str) -> dict:
-        try:
-            return batches.cancel_batch(bs, batch_id, clock())
-        except batches.BatchNotFound:
-            raise batches.BatchNotFound(f"No batch found with id {batch_id!r}.") from None
+        return batches.cancel_batch(bs, batch_id, clock())
 
     return api
 

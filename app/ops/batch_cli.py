@@ -66,10 +66,7 @@ def run(args: argparse.Namespace) -> int:
     bs = BatchStore(connect(get_settings()))
     try:
         return _COMMANDS[args.batch_cmd](bs, args)
-    except (RequestError, batches.BatchNotFound) as e:
-        print(f"vigil batch {args.batch_cmd}: {e}", file=sys.stderr)
-        return 1
-    except TransientError as e:
+    except (RequestError, batches.BatchNotFound, TransientError) as e:
         print(f"vigil batch {args.batch_cmd}: {e}", file=sys.stderr)
         return 1
 
@@ -117,7 +114,7 @@ def _submit(bs: BatchStore, args: argparse.Namespace) -> int:
 def first_url(data: bytes) -> str:
     """The `url` of the file's first request line ("/v1/completions" when it has none): the
     batch's endpoint unless --endpoint says otherwise."""
-    for raw in data.splitlines()[:50]:
+    for raw in data.split(b"\n", 50)[:50]:  # the head only: the file may be 200 MiB
         if raw.strip():
             try:
                 url = json.loads(raw).get("url")
