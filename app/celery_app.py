@@ -19,6 +19,7 @@ from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
+from app.state.transport import transport_for
 
 # The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
 APP_NAME = "vigil"
@@ -116,6 +117,9 @@ def celery_config(s: VigilSettings, reg: ModelRegistry) -> dict:
     return dict(
         # Celery's Redis backend without its read before a final write (app/result_backend.py).
         broker_url=s.redis_url, result_backend=backend_url(s.redis_url),
+        # kombu's Redis transport sharing one client per connection pool instead of building one
+        # per command (app/state/transport.py).
+        broker_transport=transport_for(s.redis_url),
         # JSON only, both ways: no pickle anywhere on the wire.
         task_serializer="json", result_serializer="json",
         accept_content=["json"], result_accept_content=["json"],

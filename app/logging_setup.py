@@ -5,12 +5,19 @@ with another format, and its EngineCore/Worker children log on their own. We han
 dictConfig file (VLLM_LOGGING_CONFIG_PATH, inherited by the children through the environment)
 that uses Celery's line format (plus the logger name) on stderr, so every line of a worker
 reads the same way.
+
+Celery's two INFO lines per request (received, succeeded) are left out of a worker's log unless
+VIGIL_LOG_REQUESTS (`quiet_per_request_lines`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Callable
+
+from celery.app import trace as celery_trace
 
 LINE_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(name)s: %(message)s"
 
@@ -37,3 +44,27 @@ def configure_vllm_logging(cache_dir: Path, level: str) -> None:
     tmp.write_text(json.dumps(vllm_logging_config(level)))
     os.replace(tmp, path)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+
+
+class _DropLine(logging.Filter):
+    """Drops the records of one message format (read when the record is filtered)."""
+
+    def __init__(self, fmt: Callable[[], str]):
+        super().__init__()
+        self._fmt = fmt
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self._fmt()
+
+
+def quiet_per_request_lines() -> None:
+    """Stop Celery's two INFO lines per request in this worker process: "Task ... received"
+    (its strategy logger, which then skips the line before building it) and "Task ...
+    succeeded" (dropped by a filter before any handler formats or writes it). Every other line
+    of Celery's, the failures and retries included, is kept. Call before the consumer starts
+    (worker_init): Celery reads the strategy logger's level once, when it builds its strategies.
+    Idempotent."""
+    logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
+    trace_log = logging.getLogger("celery.app.trace")
+    if not any(isinstance(f, _DropLine) for f in trace_log.filters):
+        trace_log.addFilter(_DropLine(lambda: celery_trace.LOG_SUCCESS))

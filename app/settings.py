@@ -252,6 +252,11 @@ class VigilSettings(BaseSettings):
                            "`vigil worker --loglevel` (DEBUG, INFO, WARNING, ERROR, CRITICAL).")
     # Prompts and outputs are user data: never logged unless an operator asks for it.
     log_payloads: bool = False
+    log_requests: bool = Field(False, description="Celery's two INFO lines per request "
+                               "(received, succeeded) in worker logs. Off: at hundreds of "
+                               "requests/s they cost a fifth of a worker's throughput "
+                               "(docs/performance.md); failures and retries are logged either "
+                               "way.")
     # Flower's basic auth (`vigil flower`, app/ops/cli.py). Flower shows every worker and task and can
     # shut workers down, so `vigil flower` refuses to start without both unless auth is disabled
     # explicitly. The password is a SecretStr: its repr and any settings error hide the value.

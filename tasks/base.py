@@ -17,6 +17,9 @@ from app.requests.submit import submit_request
 from app.settings import get_settings
 from app.state.store import RequestStore, shared_store
 
+# Celery's own bound on a return value's repr (celery.app.task.Task.resultrepr_maxsize).
+CELERY_RESULTREPR_MAXSIZE = Task.resultrepr_maxsize
+
 
 class VigilRequest(Request):
     """A Vigil message inside the worker. Celery answers `inspect reserved` and `inspect
@@ -60,6 +63,14 @@ class VigilTask(Task):
     def retry_backoff_max(self) -> float:
         """Cap of the backoff, seconds (VIGIL_RETRY_BACKOFF_MAX)."""
         return get_settings().retry_backoff_max
+
+    @property
+    def resultrepr_maxsize(self) -> int:
+        """How much of a return value's repr Celery keeps for its success log line and its
+        `task-succeeded` event: none unless VIGIL_LOG_PAYLOADS. A result holds generated text
+        (user data), and Celery builds that repr for every request whether it is shown or not
+        (120 us for a 128-token result here)."""
+        return CELERY_RESULTREPR_MAXSIZE if get_settings().log_payloads else 0
 
     @property
     def store(self) -> RequestStore:

@@ -10,6 +10,7 @@ from celery.exceptions import Ignore, Reject
 
 from app import app
 from app.errors import RequestError, TerminalError, TransientError, WorkerFatalError
+from app.fleet.outcomes import result_key_for
 from app.requests.models import get_registry
 from app.settings import get_settings
 from app.state.queues import is_pool_queue
@@ -40,7 +41,16 @@ def generate(self, **kwargs) -> dict:
                     self.request.retries or 0, kwargs)
             raise Ignore()
         rt = get_runtime(self.request.hostname or "")
-        return serve(rt, self.request.id, self.request.retries or 0, kwargs)
+        request, written = self.request, []
+
+        def result_key():  # Celery's result key, written by the finish that stores the result
+            written.append(result_key_for(self.backend, request.id, request))
+            return written[0]
+
+        out = serve(rt, request.id, request.retries or 0, kwargs, result_key)
+        if written and written[0] is not None and written[0].written:
+            request.ignore_result = True  # stored already: Celery's mark_as_done skips its write
+        return out
     except StaleDelivery:
         raise Ignore()
     except GiveBack:  # stopping: back on the queue, untouched, for another worker

@@ -36,7 +36,8 @@ from workers import runtime
 
 log = logging.getLogger("vigil.consumer")
 
-GENERATE = "vigil.generate"
+from app.requests.publish import GENERATE
+
 _EMBED_KEYS = ("callbacks", "errbacks", "chain", "chord")
 
 

@@ -11,17 +11,19 @@ import logging
 import threading
 
 from celery.app import trace as celery_trace
-from celery.signals import (task_received, task_revoked, worker_init, worker_ready,
-                            worker_shutdown, worker_shutting_down)
+from celery.signals import (task_revoked, worker_init, worker_ready, worker_shutdown,
+                            worker_shutting_down)
 from celery.worker.control import control_command
 
 from app.celery_app import APP_NAME
-from app.errors import DEADLINE_EXCEEDED, TerminalError, TransientError
+from app.errors import DEADLINE_EXCEEDED, TerminalError
 from app.fleet.outcomes import end_request
-from app.logging_setup import configure_vllm_logging
+from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
+from app.requests.publish import GENERATE
 from app.settings import get_settings
 from app.state.queues import HOUSEKEEPING_QUEUE, pool_queues
 from app.state.store import shared_store
+from app.state.transport import hold_deliveries
 from workers import metrics_server, runtime
 
 log = logging.getLogger("vigil.worker")
@@ -51,12 +53,19 @@ def _on_worker_init(sender=None, **_):
         # Celery logs a task's return value on success; ours holds the generated text (user
         # data). Keep the line, drop the payload, unless VIGIL_LOG_PAYLOADS=1.
         celery_trace.LOG_SUCCESS = "Task %(name)s[%(id)s] succeeded in %(runtime)ss"
+    if not s.log_requests:  # a request's life is in `vigil request ID`, not two lines each
+        quiet_per_request_lines()
     if housekeeper():
         log.info("housekeeper %s: runs beat's tasks on %s, never an engine",
                  getattr(sender, "hostname", ""), HOUSEKEEPING_QUEUE)
         return
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker")
                          .start())
+    # Each generate message this worker's consumer takes is recorded as held by this instance in
+    # the same write as kombu's note of the delivery (app/state/transport.py), so if the worker
+    # dies before a thread begins it, the reaper still finds it (otherwise only Redis'
+    # visibility timeout would bring it back).
+    hold_deliveries(rt.store.delivery_holder(rt.instance_id, GENERATE))
     if s.metrics_port:  # each worker process serves its own /metrics (docs/operations.md)
         metrics_server.serve(rt, s.metrics_port, s.metrics_address)
 
@@ -107,26 +116,12 @@ def vigil_abort(state, request_ids=None, **_):
     return {"ok": f"aborted {n}"}
 
 
-@task_received.connect
-def _on_task_received(sender=None, request=None, **_):
-    """A generate message reached this worker's consumer: record that this instance holds it,
-    so if the worker dies before a thread begins it, the reaper still finds it (otherwise only
-    Redis' visibility timeout would bring it back)."""
-    if request is None or getattr(request, "name", "") != "vigil.generate" or housekeeper():
-        return
-    rt = runtime.get_runtime()
-    try:
-        rt.store.hold(request.id, rt.instance_id)
-    except TransientError as e:  # Redis blip: the visibility timeout remains the backstop
-        log.warning("could not record holding %s: %s", request.id, e)
-
-
 @task_revoked.connect
 def _on_task_revoked(sender=None, request=None, expired=False, **_):
     """Celery dropped an expired message (past deadline + grace) without running it. Give the
     request its typed end: record FAILED and the backend's REVOKED replaced by the same
     deadline_exceeded error, so `r.get()` raises a Vigil error, not TaskRevokedError."""
-    if not expired or getattr(sender, "name", "") != "vigil.generate" or request is None:
+    if not expired or getattr(sender, "name", "") != GENERATE or request is None:
         return
     err = TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
                            "could run it (message expired)")
@@ -166,4 +161,5 @@ def _on_worker_shutdown(sender=None, **_):
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
     metrics_server.stop()
+    hold_deliveries(None)
     runtime.uninstall()

@@ -28,6 +28,7 @@ from app.state.queues import pool_of, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
+from app.state.transport import arriving
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
@@ -252,10 +253,14 @@ class WorkerRuntime:
         from app import app
 
         listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
-        # A delivery is reserved (or scheduled) before task_received adds it to the set, so one
-        # that arrives now is either missing from `listed` or present in `held`.
-        held = {r.id for group in (worker_state.active_requests, worker_state.reserved_requests,
-                                   worker_state.scheduled_requests) for r in tuple(group)}
+        # A delivery is added to the set as the consumer takes it, and listed in `arriving()`
+        # from before that write until Celery has it as reserved, scheduled or active
+        # (app/state/transport.py). Read in this order, one that arrives now is missing from
+        # `listed`, in `arriving`, or (if it moved on in between) in Celery's groups.
+        held = set(arriving())
+        held.update(r.id for group in (worker_state.active_requests,
+                                       worker_state.reserved_requests,
+                                       worker_state.scheduled_requests) for r in tuple(group))
         n = 0
         for rid in listed:
             if rid in held:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from app import metrics
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
@@ -24,6 +25,7 @@ from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
 from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
 from app.settings import VigilSettings
+from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
 from workers.runtime import WorkerRuntime
@@ -50,11 +52,15 @@ def _outcome(o: Outcome) -> dict:
     raise error_from_record(o.error_kind, o.error)
 
 
-def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> dict:
+def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
+          result_key: Callable[[], ResultKey | None] | None = None) -> dict:
     """Serve one delivery; returns the stored result dict or raises the stored VigilError.
 
     Exactly-once: a terminal record is returned as stored (duplicate delivery), an older dispatch
-    is dropped (StaleDelivery), and the first result written wins.
+    is dropped (StaleDelivery), and the first result written wins. With `result_key` (called
+    once the result is ready: Celery's result key and meta, app/fleet/outcomes.py
+    `result_key_for`), the finish that stores this attempt's result also writes Celery's result
+    key and marks it `written`, so the task need not have Celery write it again.
     """
     now = time.time()
     s = rt.settings
@@ -147,7 +153,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object) -> 
         **({"resumed_at": out.resumed_at} if out.resumed_at else {}),
     }
     won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
-                              pool=pool)
+                              pool=pool, result_key=result_key() if result_key else None)
     if not won:
         metrics.dropped(pool, "duplicate_result")
         log.warning("request %s already had a result; this attempt's result was dropped",

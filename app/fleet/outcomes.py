@@ -26,7 +26,7 @@ from celery.backends.redis import RedisBackend
 from app import metrics
 from app.errors import VigilError, error_from_record
 from app.state.keys import FAILED
-from app.state.results import set_and_publish_many
+from app.state.results import ResultKey, set_and_publish_many
 from app.state.store import Outcome, RequestStore
 
 log = logging.getLogger("vigil.outcomes")
@@ -46,21 +46,24 @@ class Backend(Protocol):
 def end_request(store: RequestStore, request_id: str, *, error: VigilError | None = None,
                 result: dict | None = None, now: float | None = None,
                 instance: int | str = SWEEPER_INSTANCE, pool: str | None = None,
-                backend: Backend | None = None, tell_always: bool = False
-                ) -> tuple[bool, Outcome]:
+                backend: Backend | None = None, tell_always: bool = False,
+                result_key: ResultKey | None = None) -> tuple[bool, Outcome]:
     """End a request with `result` (SUCCEEDED) or `error` (FAILED), once.
 
     Returns (won, stored outcome): `won` is False when the request had already ended, and the
     stored outcome is then the earlier one. A won end is counted in `vigil_requests` under
     `pool` (read from the record when not given). With `backend`, the stored outcome is written
     to Celery's result backend when this end won, or always with `tell_always` (a backend that
-    cannot be written is logged, not raised: a waiting `r.get()` also reads the record). Raises
+    cannot be written is logged, not raised: a waiting `r.get()` also reads the record). With
+    `result_key` (a worker's result, `result_key_for`), a won end with `result` writes Celery's
+    result key in the same script and marks it `written`. Raises
     TransientError(redis_unavailable) when Redis cannot be reached (nothing was written)."""
     if (error is None) == (result is None):
         raise ValueError("end a request with exactly one of error or result")
     now = time.time() if now is None else now
     if result is not None:
-        won, stored = store.finish(request_id, instance, now, result=result)
+        won, stored = store.finish(request_id, instance, now, result=result,
+                                   result_key=result_key)
     else:
         won, stored = store.finish(request_id, instance, now, error_kind=type(error).__name__,
                                    error=str(error))
@@ -129,6 +132,33 @@ def tell_backend_many(backend: Backend, outcomes: list[tuple[str, Outcome]]) -> 
                 request=None)
         items.append((backend.get_key_for_task(rid), backend.encode({**meta, "task_id": rid})))
     set_and_publish_many(backend.client, items, backend.expires)
+
+
+# Stands for the result in the meta that `result_key_for` encodes, then cuts around.
+_RESULT_MARK = "\x00vigil-result\x00"
+
+
+def result_key_for(backend: Backend, task_id: str, request=None) -> ResultKey | None:
+    """Celery's result key for a SUCCESS of `task_id` as Celery's Redis result backend would
+    write it now (its meta for `request`, Celery's task context: children, group, the extended
+    fields when `result_extended` is on; encoded by the backend; its expiry), cut around the
+    result so the finish script can put the result's JSON in. None when the backend is not
+    Celery's Redis backend or its encoding cannot be cut that way: Celery then writes the
+    result itself."""
+    if not isinstance(backend, RedisBackend):
+        return None
+    meta = backend._get_result_meta(result=_RESULT_MARK, state=states.SUCCESS, traceback=None,
+                                    request=request)
+    meta["task_id"] = task_id
+    encoded = backend.encode(meta)
+    if not isinstance(encoded, str):
+        return None
+    parts = encoded.split(json.dumps(_RESULT_MARK))
+    if len(parts) != 2:
+        return None
+    key = backend.get_key_for_task(task_id)
+    return ResultKey(key.decode() if isinstance(key, bytes) else key, parts[0], parts[1],
+                     int(backend.expires or 0))
 
 
 def tell_backend(backend: Backend, request_id: str, stored: Outcome) -> None:

@@ -150,7 +150,12 @@ return {'run', tostring(attempts), r[8] or '0'}
 # KEYS[4] deadline index, KEYS[5] worker registry. ARGV: request_id, status, result, error_kind,
 # error, now, ttl, inflight key prefix (to drop the id from its owner's set too: the sweeper
 # finishes requests that a worker holds), finishing instance, job and pool pending-set prefixes.
-# -> {1, status, result, error_kind, error} when this write won, {0, ...stored} when it lost.
+# -> {1, status, '', error_kind, error} when this write won (the caller has its own result),
+# {0, ...stored} when it lost.
+# Optional KEYS[6] Celery's result key, ARGV[12] / ARGV[13] Celery's encoded meta before / after
+# the result's JSON, ARGV[14] its expiry in seconds (0: none): a winning SUCCEEDED write also
+# writes Celery's result key as Celery's Redis backend would (SET with expiry, PUBLISH on the key
+# for a waiting `get()`), so the worker need not write it again (app/state/results.py).
 # Only a winning write closes an attempt in `history` (the finisher's open one, else the last if
 # open) as succeeded / failed. A worker instance's finish also counts as its heartbeat: its
 # `last_seen` moves up (only if it is registered: a reaped worker is not brought back), so a
@@ -187,8 +192,21 @@ local function finish_one(rec, finisher_inflight, stats, deadlines, workers, rid
 end
 """
 FINISH = HISTORY_HELPERS + FINISH_FN + """
-return finish_one(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
-                  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
+local r = finish_one(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
+                     ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
+if r[1] == 1 then
+  if KEYS[6] and r[2] == 'SUCCEEDED' then
+    local meta = ARGV[12] .. ARGV[3] .. ARGV[13]
+    if tonumber(ARGV[14]) > 0 then
+      redis.call('SET', KEYS[6], meta, 'EX', tonumber(ARGV[14]))
+    else
+      redis.call('SET', KEYS[6], meta)
+    end
+    redis.call('PUBLISH', KEYS[6], meta)
+  end
+  r[3] = ''
+end
+return r
 """
 
 # KEYS[1] stats, KEYS[2] deadline index, KEYS[3] worker registry, KEYS[4] the finishing
@@ -324,4 +342,24 @@ local n = 0
 for i = 5, #ARGV, 2 do if ARGV[i] == 'n' then n = tonumber(ARGV[i + 1]) end end
 redis.call('HSET', KEYS[1], 'streamed', at + n, 'stream_last', ARGV[4])
 return 1
+"""
+
+# Vigil's kombu transport (app/state/transport.py): kombu's own bookkeeping of a delivered
+# message, as one script call instead of a MULTI pipeline.
+# KEYS[1] kombu's unacked index (zset), KEYS[2] its unacked hash, optional KEYS[3] the holder's
+# set. ARGV: delivery tag, now, the stored message ([message, exchange, routing key] as JSON),
+# optional member of KEYS[3]. Notes a delivery (and who holds it).
+NOTE_DELIVERY = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[4]) end
+return 1
+"""
+
+# KEYS[1] kombu's unacked index, KEYS[2] its unacked hash. ARGV: delivery tags (at most
+# transport.ACK_BATCH). Acks them all.
+ACK_DELIVERIES = """
+redis.call('ZREM', KEYS[1], unpack(ARGV))
+redis.call('HDEL', KEYS[2], unpack(ARGV))
+return #ARGV
 """

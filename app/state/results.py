@@ -1,11 +1,27 @@
 """Celery's result keys, written the way Celery's Redis result backend writes them: SET with its
 expiry, then PUBLISH on the same key (where a waiting `AsyncResult.get()` listens). Vigil writes
-them itself only to write many at once (the deadline sweep's chunk): one script call instead of
-two round trips per result. What goes in them (Celery's encoded meta) is the caller's
-(app/fleet/outcomes.py); functions raise redis' own errors."""
+them itself where that saves round trips: many at once (the deadline sweep's chunk), one script
+call instead of two round trips per result; and a worker's result, inside the set-once finish
+that stores it (`ResultKey`, app/state/store.py `finish`). What goes in them (Celery's encoded
+meta) is the caller's (app/fleet/outcomes.py); functions raise redis' own errors."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis
+
+
+@dataclass
+class ResultKey:
+    """Celery's result key for one task, and its encoded meta cut around the result: the value
+    Celery would store is `prefix + <the result's JSON> + suffix`. `written` becomes True once a
+    finish wrote it (the finish won with a result)."""
+
+    key: str
+    prefix: str
+    suffix: str
+    expires_s: int
+    written: bool = False
 
 from app.state.lua import SET_AND_PUBLISH_MANY
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -21,6 +21,7 @@ from app.state.conn import connect, server_run
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB
 from app.state.registry import WorkerRegistry
+from app.state.results import ResultKey
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
@@ -143,8 +144,23 @@ class RequestStore:
 
     def hold(self, request_id: str, instance: int | str) -> None:
         """Note that this worker instance holds a request's message (received, not yet begun),
-        so the reaper finds it if the worker dies before running it."""
+        so the reaper finds it if the worker dies before running it. A worker's consumer notes
+        it as it takes the message (`delivery_holder`); this is the same write on its own."""
         self._call(self.r.sadd, keys.inflight(instance), request_id)
+
+    @staticmethod
+    def delivery_holder(instance: int | str, task: str) -> Callable[[dict], tuple[str, str] | None]:
+        """For app/state/transport.py `hold_deliveries`: a message of `task` with a usable id is
+        held by this worker instance (its in-flight set, as `hold` writes it); others are not."""
+        key = keys.inflight(instance)
+
+        def holder(headers: dict) -> tuple[str, str] | None:
+            rid = headers.get("id")
+            if headers.get("task") == task and isinstance(rid, str) and rid:
+                return key, rid
+            return None
+
+        return holder
 
     def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
                 now: float | None = None, reason: str | None = None) -> bool:
@@ -210,21 +226,32 @@ class RequestStore:
         return Begin(action)
 
     def finish(self, request_id: str, instance: int, now: float, *, result: dict | None = None,
-               error_kind: str = "", error: str = "") -> tuple[bool, Outcome]:
+               error_kind: str = "", error: str = "",
+               result_key: ResultKey | None = None) -> tuple[bool, Outcome]:
         """Set the terminal outcome once. Returns (won, stored outcome): a losing writer gets the
         outcome that was already there and the attempt is counted as a duplicate result. A
         worker instance's finish (instance not 0) also moves its registry `last_seen` to `now`,
-        if it is registered."""
+        if it is registered. With `result_key`, a finish that wins with `result` also writes
+        Celery's result key in the same script (and marks it `written`)."""
         status = keys.SUCCEEDED if result is not None else keys.FAILED
+        encoded = json.dumps(result) if result is not None else ""
+        tell = result_key is not None and result is not None
         reply = self._call(
             self._finish,
             keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES,
-                  keys.WORKERS],
-            args=[request_id, status, json.dumps(result) if result is not None else "",
-                  error_kind, error, now, self.result_ttl, keys.inflight(""), instance,
-                  keys.job_requests(""), keys.pool_requests("")],
+                  keys.WORKERS, *([result_key.key] if tell else [])],
+            args=[request_id, status, encoded, error_kind, error, now, self.result_ttl,
+                  keys.inflight(""), instance, keys.job_requests(""), keys.pool_requests(""),
+                  *([result_key.prefix, result_key.suffix, int(result_key.expires_s)]
+                    if tell else [])],
         )
-        return bool(reply[0]), Outcome.from_reply(*reply[1:5])
+        won = bool(reply[0])
+        if not won:
+            return False, Outcome.from_reply(*reply[1:5])
+        if tell:
+            result_key.written = True
+        # A won write stored what it was given: its own values, not an echo decoded again.
+        return True, Outcome(status, result, error_kind, error)
 
     def finish_failed_many(self, request_ids: list[str], error: str, error_kind: str,
                            now: float, instance: int = 0) -> list[tuple[bool, Outcome, str]]:

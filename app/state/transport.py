@@ -1,0 +1,285 @@
+"""Vigil's kombu transport: kombu's Redis (and Sentinel) transport with four changes.
+
+- **One client per connection pool.** kombu's Redis channel builds a new redis-py client object
+  for every command it sends outside its event loop (`Channel.conn_or_acquire`): the worker's
+  note of each delivered message, each ack, each publish. A redis-py client is cheap to share
+  (it takes a connection from its pool per command, thread-safe) but not cheap to build:
+  redis-py 8 fills a dict of response callbacks in every `Redis.__init__`, which was 7% of an
+  instant-engine worker's busy time (py-spy, docs/performance.md, "Per-request overhead"). Here
+  each channel builds that client once per connection pool and shares it; a new pool (kombu
+  drops its pools when the connection is lost) gets a new client.
+- **Holding a delivery is part of taking it.** A worker registers a holder (`hold_deliveries`):
+  for each message its channels take delivery of, the holder names the set that records who holds
+  it (a Vigil worker: `vigil:inflight:{instance}`, app/state/keys.py), and the SADD goes in the
+  same script call as kombu's own note of the delivery (its `unacked` hash and index). So a
+  message a worker took is never in kombu's `unacked` without its holder recorded, and it costs
+  no round trip of its own.
+- **Acks off the consumer's thread.** Celery runs every ack on the consumer's event loop, the
+  thread that also takes every message in; each was a blocking round trip there. Here the loop
+  queues the tag and the channel's `Acker` thread sends what is queued, many tags per script
+  call (module doc of `Acker`: what a lost ack costs).
+- **A script call instead of a MULTI pipeline** for the note of a delivery and for the acks: the
+  same writes, as atomic, one command each way instead of four or five (~20 us less client CPU
+  per call on these machines). Until Celery has made the message a request of its own (the consumer's
+  callback returned), its member is listed in `arriving()`: a worker comparing the set with what
+  it runs reads that first (workers/runtime.py, `reclaim_orphans`).
+
+Selected by Celery's `broker_transport` (app/celery_app.py, `transport_for`): the URL keeps its
+own scheme, so everything that reads `redis://` / `sentinel://` URLs reads them unchanged.
+kombu's `global_keyprefix` is not used by Vigil; a holder's key is written as given.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from kombu.transport import redis as kredis
+from kombu.transport import virtual
+from kombu.utils.json import dumps
+
+from app.state.lua import ACK_DELIVERIES, NOTE_DELIVERY
+
+log = logging.getLogger("vigil.transport")
+
+# Most delivery tags acked in one script call (Lua's unpack takes a few thousand at most).
+ACK_BATCH = 500
+# How long closing a channel waits for its queued acks to be sent.
+ACK_FLUSH_TIMEOUT_S = 5.0
+
+# Given a delivered message's headers, the (set key, member) this process holds it under, or
+# None: set by `hold_deliveries`, read on every delivery.
+Holder = Callable[[dict], "tuple[str, str] | None"]
+_holder: Holder | None = None
+# Members noted as held whose message Celery has not yet taken in (see `arriving`).
+_arriving: set[str] = set()
+_arriving_lock = threading.Lock()
+
+
+def hold_deliveries(holder: Holder | None) -> None:
+    """From now on, every message this process's channels take delivery of is offered to
+    `holder(headers)`; when it answers (key, member), `SADD key member` is written in the same
+    script call as kombu's note of the delivery. None stops it."""
+    global _holder
+    _holder = holder
+
+
+def arriving() -> frozenset[str]:
+    """Members held (written to their set) whose message the consumer has not yet handed over:
+    the message is between kombu's note of the delivery and the end of the consumer's callback
+    (where Celery lists it as reserved, scheduled or active)."""
+    with _arriving_lock:
+        return frozenset(_arriving)
+
+
+def _held_as(message) -> "tuple[str, str] | None":
+    holder = _holder
+    if holder is None:
+        return None
+    headers = message.headers
+    return holder(headers) if isinstance(headers, dict) else None
+
+
+class HoldingQoS(kredis.QoS):
+    """kombu's Redis QoS whose note of a delivery also records its holder, and whose note and
+    ack are one script call each instead of a MULTI pipeline (module doc)."""
+
+    def append(self, message, delivery_tag):
+        """kombu's note of a delivery (`unacked` hash and index), plus the holder's SADD, in one
+        script call."""
+        held = _held_as(message)
+        delivery = message.delivery_info
+        raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        keys = [self.unacked_index_key, self.unacked_key]
+        args = [delivery_tag, time.time(), raw]
+        if held is not None:
+            keys.append(held[0])
+            args.append(held[1])
+            with _arriving_lock:
+                _arriving.add(held[1])
+        try:
+            self.channel._vigil_scripts()[0](keys=keys, args=args)
+        except BaseException:
+            if held is not None:
+                _arrived(held[1])
+            raise
+        virtual.QoS.append(self, message, delivery_tag)  # kombu's own in-process bookkeeping
+        if held is not None:
+            message._vigil_held = held[1]
+
+    def ack(self, delivery_tag):
+        """kombu's ack: done in this process at once, and in Redis (the delivery leaves the
+        `unacked` hash and index) by the channel's acker thread, many per script call."""
+        virtual.QoS.ack(self, delivery_tag)
+        self.channel._vigil_acker().ack(delivery_tag)
+
+
+class Acker:
+    """A channel's acks, sent to Redis from a thread of its own, up to ACK_BATCH per script call.
+
+    Celery runs every ack on the consumer's event loop thread, the thread that also takes every
+    message in: one blocking round trip per ack there was a third of that thread's time on a busy
+    instant-engine worker (docs/performance.md). Here the loop only queues the tag. An ack still
+    queued when the worker dies is not lost work: its message stays in kombu's `unacked` hash,
+    comes back after the visibility timeout, and Vigil answers that second delivery from the
+    request's record without running it again."""
+
+    def __init__(self, send: Callable[[list], object], name: str = "vigil-acker"):
+        self._send = send
+        self._name = name
+        self._pending: list = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._busy = False
+
+    def ack(self, tag) -> None:
+        """Queue one delivery tag (sent within the current batch's round trip)."""
+        with self._cond:
+            stopped = self._stopping
+            if not stopped:
+                self._pending.append(tag)
+        if stopped:  # the channel is closing: no thread to hand it to
+            self._send([tag])
+            return
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until every queued ack was sent (or failed); True if so."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Send what is queued (waiting up to `timeout` s), then end the thread."""
+        self.flush(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stopping)
+                if not self._pending:
+                    return
+                tags, self._pending = self._pending[:ACK_BATCH], self._pending[ACK_BATCH:]
+                self._busy = True
+            try:
+                self._send(tags)
+            except Exception as e:  # their messages come back after the visibility timeout
+                log.warning("could not ack %d message(s) in Redis: %s; they are delivered "
+                            "again after the visibility timeout and answered from their "
+                            "records", len(tags), e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def _arrived(member: str) -> None:
+    with _arriving_lock:
+        _arriving.discard(member)
+
+
+class _SharedClient:
+    """A channel whose synchronous client is built once per connection pool, with the delivery
+    scripts registered on it, and whose held deliveries leave `arriving()` once handed over
+    (module doc)."""
+
+    _vigil_shared = None  # (client, note script, ack script)
+    _vigil_shared_lock = threading.Lock()
+    _vigil_acker_of_channel = None
+
+    def _vigil_acker(self) -> Acker:
+        """This channel's acker (built on its first ack: a producer never has one)."""
+        acker = self._vigil_acker_of_channel
+        if acker is None:
+            with self._vigil_shared_lock:
+                acker = self._vigil_acker_of_channel
+                if acker is None:
+                    acker = self._vigil_acker_of_channel = Acker(self._send_acks)
+        return acker
+
+    def _send_acks(self, tags: list) -> None:
+        qos = self.qos
+        self._vigil_scripts()[1](keys=[qos.unacked_index_key, qos.unacked_key], args=tags)
+
+    def close(self):
+        """kombu's, once the acks queued on this channel were sent (bounded by the socket
+        timeout)."""
+        acker = self._vigil_acker_of_channel
+        if acker is not None:
+            acker.stop(ACK_FLUSH_TIMEOUT_S)
+        return super().close()
+
+    def _vigil_client_and_scripts(self):
+        pool = self.pool  # kombu builds it here the first time, or again after a lost connection
+        shared = self._vigil_shared
+        if shared is None or shared[0].connection_pool is not pool:
+            with self._vigil_shared_lock:
+                shared = self._vigil_shared
+                if shared is None or shared[0].connection_pool is not pool:
+                    client = super()._create_client()
+                    shared = self._vigil_shared = (client, client.register_script(NOTE_DELIVERY),
+                                                   client.register_script(ACK_DELIVERIES))
+        return shared
+
+    def _create_client(self, asynchronous=False):
+        """The channel's shared client for its current pool (kombu's own, built fresh, for the
+        event loop's asynchronous client, which kombu builds once anyway)."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)
+        return self._vigil_client_and_scripts()[0]
+
+    def _vigil_scripts(self):
+        """(note a delivery, ack a delivery) on the shared client (app/state/lua.py)."""
+        return self._vigil_client_and_scripts()[1:]
+
+    def basic_consume(self, queue, no_ack, callback, consumer_tag, **kwargs):
+        """kombu's, with each held message taken off `arriving()` once the consumer's callback
+        returned (or raised)."""
+        def handed_over(message):
+            try:
+                return callback(message)
+            finally:
+                member = getattr(message, "_vigil_held", None)
+                if member is not None:
+                    _arrived(member)
+
+        return super().basic_consume(queue, no_ack, handed_over, consumer_tag, **kwargs)
+
+
+class VigilChannel(_SharedClient, kredis.Channel):
+    """kombu's Redis channel: one shared client per connection pool, holders recorded."""
+
+    QoS = HoldingQoS
+
+
+class VigilSentinelChannel(_SharedClient, kredis.SentinelChannel):
+    """kombu's Sentinel channel: one shared client per connection pool, holders recorded."""
+
+    QoS = HoldingQoS
+
+
+class VigilRedisTransport(kredis.Transport):
+    """kombu's Redis transport (redis://, rediss://, unix sockets) on `VigilChannel`."""
+
+    Channel = VigilChannel
+
+
+class VigilSentinelTransport(kredis.SentinelTransport):
+    """kombu's Sentinel transport on `VigilSentinelChannel`."""
+
+    Channel = VigilSentinelChannel
+
+
+def transport_for(redis_url: str) -> str:
+    """Celery's `broker_transport` for Vigil's Redis URL: this module's transport for its
+    scheme."""
+    cls = "VigilSentinelTransport" if redis_url.startswith("sentinel") else "VigilRedisTransport"
+    return f"app.state.transport:{cls}"

@@ -1,0 +1,215 @@
+"""Redis tier: Vigil's kombu transport (app/state/transport.py) on a real Redis server, through
+kombu's own Connection, Producer and Consumer (the objects Celery's worker and producers use).
+
+What it must keep of kombu's: a delivered message is noted in kombu's `unacked` hash and index
+until acked. What it adds: the holder's set written in the same script call, the member listed
+in `arriving()` until the consumer's callback returned, acks sent from a thread of their own in
+batches (and sent before the channel closes), one client per connection pool.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from app.state import keys
+from app.state.store import RequestStore
+from app.state.transport import Acker, arriving, hold_deliveries
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.redis
+
+TRANSPORT = "app.state.transport:VigilRedisTransport"
+QUEUE = "vigil.test.transport"
+
+
+@pytest.fixture()
+def conn(redis_db1_url):
+    with Connection(redis_db1_url, transport=TRANSPORT) as c:
+        yield c
+    hold_deliveries(None)
+
+
+def publish(conn, task: str, rid: str) -> None:
+    q = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+    with conn.channel() as ch:
+        Producer(ch).publish({"x": 1}, exchange=q.exchange, routing_key=QUEUE, declare=[q],
+                             serializer="json", headers={"task": task, "id": rid})
+
+
+def consume_one(conn, on_message) -> None:
+    q = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+    got = []
+
+    def callback(body, message):
+        got.append(message)
+        on_message(message)
+
+    with Consumer(conn, [q], callbacks=[callback], accept=["json"]):
+        while not got:
+            conn.drain_events(timeout=5)
+
+
+def test_a_held_delivery_is_noted_with_its_holder_and_arrives_once_handed_over(conn):
+    """Given a holder for generate messages of instance 7, when the consumer takes one, then
+    inside its callback the id is already in the instance's in-flight set, the message in
+    kombu's unacked hash and index, and the id listed as arriving; once the callback returned
+    it is no longer arriving. Another task's message is noted as kombu notes it, held by no
+    one."""
+    hold_deliveries(RequestStore.delivery_holder(7, "vigil.generate"))
+    r = conn.default_channel.client
+    seen = {}
+
+    def inside(message):
+        seen["inflight"] = r.smembers(keys.inflight(7))
+        seen["unacked"] = r.hkeys("unacked")
+        seen["index"] = r.zrange("unacked_index", 0, -1)
+        seen["arriving"] = arriving()
+        seen["tag"] = message.delivery_tag
+        message.ack()
+
+    publish(conn, "vigil.generate", "r1")
+    consume_one(conn, inside)
+    assert seen["inflight"] == {b"r1"} and seen["arriving"] == {"r1"}
+    assert seen["unacked"] == [seen["tag"].encode()] == seen["index"]
+    assert arriving() == frozenset()
+
+    publish(conn, "other.task", "r2")
+    consume_one(conn, inside)
+    assert seen["inflight"] == {b"r1"} and seen["arriving"] == frozenset()
+    assert seen["unacked"] == [seen["tag"].encode()]
+    # Both acked: the acker empties kombu's unacked hash and index.
+    wait_until(lambda: not r.hlen("unacked") and not r.zcard("unacked_index"))
+
+
+def test_a_failed_note_leaves_nothing_arriving(conn):
+    """Given a holder, when noting a delivery fails (Redis refuses the script), then the error
+    reaches kombu's caller and the member is not left listed as arriving."""
+    hold_deliveries(RequestStore.delivery_holder(7, "vigil.generate"))
+    ch = conn.default_channel
+    qos = ch.qos
+
+    class Broken:
+        headers = {"task": "vigil.generate", "id": "r-broken"}
+        delivery_info = {"exchange": "", "routing_key": QUEUE}
+        _raw = {"body": ""}
+
+    ch.client.set(keys.inflight(7), "not a set")  # SADD on a string: WRONGTYPE
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        qos.append(Broken(), "tag-1")
+    assert arriving() == frozenset()
+
+
+def test_queued_acks_are_sent_in_batches_and_before_the_channel_closes(conn, redis_db1_url):
+    """Given 300 delivered messages acked while the acker's first send is held up, then the
+    rest go in one batch once it returns (two sends in all); and acks queued when the channel
+    closes are sent before it closes."""
+    r = conn.default_channel.client
+    for i in range(300):
+        publish(conn, "other.task", f"m{i}")
+    messages = []
+    q = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+    with Consumer(conn, [q], callbacks=[lambda body, m: messages.append(m)], accept=["json"]):
+        while len(messages) < 300:
+            conn.drain_events(timeout=5)
+    assert r.hlen("unacked") == 300
+
+    ch = conn.default_channel
+    acker = ch._vigil_acker()
+    sends, gate = [], threading.Event()
+    real = acker._send
+
+    def held_send(tags):
+        sends.append(len(tags))
+        gate.wait(5)
+        real(tags)
+
+    acker._send = held_send
+    for m in messages[:200]:
+        m.ack()
+    wait_until(lambda: sends)  # the first send took what was queued then, and waits
+    gate.set()
+    wait_until(lambda: sum(sends) == 200)
+    assert len(sends) <= 2
+    wait_until(lambda: r.hlen("unacked") == 100)
+
+    gate.clear()  # the last 100 are queued behind a held send when the channel closes
+    closer = threading.Thread(target=lambda: (
+        [m.ack() for m in messages[200:]], ch.close()))
+    closer.start()
+    wait_until(lambda: sum(sends) > 200)
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    with Connection(redis_db1_url) as other:
+        assert other.default_channel.client.hlen("unacked") == 0
+
+
+def test_an_acker_that_cannot_send_logs_and_carries_on(caplog):
+    """Given an acker whose sends fail, then each failure is logged with what it means, the
+    acker keeps sending what comes next, and `stop` sends what is queued first."""
+    log = logging.getLogger("vigil.transport")  # as it is in a worker, whatever tests before did
+    state = log.disabled, log.level
+    log.disabled = False
+    log.setLevel(logging.WARNING)
+    log.addHandler(caplog.handler)
+    sent, fail = [], [True]
+
+    def send(tags):
+        if fail[0]:
+            raise ConnectionError("Redis went away")
+        sent.extend(tags)
+
+    acker = Acker(send)
+    acker.ack("t1")
+    assert acker.flush(5)
+    assert "could not ack 1 message(s)" in caplog.text
+    fail[0] = False
+    acker.ack("t2")
+    acker.ack("t3")
+    acker.stop(5)
+    assert sent == ["t2", "t3"]
+    acker.ack("t4")  # after stop: sent at once, by the caller
+    assert sent == ["t2", "t3", "t4"]
+    log.removeHandler(caplog.handler)
+    log.disabled = state[0]
+    log.setLevel(state[1])
+
+
+def test_a_channel_shares_one_client_per_connection_pool(conn):
+    """kombu would build a redis-py client per command; the channel builds one per pool, and a
+    new one once kombu replaced its pool (after a lost connection)."""
+    ch = conn.default_channel
+    first = ch._create_client()
+    assert ch._create_client() is first
+    ch._pool = None  # what kombu's _disconnect_pools leaves
+    second = ch._create_client()
+    assert second is not first and second.connection_pool is ch.pool
+    assert ch._create_client(asynchronous=True) is not second  # the event loop's own
+
+
+def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
+        conn, settings, monkeypatch):
+    """Given a worker whose consumer is taking a request's message (its in-flight set names the
+    request, Celery does not have it yet), when Redis comes back at that moment and the worker
+    hands back what its set names but it does not hold, then that request is not handed back:
+    it is arriving. Once the message was handed over and dropped, it is."""
+    from app.requests import publish as publish_mod
+    from tests.test_redis_outage import Published
+    from tests.test_store_and_service import create
+    from workers.runtime import WorkerRuntime
+
+    published = Published()
+    monkeypatch.setattr(publish_mod, "republish", published)
+    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False)
+    hold_deliveries(rt.store.delivery_holder(rt.instance_id, "vigil.generate"))
+    create(rt.store, "r-arriving")
+    reclaimed = []
+    publish(conn, "vigil.generate", "r-arriving")
+    consume_one(conn, lambda message: reclaimed.append(rt.reclaim_orphans()))
+    assert reclaimed == [0] and published == []
+    # The message was handed over and Celery never took it in (this test's consumer is not
+    # Celery's): now it is an orphan of this worker's, handed back.
+    assert rt.reclaim_orphans() == 1 and published == [("r-arriving", 1)]
