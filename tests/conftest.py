@@ -269,10 +269,11 @@ def start_batch_beat(redis_server, tmp: Path, **env):
 
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:
     """True once every request of `results` has left the queue and is held by one of the worker
-    `instances` (or has ended). Fault tests kill only then: a message a consumer fetched in the
-    last instant before a SIGKILL, before Celery's task_received, is not in the worker's
-    in-flight set: it comes back through the reaper's audit (app/fleet/message_audit.py), not with the
-    worker's other requests, which would blur what the test measures."""
+    `instances` (or has ended). Fault tests kill only then: a message a consumer popped in the
+    last instant before a SIGKILL, before its hold was written with kombu's note of it
+    (app/state/transport.py), is not in the worker's in-flight set: it comes back through the
+    reaper's audit (app/fleet/message_audit.py), not with the worker's other requests, which
+    would blur what the test measures."""
     from app.state import keys
 
     if store.r.llen(queue):

@@ -52,8 +52,9 @@ ACK_FLUSH_TIMEOUT_S = 5.0
 # None: set by `hold_deliveries`, read on every delivery.
 Holder = Callable[[dict], "tuple[str, str] | None"]
 _holder: Holder | None = None
-# Members noted as held whose message Celery has not yet taken in (see `arriving`).
-_arriving: set[str] = set()
+# Members noted as held whose message Celery has not yet taken in (see `arriving`), with how
+# many of their messages are on the way (a duplicate delivery can be).
+_arriving: dict[str, int] = {}
 _arriving_lock = threading.Lock()
 
 
@@ -97,7 +98,7 @@ class HoldingQoS(kredis.QoS):
             keys.append(held[0])
             args.append(held[1])
             with _arriving_lock:
-                _arriving.add(held[1])
+                _arriving[held[1]] = _arriving.get(held[1], 0) + 1
         try:
             self.channel._vigil_scripts()[0](keys=keys, args=args)
         except BaseException:
@@ -183,7 +184,11 @@ class Acker:
 
 def _arrived(member: str) -> None:
     with _arriving_lock:
-        _arriving.discard(member)
+        left = _arriving.get(member, 0) - 1
+        if left > 0:
+            _arriving[member] = left
+        else:
+            _arriving.pop(member, None)
 
 
 class _SharedClient:
