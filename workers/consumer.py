@@ -32,11 +32,10 @@ from vine import promise
 
 from app.errors import INVALID_REQUEST, RequestError
 from app.fleet.outcomes import end_request
+from app.requests.publish import GENERATE
 from workers import runtime
 
 log = logging.getLogger("vigil.consumer")
-
-from app.requests.publish import GENERATE
 
 _EMBED_KEYS = ("callbacks", "errbacks", "chain", "chord")
 

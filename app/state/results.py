@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import redis
 
+from app.state.lua import SET_AND_PUBLISH_MANY
+
 
 @dataclass
 class ResultKey:
@@ -23,7 +25,6 @@ class ResultKey:
     expires_s: int
     written: bool = False
 
-from app.state.lua import SET_AND_PUBLISH_MANY
 
 
 def set_and_publish_many(client: redis.Redis, items: list[tuple[bytes | str, bytes | str]],
