@@ -136,19 +136,18 @@ class Acker:
         self._busy = False
 
     def ack(self, tag) -> None:
-        """Queue one delivery tag (sent within the current batch's round trip)."""
+        """Queue one delivery tag for the acker thread (started on the first), which sends it
+        with whatever else is queued; once stopped, send it here and now."""
         with self._cond:
-            stopped = self._stopping
-            if not stopped:
+            if not self._stopping:
                 self._pending.append(tag)
-        if stopped:  # the channel is closing: no thread to hand it to
-            self._send([tag])
-            return
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._cond.notify()
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name,
+                                                    daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+                return
+        self._send([tag])  # the channel is closing: no thread to hand it to
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` s until every queued ack was sent (or failed); True if so."""
