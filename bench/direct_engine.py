@@ -41,7 +41,9 @@ def direct_server(lora: bool = True) -> int:
     leaves the lanes out), then run rounds on command.
 
     Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens"} ->
-    {"elapsed", "tokens", "n"}; "quit" or EOF shuts the engine down. vLLM's own output goes to
+    {"elapsed", "tokens", "n", "steps", "step_outputs"} (the engine's steps in the round and the
+    request outputs in them, counted like the worker's: workers/engine/vllm.py, StepCounter);
+    "quit" or EOF shuts the engine down. vLLM's own output goes to
     stderr (fd 1 is pointed at fd 2 before vLLM is imported; its children inherit that).
     """
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -49,7 +51,7 @@ def direct_server(lora: bool = True) -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engine.vllm import engine_args, engine_env_defaults
+    from workers.engine.vllm import StepCounter, engine_args, engine_env_defaults
 
     engine_env_defaults()
     from vllm import SamplingParams
@@ -70,6 +72,7 @@ def direct_server(lora: bool = True) -> int:
             "max_num_seqs": llm.vllm_config.scheduler_config.max_num_seqs,
             "args": {k: v for k, v in args.items() if k != "engine_args"}},
             default=lambda v: getattr(v, "__name__", str(v))) + "\n")  # the executor class
+        steps = StepCounter(llm)  # counted as the worker's engine counts them
         loop = asyncio.get_running_loop()
 
         async def one(rid: str, prompt: str, max_tokens: int) -> int:
@@ -87,12 +90,14 @@ def direct_server(lora: bool = True) -> int:
                     break
                 cmd = json.loads(line)
                 prompts = make_prompts(cmd["n"], cmd["round"])
+                s0, o0 = steps.steps, steps.outputs
                 t0 = time.perf_counter()
                 counts = await asyncio.gather(*(
                     one(f"d{cmd['round']}-{i}", p, cmd["max_tokens"]) for i, p in enumerate(prompts)))
                 elapsed = time.perf_counter() - t0
                 proto.write(json.dumps({"elapsed": elapsed, "tokens": sum(counts),
-                                        "n": len(counts)}) + "\n")
+                                        "n": len(counts), "steps": steps.steps - s0,
+                                        "step_outputs": steps.outputs - o0}) + "\n")
         finally:
             llm.shutdown(timeout=30)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from app.local.embedded import free_port as _free_port
 from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, renice_engine
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
+from bench.step_meter import Steps, scrape_steps
 
 
 # -- the orchestrator -------------------------------------------------------------------------
@@ -232,7 +233,9 @@ class Bench:
         from tasks.inference import generate
 
         a = self.args
-        worker, wlog = self.start_worker("bench-cpu")
+        metrics_port = _free_port()
+        worker, wlog = self.start_worker("bench-cpu", VIGIL_METRICS_PORT=str(metrics_port),
+                                         VIGIL_METRICS_ADDRESS="127.0.0.1")
         direct = DirectEngine(self.emb.vigil_env(self.redis.url), self.tmp / "direct.log",
                               str(self.emb.REPO))
         self.procs.append(direct.proc)
@@ -260,6 +263,7 @@ class Bench:
             self.cpu.add("worker", worker.pid)
             self.cpu.add("direct", direct.proc.pid)
             rates: dict[str, list[float]] = {"celery": [], "direct": []}
+            steps: dict[str, list[Steps]] = {"celery": [], "direct": []}
 
             def celery_side(k: int, prompts: list[str]) -> None:
                 submit_s = []
@@ -273,14 +277,21 @@ class Bench:
                     values, errors = collect(rs)
                     return sum(v["completion_tokens"] for v in values), len(values), errors
 
+                before = scrape_steps(metrics_port)
                 wall, (tokens, ok, errors), cpu = self.measure(celery_round)
+                st = scrape_steps(metrics_port).over(before, wall)
+                steps["celery"].append(st)
                 self._report(k, "celery", wall, tokens, cpu, rates,
-                             f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)}", ok)
+                             f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)} | "
+                             f"{st.describe()}", ok)
 
             def direct_side(k: int, prompts: list[str]) -> None:
                 _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests,
                                                                        a.max_tokens))
-                self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates)
+                st = Steps(reply["steps"], reply["step_outputs"], reply["elapsed"])
+                steps["direct"].append(st)
+                self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates,
+                             f" | {st.describe()}")
 
             for k in range(a.rounds):  # each side goes first in every other round
                 prompts = make_prompts(a.requests, k)
@@ -296,7 +307,11 @@ class Bench:
             direct.close(self.emb.stop_process)
             self.emb.stop_process(worker)
         out = {"rates": rates, "ratios": [c / d for c, d in zip(rates["celery"],
-                                                                 rates["direct"])]}
+                                                                 rates["direct"])],
+               "step_ratios": [c.per_s / d.per_s for c, d in zip(steps["celery"],
+                                                                  steps["direct"])],
+               "batch_ratios": [c.batch / d.batch for c, d in zip(steps["celery"],
+                                                                  steps["direct"])]}
         if a.lora_rounds:
             out["lora"] = self.lora_cost()
         return out
@@ -371,6 +386,9 @@ class Bench:
                 for side, values in t["rates"].items():
                     summary.append(f"  {side:6s} {_spread(values, 'req/s')}")
                 summary.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
+                summary.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
+                summary.append(f"  x batch (outputs per step) celery/direct "
+                               f"{_spread(t['batch_ratios'], '')}")
                 if "lora" in t:
                     lr = t["lora"]
                     summary.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")

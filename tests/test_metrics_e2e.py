@@ -35,8 +35,9 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         redis_server, tmp_path):
     """Given a worker with metrics on a free port and its engine loaded, when three requests
     succeed and one fails prompt_too_long, then its /metrics counts 3 succeeded and 1 failed
-    prompt_too_long on its pool, 4 attempts, one engine load, the worker's name, a HEALTHY
-    state and the pool's queue depth."""
+    prompt_too_long on its pool, 4 attempts, one engine load, 12 request outputs from the
+    engine's steps (3 x 4 tokens), the worker's name, a HEALTHY state and the pool's queue
+    depth."""
     port = free_port()
     w = RunningWorker(redis_server, "metrics@testhost", tmp_path, pools=DRILL_MODEL,
                       VIGIL_METRICS_PORT=str(port), VIGIL_METRICS_ADDRESS="127.0.0.1")
@@ -64,6 +65,10 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         assert delta("vigil_attempts_total", pool=DRILL_MODEL) == 4
         assert get(after, "vigil_engine_loads_total") == 1
         assert delta("vigil_engine_generations_total") == 3
+        # The engine's own count (what EngineCore sent): one output per request per token made,
+        # in at least as many steps as one request's tokens; the refused prompt never ran.
+        assert delta("vigil_engine_step_outputs_total") == 12
+        assert 4 <= delta("vigil_engine_steps_total") <= 12
         assert get(after, "vigil_engine_state", state="ready", model=DRILL_MODEL) == 1
         assert get(after, "vigil_health_state", state="HEALTHY") == 1
         info = [k for k in after if k[0] == "vigil_worker_info"]

@@ -113,6 +113,7 @@ class EngineHost:
         self.evictions = 0
         self.restarts = 0
         self.peak_in_flight = 0
+        self._steps_before = (0, 0)  # (steps, outputs) of the engines shut down before this one
         self.served = 0
         self.poisoned = 0
         self.canaries = 0
@@ -235,8 +236,20 @@ class EngineHost:
         """Stalls the watchdog declared."""
         return self._watchdog.stalls if self._watchdog is not None else 0
 
+    def engine_steps(self, eng=None) -> tuple[int, int]:
+        """(steps, request outputs) of every engine this host ran, counted from what their
+        EngineCores sent (workers/engine/vllm.py, StepCounter); outputs / steps is the mean
+        batch. (0, 0) for engines that do not count (the instant engine)."""
+        eng = self._engine if eng is None else eng
+        counter = getattr(eng, "steps", None)
+        steps, outputs = self._steps_before
+        if counter is not None:
+            steps, outputs = steps + counter.steps, outputs + counter.outputs
+        return steps, outputs
+
     def snapshot(self) -> dict:
         """A consistent-enough view for the heartbeat: model, state, counters."""
+        steps, outputs = self.engine_steps()
         return {
             "model": self._model or "",
             "engine_state": self._state,
@@ -254,6 +267,7 @@ class EngineHost:
             "lora_refused": self._adapters.refused,
             "warm_adapters": ",".join(self._adapters.warm),
             "stalls": self.stalls,
+            "engine_steps": steps, "engine_step_outputs": outputs,
         }
 
     def child_pids(self) -> list[tuple[int, float]]:
@@ -480,6 +494,7 @@ class EngineHost:
         eng, self._engine = self._engine, None
         if eng is None:
             return
+        self._steps_before = self.engine_steps(eng)
         if reason:
             self.evictions += 1
             log.info("evicting engine for %s (%s)", self._model, reason)

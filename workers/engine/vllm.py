@@ -92,6 +92,32 @@ def chooses_executor(engine_args: dict) -> bool:
         for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
 
 
+class StepCounter:
+    """Counts what an AsyncLLM's EngineCore sends its front end: batches of outputs (`steps`:
+    one per engine step, or a few steps' worth when the front end falls behind) and the request
+    outputs in them (`outputs`: one per request that made a token in a step, so `outputs /
+    steps` is the engine's mean batch, how full it ran). Counted from vLLM's own messages, not
+    Vigil's records: the worker's engine and the benchmark's direct engine (bench/direct_engine.py)
+    count alike.
+
+    Wraps the method AsyncLLM's output handler calls for each batch; the handler looks it up on
+    every iteration."""
+
+    def __init__(self, llm):
+        self.steps = 0
+        self.outputs = 0
+        core = llm.engine_core
+        fetch = core.get_output_async
+
+        async def counted():
+            out = await fetch()
+            self.steps += 1
+            self.outputs += len(out.outputs)
+            return out
+
+        core.get_output_async = counted
+
+
 class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
@@ -111,22 +137,12 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
-        self.progress = 0
-        self._count_steps()
+        self.steps = StepCounter(self._llm)
 
-    def _count_steps(self) -> None:
-        """Count every batch of outputs EngineCore sends (one per engine step or a few): the
-        stall watchdog's proof of progress. Wraps the method AsyncLLM's output handler calls
-        each step; the handler looks it up on every iteration."""
-        core = self._llm.engine_core
-        fetch = core.get_output_async
-
-        async def counted():
-            out = await fetch()
-            self.progress += 1
-            return out
-
-        core.get_output_async = counted
+    @property
+    def progress(self) -> int:
+        """Batches of outputs EngineCore sent so far: the stall watchdog's proof of progress."""
+        return self.steps.steps
 
     def kill(self) -> None:
         """SIGKILL this engine's EngineCore: a stopped or wedged process ignores a polite stop."""
