@@ -4,9 +4,9 @@ nothing), one per `vigil worker` process (docs/operations.md, "Metrics").
 Besides the event counters of app/metrics.py, `WorkerCollector` reads the worker's state when
 Prometheus scrapes: the engine host's `snapshot()` (loads, evictions, restarts, canaries,
 poisoned, stalls, steps and their outputs, LoRA loads/evictions/refusals, in flight, engine
-state), the worker's health
-(state, streak, quarantines), and the depth of every pool's queues (one pipelined LLEN per
-queue: cheap, and only when Prometheus asks). Nothing is kept between scrapes.
+state), the worker's health (state, streak, quarantines), and the depth of every pool's queues
+(one pipelined LLEN per queue: cheap, and only when Prometheus asks). Nothing is kept between
+scrapes.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ ENGINE_COUNTERS = {
     "lora_loads": ("vigil_lora_loads", "LoRA adapters loaded into the engine."),
     "lora_evictions": ("vigil_lora_evictions", "LoRA adapters evicted (LRU within max_loras)."),
     "lora_refused": ("vigil_lora_refused", "LoRA adapters refused by the gate before the engine."),
-    "engine_steps": ("vigil_engine_steps", "Batches of outputs the engine's EngineCore sent (one "
-                     "per engine step, or a few when the worker falls behind)."),
+    "engine_steps": ("vigil_engine_steps", "Batches of outputs the engine's EngineCore sent "
+                     "(about one per engine step)."),
     "engine_step_outputs": ("vigil_engine_step_outputs", "Request outputs in those batches (one "
                             "per request per token made); over vigil_engine_steps: the mean "
                             "batch, how full the engine runs."),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -114,6 +115,8 @@ class EngineHost:
         self.restarts = 0
         self.peak_in_flight = 0
         self._steps_before = (0, 0)  # (steps, outputs) of the engines shut down before this one
+        # A snapshot never sees an engine's steps twice, or not at all, while it is shut down.
+        self._steps_lock = threading.Lock()
         self.served = 0
         self.poisoned = 0
         self.canaries = 0
@@ -236,11 +239,10 @@ class EngineHost:
         """Stalls the watchdog declared."""
         return self._watchdog.stalls if self._watchdog is not None else 0
 
-    def engine_steps(self, eng=None) -> tuple[int, int]:
-        """(steps, request outputs) of every engine this host ran, counted from what their
-        EngineCores sent (workers/engine/vllm.py, StepCounter); outputs / steps is the mean
-        batch. (0, 0) for engines that do not count (the instant engine)."""
-        eng = self._engine if eng is None else eng
+    def _steps_through(self, eng) -> tuple[int, int]:
+        """(steps, request outputs) of every engine this host ran up to and including `eng`,
+        counted from what their EngineCores sent (workers/engine/vllm.py, StepCounter); outputs
+        / steps is the mean batch. Engines that do not count (the instant engine) add 0."""
         counter = getattr(eng, "steps", None)
         steps, outputs = self._steps_before
         if counter is not None:
@@ -249,7 +251,8 @@ class EngineHost:
 
     def snapshot(self) -> dict:
         """A consistent-enough view for the heartbeat: model, state, counters."""
-        steps, outputs = self.engine_steps()
+        with self._steps_lock:
+            steps, outputs = self._steps_through(self._engine)
         return {
             "model": self._model or "",
             "engine_state": self._state,
@@ -491,10 +494,11 @@ class EngineHost:
         self._on_change()
 
     def _shutdown_engine(self, reason: str) -> None:
-        eng, self._engine = self._engine, None
-        if eng is None:
-            return
-        self._steps_before = self.engine_steps(eng)
+        with self._steps_lock:
+            eng, self._engine = self._engine, None
+            if eng is None:
+                return
+            self._steps_before = self._steps_through(eng)
         if reason:
             self.evictions += 1
             log.info("evicting engine for %s (%s)", self._model, reason)

@@ -94,8 +94,8 @@ def chooses_executor(engine_args: dict) -> bool:
 
 class StepCounter:
     """Counts what an AsyncLLM's EngineCore sends its front end: batches of outputs (`steps`:
-    one per engine step, or a few steps' worth when the front end falls behind) and the request
-    outputs in them (`outputs`: one per request that made a token in a step, so `outputs /
+    about one per engine step; 3 requests of 4 tokens each, run together, arrived in 5) and the
+    request outputs in them (`outputs`: one per request that made a token in a step, so `outputs /
     steps` is the engine's mean batch, how full it ran). Counted from vLLM's own messages, not
     Vigil's records: the worker's engine and the benchmark's direct engine (bench/direct_engine.py)
     count alike.
