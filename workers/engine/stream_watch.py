@@ -80,10 +80,14 @@ class StreamWatch:
         self._runs.pop(request_id, None)
 
     def stop(self) -> None:
-        """Stop ticking (the engine shuts down)."""
+        """Stop ticking and let go of the engine (it shuts down). The cancelled tick task may
+        still wait on the loop; holding the AsyncLLM from it would keep the engine alive to
+        interpreter exit, where its __del__ fails on half-torn-down modules."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        self._llm = None
+        self._runs.clear()
 
     async def _ticking(self) -> None:
         while True:
@@ -95,6 +99,8 @@ class StreamWatch:
 
     def tick(self) -> None:
         """Read every watched request's new tokens once."""
+        if self._llm is None:  # stopped
+            return
         self.ticks += 1
         op = self._llm.output_processor
         for request_id, run in list(self._runs.items()):
