@@ -13,8 +13,10 @@ import time
 import pytest
 
 from app.local.embedded import EmbeddedRedis, start_process, stop_process, vigil_env, wait_for
+from app.state import keys
 from app.state.store import RequestStore
-from tests.conftest import CACHE_DIR, RunningWorker, assert_each_ran_to_a_result_once
+from tests.conftest import (CACHE_DIR, RunningWorker, assert_each_ran_to_a_result_once,
+                            assert_witnessed)
 
 pytestmark = pytest.mark.worker
 N = 240
@@ -42,7 +44,8 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
     when Redis is restarted cleanly (SIGTERM) and later SIGKILLed and restarted, all mid-run,
     then the three processes reconnect on their own and every accepted request ends: all with
     a result except, at most, ones accepted within the fsync window before the crash, which
-    end `request_lost`; none runs to a result twice."""
+    end `request_lost` (or, taken by the worker before the crash, succeed in a record their
+    finish recreated, run once by the engines' witness); none runs to a result twice."""
     rds = EmbeddedRedis(appendonly=True).start()
     client = rds.client()
     env = {"VIGIL_CACHE_DIR": str(CACHE_DIR), "VIGIL_DEADLINE_SWEEP_INTERVAL": "2",
@@ -99,7 +102,18 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
               f"request_lost (accepted inside the fsync window: {len(in_window)}); "
               f"{report['submits_refused']} submit(s) refused redis_unavailable and retried")
         assert not wrong, f"requests that did not end as they should: {wrong}"
-        assert_each_ran_to_a_result_once(RequestStore(client, 3600), ok)
+        store = RequestStore(client, 3600)
+        # Accepted inside the window and taken by the worker before the crash, a request can lose
+        # its submit (record and message) with the window while the worker runs it: its finish
+        # after the restart writes the result into a record Redis no longer had, with no history
+        # and no request fields (docs/reliability.md). It ran once: the engines' witness says so.
+        recreated = [rid for rid in ok if rid in in_window and not store.history(rid)
+                     and client.hget(keys.request(rid), "pool") is None]
+        finished = assert_witnessed(store, recreated)
+        assert all(n == 1 for n in finished.values()), f"recreated, run more than once: {finished}"
+        print(f"{len(recreated)} succeeded whose submit the crash lost (records recreated by "
+              f"their finish)")
+        assert_each_ran_to_a_result_once(store, [rid for rid in ok if rid not in recreated])
     finally:
         stop_process(producer)
         stop_process(beat)
