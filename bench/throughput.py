@@ -8,7 +8,8 @@ Self-contained: a private redis-server, its own workers and engine, all stopped 
 
 Part 2 (printed first, it runs first): per-request cost of `vigil.generate` on a worker with the
 instant engine (VIGIL_ENGINE=instant: no model) against a bare Celery no-op task
-(bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians.
+(bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians
+(bench/overhead.py).
 
 Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` tokens each
 (ignore_eos, so every request is the same length), through `generate.delay` and one
@@ -19,6 +20,12 @@ which side goes first; both engines stay warm and the idle one costs nothing. Ea
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
 The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
+
+`--bare-celery` adds a third side to each round: a bare Celery worker with a warm AsyncLLM in a
+process global, the same engine args, Celery's defaults and nothing of Vigil
+(bench/bare_engine_app.py). It is what a team runs before Vigil, so `bare/direct` is what Celery
+feeding an engine reaches on these cores at all, and `celery/bare` is what Vigil's promises cost
+on top of it.
 
 Each measured segment also reports the CPU used by each process (psutil), as % of one core over
 the segment's wall time: on a 2-core machine that is where the ratio is won or lost.
@@ -36,8 +43,10 @@ import time
 from pathlib import Path
 
 from app.local.embedded import free_port as _free_port
+from bench.bare_celery import BareCelery
 from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, renice_engine
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
+from bench.overhead import overhead
 from bench.step_meter import Steps, scrape_steps
 
 
@@ -68,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one-session", action="store_true",
                    help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
                         "instead of app.local.embedded's one session per process")
+    p.add_argument("--bare-celery", action="store_true",
+                   help="a third side: a bare Celery worker with a warm vLLM engine in a process "
+                        "global (bench/bare_engine_app.py), what Celery alone reaches here")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
@@ -171,63 +183,6 @@ class Bench:
             cpu["steal"] = 100.0 * (sys1.steal - sys0.steal) / wall
         return wall, out, cpu
 
-    # -- part 2 -----------------------------------------------------------------------------
-    def overhead(self) -> dict:
-        from bench.noop_app import PROFILES, make_app
-        from tasks.inference import generate
-
-        a = self.args
-        n = a.overhead_requests
-        inst, inst_log = self.start_worker("bench-instant", VIGIL_ENGINE="instant")
-        noops = {}
-        for profile, queue in PROFILES.items():
-            log = self.tmp / f"noop-{profile}.log"
-            argv = [sys.executable, "-m", "celery", "-A", "bench.noop_app", "worker",
-                    "-P", "threads", "-c", str(a.concurrency), "--prefetch-multiplier", "1",
-                    "-Q", queue, "-n", f"bench-noop-{profile}@%h"]
-            if profile == "vigil-conf":
-                argv += ["-l", "INFO"]  # the flags `vigil worker` passes (events per settings)
-            proc = self.emb.start_process(
-                argv, self.emb.vigil_env(self.redis.url, BENCH_NOOP_PROFILE=profile), log)
-            self.procs.append(proc)
-            noops[profile] = (proc, make_app(profile, self.redis.url).tasks["bench.noop"])
-        try:
-            self.wait_engine(self.redis.client(), "bench-instant", inst, inst_log)
-            sides = {"vigil": lambda i: generate.delay(model=MODEL, prompt=f"hello there {i}",
-                                                       max_tokens=1)}
-            for profile, (proc, task) in noops.items():
-                sides[f"noop-{profile}"] = (lambda t: lambda i: t.delay(i))(task)
-            for side, submit in sides.items():  # warm: connections, threads, imports
-                collect([submit(i) for i in range(200)])
-            pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
-            times: dict[str, list[float]] = {s: [] for s in sides}
-            cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
-            self.cpu.add("redis", self.redis.proc.pid)
-            for k in range(a.overhead_rounds):
-                for side, submit in sides.items():
-                    self.cpu.add("worker", pids[side])
-
-                    def go():
-                        return collect([submit(i) for i in range(n)])[1]
-
-                    wall, errors, cpu = self.measure(go)
-                    self.cpu.remove("worker")
-                    per_us = 1e6 * wall / n
-                    wcpu = sum(v for key, v in cpu.items() if key.startswith("worker")) * wall / 100
-                    times[side].append(per_us)
-                    cpu_ms[side].append(1e3 * wcpu / n)
-                    self.say(f"overhead round {k + 1} {side:16s}: {n} req in {wall:6.2f} s = "
-                             f"{n / wall:7.1f} req/s, {per_us:7.0f} us/req, worker CPU "
-                             f"{1e3 * wcpu / n:.2f} ms/req{_errors_note(errors)} | cpu% "
-                             f"{_fmt_cpu(cpu)}")
-            med = {s: statistics.median(v) for s, v in times.items()}
-            med_cpu = {s: statistics.median(v) for s, v in cpu_ms.items()}
-            return {"median_us": med, "median_worker_cpu_ms": med_cpu}
-        finally:
-            self.emb.stop_process(inst)
-            for proc, _ in noops.values():
-                self.emb.stop_process(proc)
-
     # -- part 1 -----------------------------------------------------------------------------
     def throughput(self) -> dict:
         from tasks.inference import generate
@@ -239,6 +194,10 @@ class Bench:
         direct = DirectEngine(self.emb.vigil_env(self.redis.url), self.tmp / "direct.log",
                               str(self.emb.REPO))
         self.procs.append(direct.proc)
+        bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency) \
+            if a.bare_celery else None
+        if bare:
+            self.procs.append(bare.proc)
         r = self.redis.client()
         try:
             t0 = time.monotonic()
@@ -259,11 +218,15 @@ class Bench:
             collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
                      for p in warm])
             direct.run_round(999, len(warm), 8)
+            sides = ["celery", "direct"] + (["bare"] if bare else [])
+            if bare:
+                bare.warm(warm, 8)
+                self.cpu.add("bare", bare.proc.pid)
             self.cpu.add("redis", self.redis.proc.pid)
             self.cpu.add("worker", worker.pid)
             self.cpu.add("direct", direct.proc.pid)
-            rates: dict[str, list[float]] = {"celery": [], "direct": []}
-            steps: dict[str, list[Steps]] = {"celery": [], "direct": []}
+            rates: dict[str, list[float]] = {side: [] for side in sides}
+            steps: dict[str, list[Steps]] = {side: [] for side in sides}
 
             def celery_side(k: int, prompts: list[str]) -> None:
                 submit_s = []
@@ -293,25 +256,39 @@ class Bench:
                 self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates,
                              f" | {st.describe()}")
 
-            for k in range(a.rounds):  # each side goes first in every other round
+            def bare_side(k: int, prompts: list[str]) -> None:
+                before = bare.steps()
+                wall, (tokens, ok, errors), cpu = self.measure(
+                    lambda: bare.run_round(prompts, a.max_tokens))
+                st = bare.steps().over(before, wall)
+                steps["bare"].append(st)
+                self._report(k, "bare", wall, tokens, cpu, rates,
+                             f"{_errors_note(errors)} | {st.describe()}", ok)
+
+            runs = {"celery": celery_side, "direct": direct_side, "bare": bare_side}
+            for k in range(a.rounds):  # each side goes first in turn
                 prompts = make_prompts(a.requests, k)
-                order = (celery_side, direct_side) if k % 2 == 0 else (direct_side, celery_side)
-                for side in order:
-                    side(k, prompts)
-            self.cpu.remove("worker")
-            self.cpu.remove("direct")
+                for side in sides[k % len(sides):] + sides[:k % len(sides)]:
+                    runs[side](k, prompts)
+            for label in ("worker", "direct", "bare"):
+                self.cpu.remove(label)
             h = {k.decode(): v.decode() for k, v in r.hgetall(wkey).items()}
             self.say(f"worker engine: peak_in_flight {h.get('peak_in_flight')}, served "
                      f"{h.get('served')}, engine_loads {h.get('engine_loads')}")
         finally:
             direct.close(self.emb.stop_process)
             self.emb.stop_process(worker)
+            if bare:
+                self.emb.stop_process(bare.proc)
         out = {"rates": rates, "ratios": [c / d for c, d in zip(rates["celery"],
                                                                  rates["direct"])],
                "step_ratios": [c.per_s / d.per_s for c, d in zip(steps["celery"],
                                                                   steps["direct"])],
                "batch_ratios": [c.batch / d.batch for c, d in zip(steps["celery"],
                                                                   steps["direct"])]}
+        if bare:
+            out["bare_ratios"] = [b / d for b, d in zip(rates["bare"], rates["direct"])]
+            out["celery_bare_ratios"] = [c / b for c, b in zip(rates["celery"], rates["bare"])]
         if a.lora_rounds:
             out["lora"] = self.lora_cost()
         return out
@@ -369,7 +346,7 @@ class Bench:
             self.say(f"vigil bench {time.strftime('%Y-%m-%d %H:%M')}: {os.cpu_count()} CPUs, "
                      f"logs in {self.tmp}")
             if not a.skip_overhead:
-                o = self.overhead()
+                o = overhead(self)
                 med, mcpu = o["median_us"], o["median_worker_cpu_ms"]
                 for side in med:
                     summary.append(f"overhead median {side:16s}: {med[side]:7.0f} us/req, "
@@ -382,13 +359,17 @@ class Bench:
             if not a.skip_throughput:
                 t = self.throughput()
                 summary.append(f"throughput {a.requests} req x {a.max_tokens} tokens, "
-                               f"{a.rounds} rounds each, alternating which side goes first:")
+                               f"{a.rounds} rounds each, each side going first in turn:")
                 for side, values in t["rates"].items():
                     summary.append(f"  {side:6s} {_spread(values, 'req/s')}")
                 summary.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
                 summary.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
                 summary.append(f"  x batch (outputs per step) celery/direct "
                                f"{_spread(t['batch_ratios'], '')}")
+                if "bare_ratios" in t:
+                    summary.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
+                    summary.append(f"  ratio celery/bare per round "
+                                   f"{_spread(t['celery_bare_ratios'], '')}")
                 if "lora" in t:
                     lr = t["lora"]
                     summary.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")

@@ -1,0 +1,128 @@
+"""A bare Celery worker with a warm vLLM engine in a process global: what a team runs before
+Vigil, and so the most that Celery feeding an engine reaches on the same cores.
+
+Run by bench/throughput.py (`--bare-celery`, through bench/bare_celery.py) as
+
+    python -m celery -A bench.bare_engine_app worker -P threads -c N --prefetch-multiplier 1 -Q bench.bare
+
+with `VIGIL_REDIS_URL` naming the Redis. Celery's defaults otherwise (early ack, no events, no
+retries), JSON, results in Redis; kombu's stock Redis transport. The engine is vLLM's AsyncLLM
+built by the same function as the Vigil worker's and the direct engine's
+(workers/engine/vllm.py `engine_args`), on an asyncio loop of its own thread, at the first task;
+each task thread hands its prompt to that loop and blocks on the answer. Nothing else: no
+records, no leases, no recovery, no token streams. Whatever fails, fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+
+from celery import Celery
+from celery.signals import worker_shutdown
+from kombu import Queue
+
+QUEUE = "bench.bare"
+MODEL = "tiny-llama"
+
+
+class WarmEngine:
+    """One AsyncLLM on a loop thread, built once, by whichever task comes first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.llm = None
+        self.counter = None  # workers.engine.vllm.StepCounter
+
+    def ready(self) -> "WarmEngine":
+        """This engine, built on first use (later callers wait for the first build)."""
+        with self._lock:
+            if self.llm is None:
+                self._build()
+        return self
+
+    def _build(self) -> None:
+        from workers.engine.vllm import engine_env_defaults
+
+        engine_env_defaults()  # before vLLM is imported, as the Vigil worker does
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from app.requests.models import get_registry
+        from workers.engine.vllm import StepCounter, engine_args
+
+        spec = get_registry().get(MODEL)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="bare-engine-loop", daemon=True).start()
+
+        async def build():
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=spec.path,
+                                                            **engine_args(spec)))
+            return llm, StepCounter(llm)
+
+        self.llm, self.counter = asyncio.run_coroutine_threadsafe(build(), loop).result()
+        self.loop = loop
+
+    def generate(self, prompt: str, max_tokens: int) -> dict:
+        """Run one prompt to its end (the direct engine's sampling: bench/direct_engine.py)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None,
+                            stop=None, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one():
+            final = None
+            async for out in self.llm.generate({"prompt": prompt}, sp,
+                                               request_id=uuid.uuid4().hex):
+                final = out
+            return final.outputs[0]
+
+        out = asyncio.run_coroutine_threadsafe(one(), self.loop).result()
+        return {"text": out.text, "completion_tokens": len(out.token_ids)}
+
+    def shutdown(self) -> None:
+        """Stop the engine (its EngineCore process) if it was built."""
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+
+ENGINE = WarmEngine()
+
+
+def make_app(redis_url: str | None = None) -> Celery:
+    """The bare app (no connection is made here)."""
+    url = redis_url or os.environ.get("VIGIL_REDIS_URL", "redis://localhost:6379/0")
+    app = Celery("bench_bare", broker=url, backend=url)
+    app.conf.update(
+        task_serializer="json", result_serializer="json",
+        accept_content=["json"], result_accept_content=["json"],
+        task_queues=[Queue(QUEUE)], task_default_queue=QUEUE,
+        worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
+    )
+    app.task(name="bench.bare_generate")(bare_generate)
+    app.task(name="bench.bare_steps")(bare_steps)
+    return app
+
+
+def bare_generate(prompt: str, max_tokens: int) -> dict:
+    """The prompt's completion from the warm engine: {"text", "completion_tokens"}."""
+    return ENGINE.ready().generate(prompt, max_tokens)
+
+
+def bare_steps() -> dict:
+    """The engine's steps and request outputs so far, counted as the Vigil worker counts them
+    (workers/engine/vllm.py, StepCounter): {"steps", "outputs"}."""
+    c = ENGINE.ready().counter
+    return {"steps": c.steps, "outputs": c.outputs}
+
+
+@worker_shutdown.connect
+def _stop_engine(**_):
+    ENGINE.shutdown()
+
+
+app = make_app()

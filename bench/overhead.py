@@ -1,0 +1,71 @@
+"""Part 2 of bench/throughput.py: the per-request cost of `vigil.generate` on a worker with the
+instant engine (VIGIL_ENGINE=instant: Vigil's whole path, no model) against a bare Celery no-op
+task (bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians."""
+from __future__ import annotations
+
+import statistics
+import sys
+
+from bench.cpu_meter import _errors_note, _fmt_cpu, collect
+from bench.direct_engine import MODEL
+
+
+def overhead(bench) -> dict:
+    """Part 2 for `bench` (bench/throughput.py's Bench: its args, Redis, CPU meter, process
+    list): each side's median microseconds per request and worker CPU milliseconds per request,
+    {"median_us": {side: us}, "median_worker_cpu_ms": {side: ms}}; the workers it started are
+    stopped before it returns."""
+    from bench.noop_app import PROFILES, make_app
+    from tasks.inference import generate
+
+    a = bench.args
+    n = a.overhead_requests
+    inst, inst_log = bench.start_worker("bench-instant", VIGIL_ENGINE="instant")
+    noops = {}
+    for profile, queue in PROFILES.items():
+        log = bench.tmp / f"noop-{profile}.log"
+        argv = [sys.executable, "-m", "celery", "-A", "bench.noop_app", "worker",
+                "-P", "threads", "-c", str(a.concurrency), "--prefetch-multiplier", "1",
+                "-Q", queue, "-n", f"bench-noop-{profile}@%h"]
+        if profile == "vigil-conf":
+            argv += ["-l", "INFO"]  # the flags `vigil worker` passes (events per settings)
+        proc = bench.emb.start_process(
+            argv, bench.emb.vigil_env(bench.redis.url, BENCH_NOOP_PROFILE=profile), log)
+        bench.procs.append(proc)
+        noops[profile] = (proc, make_app(profile, bench.redis.url).tasks["bench.noop"])
+    try:
+        bench.wait_engine(bench.redis.client(), "bench-instant", inst, inst_log)
+        sides = {"vigil": lambda i: generate.delay(model=MODEL, prompt=f"hello there {i}",
+                                                   max_tokens=1)}
+        for profile, (proc, task) in noops.items():
+            sides[f"noop-{profile}"] = (lambda t: lambda i: t.delay(i))(task)
+        for side, submit in sides.items():  # warm: connections, threads, imports
+            collect([submit(i) for i in range(200)])
+        pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
+        times: dict[str, list[float]] = {s: [] for s in sides}
+        cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
+        bench.cpu.add("redis", bench.redis.proc.pid)
+        for k in range(a.overhead_rounds):
+            for side, submit in sides.items():
+                bench.cpu.add("worker", pids[side])
+
+                def go():
+                    return collect([submit(i) for i in range(n)])[1]
+
+                wall, errors, cpu = bench.measure(go)
+                bench.cpu.remove("worker")
+                per_us = 1e6 * wall / n
+                wcpu = sum(v for key, v in cpu.items() if key.startswith("worker")) * wall / 100
+                times[side].append(per_us)
+                cpu_ms[side].append(1e3 * wcpu / n)
+                bench.say(f"overhead round {k + 1} {side:16s}: {n} req in {wall:6.2f} s = "
+                         f"{n / wall:7.1f} req/s, {per_us:7.0f} us/req, worker CPU "
+                         f"{1e3 * wcpu / n:.2f} ms/req{_errors_note(errors)} | cpu% "
+                         f"{_fmt_cpu(cpu)}")
+        med = {s: statistics.median(v) for s, v in times.items()}
+        med_cpu = {s: statistics.median(v) for s, v in cpu_ms.items()}
+        return {"median_us": med, "median_worker_cpu_ms": med_cpu}
+    finally:
+        bench.emb.stop_process(inst)
+        for proc, _ in noops.values():
+            bench.emb.stop_process(proc)
