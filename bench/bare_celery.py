@@ -2,6 +2,7 @@
 run a round through it, read its engine's steps."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ class BareCelery:
         argv = [sys.executable, "-m", "celery", "-A", "bench.bare_engine_app", "worker",
                 "-P", "threads", "-c", str(concurrency), "--prefetch-multiplier", "1",
                 "-Q", QUEUE, "-n", "bench-bare@%h"]
+        if os.environ.get("BENCH_BARE_PROFILE") == "vigil-conf":
+            argv += ["-l", "INFO"]  # the flags `vigil worker` passes
         self.proc = emb.start_process(argv, emb.vigil_env(redis_url), log)
         self.log = log
         app = make_app(redis_url)

@@ -6,7 +6,9 @@ Run by bench/throughput.py (`--bare-celery`, through bench/bare_celery.py) as
     python -m celery -A bench.bare_engine_app worker -P threads -c N --prefetch-multiplier 1 -Q bench.bare
 
 with `VIGIL_REDIS_URL` naming the Redis. Celery's defaults otherwise (early ack, no events, no
-retries), JSON, results in Redis; kombu's stock Redis transport. The engine is vLLM's AsyncLLM
+retries), JSON, results in Redis; kombu's stock Redis transport. With `BENCH_BARE_PROFILE`
+`vigil-conf`, the Celery settings Vigil uses instead (as bench/noop_app.py's profile of that
+name: acks_late and the rest, and `-l INFO`), still none of Vigil's code. The engine is vLLM's AsyncLLM
 built by the same function as the Vigil worker's and the direct engine's
 (workers/engine/vllm.py `engine_args`), on an asyncio loop of its own thread, at the first task;
 each task thread hands its prompt to that loop and blocks on the answer. Nothing else: no
@@ -103,6 +105,13 @@ def make_app(redis_url: str | None = None) -> Celery:
         task_queues=[Queue(QUEUE)], task_default_queue=QUEUE,
         worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
     )
+    if os.environ.get("BENCH_BARE_PROFILE", "bare") == "vigil-conf":
+        from app.celery_app import create_app
+        from app.settings import load_settings
+        from bench.noop_app import VIGIL_KEYS
+
+        vigil = create_app(load_settings(redis_url=url)).conf
+        app.conf.update({k: vigil[k] for k in VIGIL_KEYS})
     app.task(name="bench.bare_generate")(bare_generate)
     app.task(name="bench.bare_steps")(bare_steps)
     return app

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 from app.local.embedded import free_port as _free_port
-from bench.bare_celery import BareCelery
 from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, renice_engine
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
 from bench.overhead import overhead
@@ -194,8 +193,11 @@ class Bench:
         direct = DirectEngine(self.emb.vigil_env(self.redis.url), self.tmp / "direct.log",
                               str(self.emb.REPO))
         self.procs.append(direct.proc)
-        bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency) \
-            if a.bare_celery else None
+        bare = None
+        if a.bare_celery:  # imported here: its app module reads the environment set above
+            from bench.bare_celery import BareCelery
+
+            bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency)
         if bare:
             self.procs.append(bare.proc)
         r = self.redis.client()
