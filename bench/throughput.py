@@ -15,8 +15,8 @@ Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` toke
 (ignore_eos, so every request is the same length), through `generate.delay` and one
 `vigil worker --cpu`, against the same prompts given all at once (asyncio.gather) to an AsyncLLM
 in a long-lived subprocess built from the same engine args (one function builds both:
-workers/engine/vllm.py, `engine_args`, LoRA lanes and KV cache size included). Rounds alternate
-which side goes first; both engines stay warm and the idle one costs nothing. Each round is
+workers/engine/vllm.py, `engine_args`, LoRA lanes and KV cache size included). The sides take
+turns going first; the engines stay warm and an idle one costs nothing. Each round is
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
 The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
@@ -198,7 +198,6 @@ class Bench:
             from bench.bare_celery import BareCelery
 
             bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency)
-        if bare:
             self.procs.append(bare.proc)
         r = self.redis.client()
         try:
