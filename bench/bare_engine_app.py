@@ -23,7 +23,8 @@ import uuid
 
 from celery import Celery
 from celery.signals import worker_shutdown
-from kombu import Queue
+
+from bench.celery_stock import stock_app
 
 QUEUE = "bench.bare"
 MODEL = "tiny-llama"
@@ -96,22 +97,10 @@ ENGINE = WarmEngine()
 
 
 def make_app(redis_url: str | None = None) -> Celery:
-    """The bare app (no connection is made here)."""
-    url = redis_url or os.environ.get("VIGIL_REDIS_URL", "redis://localhost:6379/0")
-    app = Celery("bench_bare", broker=url, backend=url)
-    app.conf.update(
-        task_serializer="json", result_serializer="json",
-        accept_content=["json"], result_accept_content=["json"],
-        task_queues=[Queue(QUEUE)], task_default_queue=QUEUE,
-        worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
-    )
-    if os.environ.get("BENCH_BARE_PROFILE", "bare") == "vigil-conf":
-        from app.celery_app import create_app
-        from app.settings import load_settings
-        from bench.noop_app import VIGIL_KEYS
-
-        vigil = create_app(load_settings(redis_url=url)).conf
-        app.conf.update({k: vigil[k] for k in VIGIL_KEYS})
+    """The bare app (no connection is made here); `BENCH_BARE_PROFILE=vigil-conf` gives it
+    Vigil's Celery settings (bench/celery_stock.py)."""
+    app = stock_app("bench_bare", QUEUE, redis_url,
+                    vigil_conf=os.environ.get("BENCH_BARE_PROFILE", "bare") == "vigil-conf")
     app.task(name="bench.bare_generate")(bare_generate)
     app.task(name="bench.bare_steps")(bare_steps)
     return app

@@ -16,36 +16,18 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from kombu import Queue
+
+from bench.celery_stock import stock_app
 
 PROFILES = {"bare": "bench.noop", "vigil-conf": "bench.noop.vconf"}
-# Vigil's Celery settings that change the per-task cost.
-VIGIL_KEYS = ("task_acks_late", "task_reject_on_worker_lost", "worker_send_task_events",
-              "task_send_sent_event", "task_track_started", "broker_transport_options",
-              "result_backend_transport_options", "redis_max_connections", "result_expires",
-              "worker_redirect_stdouts")
 
 
 def make_app(profile: str = "bare", redis_url: str | None = None) -> Celery:
     """The no-op app for `profile` (no connection is made here)."""
     if profile not in PROFILES:
         raise ValueError(f"BENCH_NOOP_PROFILE must be one of {sorted(PROFILES)}, got {profile!r}")
-    url = redis_url or os.environ.get("VIGIL_REDIS_URL", "redis://localhost:6379/0")
-    queue = PROFILES[profile]
-    app = Celery("bench_noop", broker=url, backend=url)
-    app.conf.update(
-        task_serializer="json", result_serializer="json",
-        accept_content=["json"], result_accept_content=["json"],
-        task_queues=[Queue(queue)], task_default_queue=queue,
-        worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
-    )
-    if profile == "vigil-conf":
-        from app.celery_app import create_app
-        from app.settings import load_settings
-
-        vigil = create_app(load_settings(redis_url=url)).conf
-        app.conf.update({k: vigil[k] for k in VIGIL_KEYS})
-
+    app = stock_app("bench_noop", PROFILES[profile], redis_url,
+                    vigil_conf=profile == "vigil-conf")
     app.task(name="bench.noop")(noop)
     return app
 
