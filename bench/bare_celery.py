@@ -2,11 +2,10 @@
 run a round through it, read its engine's steps."""
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
-from bench.bare_engine_app import QUEUE, make_app
+from bench.bare_engine_app import QUEUE, make_app, vigil_conf
+from bench.celery_stock import stock_worker_argv
 from bench.cpu_meter import GET_TIMEOUT_S, collect
 from bench.step_meter import Steps
 
@@ -15,11 +14,8 @@ class BareCelery:
     """One `celery worker` of the bare app, `concurrency` threads, in its own process group."""
 
     def __init__(self, emb, redis_url: str, log: Path, concurrency: int):
-        argv = [sys.executable, "-m", "celery", "-A", "bench.bare_engine_app", "worker",
-                "-P", "threads", "-c", str(concurrency), "--prefetch-multiplier", "1",
-                "-Q", QUEUE, "-n", "bench-bare@%h"]
-        if os.environ.get("BENCH_BARE_PROFILE") == "vigil-conf":
-            argv += ["-l", "INFO"]  # the flags `vigil worker` passes
+        argv = stock_worker_argv("bench.bare_engine_app", QUEUE, "bench-bare@%h", concurrency,
+                                 vigil_conf=vigil_conf())
         self.proc = emb.start_process(argv, emb.vigil_env(redis_url), log)
         self.log = log
         app = make_app(redis_url)

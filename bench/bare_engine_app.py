@@ -25,9 +25,9 @@ from celery import Celery
 from celery.signals import worker_shutdown
 
 from bench.celery_stock import stock_app
+from bench.direct_engine import MODEL, run_to_end
 
 QUEUE = "bench.bare"
-MODEL = "tiny-llama"
 
 
 class WarmEngine:
@@ -70,20 +70,8 @@ class WarmEngine:
 
     def generate(self, prompt: str, max_tokens: int) -> dict:
         """Run one prompt to its end (the direct engine's sampling: bench/direct_engine.py)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None,
-                            stop=None, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-
-        async def one():
-            final = None
-            async for out in self.llm.generate({"prompt": prompt}, sp,
-                                               request_id=uuid.uuid4().hex):
-                final = out
-            return final.outputs[0]
-
-        out = asyncio.run_coroutine_threadsafe(one(), self.loop).result()
+        out = asyncio.run_coroutine_threadsafe(
+            run_to_end(self.llm, prompt, max_tokens, uuid.uuid4().hex), self.loop).result()
         return {"text": out.text, "completion_tokens": len(out.token_ids)}
 
     def shutdown(self) -> None:
@@ -96,11 +84,15 @@ class WarmEngine:
 ENGINE = WarmEngine()
 
 
+def vigil_conf() -> bool:
+    """True when `BENCH_BARE_PROFILE` asks for Vigil's Celery settings (`vigil-conf`)."""
+    return os.environ.get("BENCH_BARE_PROFILE", "bare") == "vigil-conf"
+
+
 def make_app(redis_url: str | None = None) -> Celery:
     """The bare app (no connection is made here); `BENCH_BARE_PROFILE=vigil-conf` gives it
     Vigil's Celery settings (bench/celery_stock.py)."""
-    app = stock_app("bench_bare", QUEUE, redis_url,
-                    vigil_conf=os.environ.get("BENCH_BARE_PROFILE", "bare") == "vigil-conf")
+    app = stock_app("bench_bare", QUEUE, redis_url, vigil_conf=vigil_conf())
     app.task(name="bench.bare_generate")(bare_generate)
     app.task(name="bench.bare_steps")(bare_steps)
     return app

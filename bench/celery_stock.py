@@ -3,6 +3,7 @@ bench/bare_engine_app.py), optionally with the Celery settings Vigil uses."""
 from __future__ import annotations
 
 import os
+import sys
 
 from celery import Celery
 from kombu import Queue
@@ -35,3 +36,13 @@ def stock_app(name: str, queue: str, redis_url: str | None = None,
         vigil = create_app(load_settings(redis_url=url)).conf
         app.conf.update({k: vigil[k] for k in VIGIL_KEYS})
     return app
+
+
+def stock_worker_argv(app_module: str, queue: str, name: str, concurrency: int,
+                      vigil_conf: bool = False) -> list[str]:
+    """The `celery worker` command line of a bare bench worker for `app_module`: the threads pool,
+    `concurrency` threads, one message prefetched per thread, on `queue` only; with
+    `vigil_conf`, also the log level `vigil worker` passes (INFO)."""
+    argv = [sys.executable, "-m", "celery", "-A", app_module, "worker", "-P", "threads",
+            "-c", str(concurrency), "--prefetch-multiplier", "1", "-Q", queue, "-n", name]
+    return argv + (["-l", "INFO"] if vigil_conf else [])

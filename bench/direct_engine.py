@@ -1,8 +1,8 @@
 """The benchmark's direct baseline: one vLLM AsyncLLM fed directly, in its own process.
 
 `python -m bench.direct_engine` runs the server side (`direct_server`); `DirectEngine` is the
-parent side used by bench/throughput.py. Also holds what both sides of the comparison share (the
-prompts), so a round sends the same prompts through Celery and directly.
+parent side used by bench/throughput.py. Also holds what every side of the comparison shares (the
+prompts and the sampling), so a round sends the same requests through Celery and directly.
 """
 from __future__ import annotations
 
@@ -34,6 +34,21 @@ def make_prompts(n: int, round_no: int, words: int = 10) -> list[str]:
             for i in range(n)]
 
 
+async def run_to_end(llm, prompt: str, max_tokens: int, request_id: str):
+    """Run one prompt through `llm` (an AsyncLLM) to its end and return its CompletionOutput:
+    the sampling every engine of the bench uses (the request defaults, `ignore_eos`, the final
+    output only, as the worker asks for it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=None,
+                        ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    final = None
+    async for out in llm.generate({"prompt": prompt}, sp, request_id=request_id):
+        final = out
+    return final.outputs[0]
+
+
 # -- the direct engine (runs in its own process: `--direct-server`) ----------------------------
 def direct_server(lora: bool = True) -> int:
     """Build one AsyncLLM with the worker's own engine args (workers/engine/vllm.py,
@@ -54,9 +69,7 @@ def direct_server(lora: bool = True) -> int:
     from workers.engine.vllm import StepCounter, engine_args, engine_env_defaults
 
     engine_env_defaults()
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from app.requests.models import get_registry
@@ -76,12 +89,7 @@ def direct_server(lora: bool = True) -> int:
         loop = asyncio.get_running_loop()
 
         async def one(rid: str, prompt: str, max_tokens: int) -> int:
-            sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None,
-                                stop=None, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-            final = None
-            async for out in llm.generate({"prompt": prompt}, sp, request_id=rid):
-                final = out
-            return len(final.outputs[0].token_ids)
+            return len((await run_to_end(llm, prompt, max_tokens, rid)).token_ids)
 
         try:
             while True:

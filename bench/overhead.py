@@ -4,8 +4,8 @@ task (bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + 
 from __future__ import annotations
 
 import statistics
-import sys
 
+from bench.celery_stock import stock_worker_argv
 from bench.cpu_meter import _errors_note, _fmt_cpu, collect
 from bench.direct_engine import MODEL
 
@@ -24,11 +24,8 @@ def overhead(bench) -> dict:
     noops = {}
     for profile, queue in PROFILES.items():
         log = bench.tmp / f"noop-{profile}.log"
-        argv = [sys.executable, "-m", "celery", "-A", "bench.noop_app", "worker",
-                "-P", "threads", "-c", str(a.concurrency), "--prefetch-multiplier", "1",
-                "-Q", queue, "-n", f"bench-noop-{profile}@%h"]
-        if profile == "vigil-conf":
-            argv += ["-l", "INFO"]  # the flags `vigil worker` passes (events per settings)
+        argv = stock_worker_argv("bench.noop_app", queue, f"bench-noop-{profile}@%h",
+                                 a.concurrency, vigil_conf=profile == "vigil-conf")
         proc = bench.emb.start_process(
             argv, bench.emb.vigil_env(bench.redis.url, BENCH_NOOP_PROFILE=profile), log)
         bench.procs.append(proc)
