@@ -14,6 +14,7 @@ from kombu.utils.objects import cached_property
 from app.fleet import waiting
 from app.requests.models import ModelRegistry, get_registry
 from app.result_backend import backend_url
+from app.retry_policy import SUBMIT_PUBLISH_RETRY
 from app.settings import VigilSettings, get_settings
 from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
@@ -60,14 +61,6 @@ class VigilCelery(Celery):
         registry and Redis client; None once it has ended or without a record."""
         return waiting.why_waiting(request_id, client=self.vigil_redis,
                                    settings=self.vigil_settings, registry=self.vigil_registry)
-
-
-def outage_retry_policy(s: VigilSettings) -> dict:
-    """kombu's retry policy for a worker's own publishes (a retry, a requeue): they keep trying
-    for about VIGIL_REDIS_OUTAGE_GRACE, so a Redis restart does not drop a request between its
-    record (already moved to the next dispatch) and its message. Pauses of 0.2 s growing to 2 s."""
-    return {"max_retries": max(2, int(s.redis_outage_grace / 2) + 2), "interval_start": 0.2,
-            "interval_step": 0.5, "interval_max": 2.0}
 
 
 def _beat_schedule(s: VigilSettings) -> dict:
@@ -141,8 +134,7 @@ def celery_config(s: VigilSettings, reg: ModelRegistry) -> dict:
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=s.redis_timeout,
         # Fail a submit within seconds when Redis is down instead of hanging.
-        task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2,
-                                   "interval_step": 0.5, "interval_max": 1.0},
+        task_publish_retry_policy=SUBMIT_PUBLISH_RETRY,
         result_expires=s.result_ttl,
         # A result written while Redis restarts is retried (about VIGIL_REDIS_OUTAGE_GRACE), not
         # lost: the producer's get() waits on it (it would also answer from the record).

@@ -28,8 +28,6 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 """
 from __future__ import annotations
 
-import random
-
 # RequestError codes
 INVALID_REQUEST = "invalid_request"
 MODEL_NOT_FOUND = "model_not_found"
@@ -69,8 +67,6 @@ ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 # ran out (app/fleet/batch_tick.py).
 BATCH_CANCELLED = "batch_cancelled"
 BATCH_EXPIRED = "batch_expired"
-# A request waiting for memory (memory_pressure) is tried again at least this often.
-MEMORY_RETRY_MAX_S = 15.0
 # Raised by `r.get()` only: Redis has no record of the request any more (lost by a Redis crash
 # inside the AOF fsync window, or expired after VIGIL_RESULT_TTL). Submitting it again is safe.
 REQUEST_LOST = "request_lost"
@@ -82,21 +78,13 @@ class VigilError(Exception):
     Constructed from the one message string so Celery's JSON exception transport (which calls
     `cls(*args)`) rebuilds it intact in the producer.
 
-    The retry policy is a property of the error (the task's one retry path, tasks/base.py,
-    honours it; docs/api.md, "Retries", has the table): `retry_at_once` (no backoff: another
-    worker can take it now), `uses_attempt` (counted against VIGIL_MAX_ATTEMPTS),
-    `retry_delay_cap` (a tighter cap on the backoff). `attempt` is the
-    attempt that failed, set by the worker from the request's record when it used one.
+    What happens to a request after an error is decided in one place, app/retry_policy.py;
+    `decision` is that decision once the worker made it (the task's retry path reads its delay).
     """
-
-    retryable = False
-    retry_at_once = False
-    uses_attempt = True
-    retry_delay_cap: float | None = None
 
     def __init__(self, message: str):
         super().__init__(message)
-        self.attempt: int | None = None
+        self.decision = None
 
     @classmethod
     def of(cls, code: str, detail: str) -> "VigilError":
@@ -122,31 +110,14 @@ class TransientError(VigilError):
     """The fleet was briefly unable to serve (memory squeeze, engine restart...). Retried with
     jittered backoff until `max_attempts`; then the request fails with `attempts_exhausted`.
     A wedged engine or a lost worker is retried at once; a pending adapter and a start refused
-    for memory pressure give their attempt back (bounded by time, not attempts)."""
-
-    retryable = True
-
-    @property
-    def retry_at_once(self) -> bool:
-        return self.code in (WEDGED, WORKER_LOST)
-
-    @property
-    def uses_attempt(self) -> bool:
-        return self.code not in (LORA_ADAPTER_PENDING, MEMORY_PRESSURE)
-
-    @property
-    def retry_delay_cap(self) -> float | None:
-        # A request waiting for memory tries again at least this often, so it starts soon after
-        # a co-tenant lets go of the card.
-        return MEMORY_RETRY_MAX_S if self.code == MEMORY_PRESSURE else None
+    for memory pressure give their attempt back (bounded by time, not attempts)
+    (app/retry_policy.py)."""
 
 
 class WorkerFatalError(VigilError):
     """This worker or its device is broken. Its in-flight requests are requeued elsewhere and the
     worker exits for its supervisor to restart. Not a verdict on the request: retried at once,
-    on another worker."""
-
-    retry_at_once = True
+    on another worker (app/retry_policy.py)."""
 
 
 class TerminalError(VigilError):
@@ -161,21 +132,3 @@ ERROR_CLASSES: dict[str, type[VigilError]] = {
 def error_from_record(kind: str, message: str) -> VigilError:
     """Rebuild the stored error of a finished request (used for duplicate deliveries)."""
     return ERROR_CLASSES.get(kind, TerminalError)(message)
-
-
-def backoff(attempt: int, base: float, cap: float, rng: random.Random = random) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**(attempt-1))]."""
-    return rng.uniform(0, min(cap, base * (2 ** max(0, attempt - 1))))
-
-
-def retry_countdown(exc: VigilError, dispatch: int, base: float, cap: float,
-                    rng: random.Random = random) -> float:
-    """Seconds before the retry of a delivery (dispatch `dispatch`) that raised `exc`: 0 when
-    the error is retried at once; else full-jitter backoff on the failed attempt when it used
-    one (`exc.attempt`), on the next dispatch number when it did not, capped by the error's own
-    cap when it has one."""
-    if exc.retry_at_once:
-        return 0.0
-    n = exc.attempt if exc.uses_attempt and exc.attempt else dispatch + 1
-    delay = backoff(n, base, cap, rng)
-    return delay if exc.retry_delay_cap is None else min(exc.retry_delay_cap, delay)

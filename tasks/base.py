@@ -1,16 +1,16 @@
 """The house task base class: name, queue, acks, expiry, retry policy and submit-time validation.
 
 The retry policy in Celery's terms: `vigil.generate` declares which errors Celery's autoretry
-takes (tasks/inference.py); the numbers come from settings here (read live); the delay of each
-retry is the error's own (app/errors.py, `retry_countdown`), applied by the one retry path,
-`VigilTask.retry`."""
+takes (tasks/inference.py, from app/retry_policy.py's table); the delay of each retry is the
+one decision's (app/retry_policy.py `decide`: made by the worker's service, or here for an
+error that escaped it undecided), applied by the one retry path, `VigilTask.retry`."""
 from __future__ import annotations
 
 from celery import Task
 from celery.worker.request import Request
 
-from app.errors import (INVALID_REQUEST, RequestError, TerminalError, TransientError, VigilError,
-                        retry_countdown)
+from app.errors import INVALID_REQUEST, RequestError, TerminalError, TransientError, VigilError
+from app.retry_policy import Attempted, Retry, decide
 from app.requests.models import get_registry
 from app.requests.publish import publish
 from app.requests.submit import submit_request
@@ -42,7 +42,6 @@ class VigilTask(Task):
     Request = VigilRequest
     acks_late = True
     reject_on_worker_lost = True
-    retry_jitter = True  # full jitter: uniform in [0, the exponential step]
     # Expected outcomes: logged at INFO without a traceback, not as worker errors.
     throws = (RequestError, TerminalError, TransientError)
 
@@ -53,16 +52,6 @@ class VigilTask(Task):
         Celery's own `retries` counts every dispatch, including waits that used no attempt and
         copies a reaper or a stopping worker republished, so it never ends a request itself."""
         return get_settings().max_attempts - 1
-
-    @property
-    def retry_backoff(self) -> float:
-        """Base of the exponential backoff, seconds (VIGIL_RETRY_BACKOFF)."""
-        return get_settings().retry_backoff
-
-    @property
-    def retry_backoff_max(self) -> float:
-        """Cap of the backoff, seconds (VIGIL_RETRY_BACKOFF_MAX)."""
-        return get_settings().retry_backoff_max
 
     @property
     def resultrepr_maxsize(self) -> int:
@@ -79,14 +68,18 @@ class VigilTask(Task):
     def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None,
               max_retries=None, **options):
         """The one retry path (Celery's autoretry calls it for `autoretry_for`): a VigilError is
-        published again as the next dispatch after the delay its properties say (at once for a
-        wedge, a lost worker or a broken worker; backoff on its attempt, or on the dispatch when
-        it used none, capped for a memory wait). The record has already counted the attempt and
+        published again as the next dispatch after the delay of its retry decision
+        (app/retry_policy.py): the one the worker's service made and the error carries, or, for
+        an error that escaped the service undecided (Redis unreachable mid-delivery: no attempt
+        counted), one made here on the dispatch. The record has already counted the attempt and
         named that dispatch (workers/service.py), so Celery's count of retries is not a bound."""
         if isinstance(exc, VigilError):
-            countdown, eta = retry_countdown(exc, self.request.retries or 0, self.retry_backoff,
-                                             self.retry_backoff_max), None
-            max_retries = (self.request.retries or 0) + 1
+            dispatch = self.request.retries or 0
+            decision = exc.decision
+            if not isinstance(decision, Retry):
+                decision = decide(exc, Attempted(None, dispatch), get_settings(), 0.0)
+            countdown, eta = getattr(decision, "countdown", 0.0), None
+            max_retries = dispatch + 1
         return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
                              countdown=countdown, max_retries=max_retries, **options)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from celery.exceptions import Ignore, Reject
 
 from app import app
-from app.errors import RequestError, TerminalError, TransientError, WorkerFatalError
 from app.fleet.outcomes import result_key_for
 from app.requests.models import get_registry
+from app.retry_policy import NEVER_RETRIED, RETRIED
 from app.settings import get_settings
 from app.state.queues import is_pool_queue
 from app.state.store import shared_store
@@ -24,12 +24,11 @@ from workers.service import GiveBack, StaleDelivery, forward, serve
 WORKER_HOOKS = lifecycle
 
 
-# Retried (docs/api.md, "Retries"): the fleet's and the worker's failures, through the one retry
-# path (VigilTask.retry) with the backoff, jitter and max_retries VigilTask reads from settings.
-# Never retried: the request's own errors and the ends Vigil decided.
+# Retried (docs/api.md, "Retries"; the table is app/retry_policy.py's): the fleet's and the
+# worker's failures, through the one retry path (VigilTask.retry). Never retried: the request's
+# own errors and the ends Vigil decided.
 @app.task(base=VigilTask, bind=True, name="vigil.generate",
-          autoretry_for=(TransientError, WorkerFatalError),
-          dont_autoretry_for=(RequestError, TerminalError))
+          autoretry_for=RETRIED, dont_autoretry_for=NEVER_RETRIED)
 def generate(self, **kwargs) -> dict:
     """Generate text for one request; returns the stored result dict (see GenerateResult). A
     message that reached a queue no pool owns is forwarded to its pool's queue instead. Raises

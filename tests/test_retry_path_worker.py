@@ -5,7 +5,7 @@ Vigil's own configuration (tests/conftest.py, `celery_config`: database 1, flush
 `inprocess_worker` its in-process worker (threads pool; tests/conftest.py). A task built on VigilTask with
 `vigil.generate`'s own autoretry declaration raises scripted errors; Celery's autoretry hands
 each to the retry path, which republishes the next dispatch (Celery's `retries` header) after
-the delay the error's properties say (app/errors.py). The worker-side bookkeeping around it
+the delay of its retry decision (app/retry_policy.py: carried by the error, or made there). The worker-side bookkeeping around it
 (the record counting attempts) is workers/service.py's, tested in test_store_and_service.py;
 the engine path end to end is the worker tier's.
 """
@@ -19,6 +19,7 @@ import pytest
 
 from app.errors import (LORA_ADAPTER_PENDING, WEDGED, RequestError, TerminalError, TransientError,
                         WorkerFatalError)
+from app.retry_policy import Attempted, decide
 from app.settings import get_settings
 from app.state.queues import HOUSEKEEPING_QUEUE
 from tasks.base import VigilTask
@@ -29,16 +30,19 @@ NAME = "vigil.test.scripted"
 BACKOFF_S = 1.0  # VIGIL_RETRY_BACKOFF and its cap: a backed-off retry waits (0, 1] s
 
 
-def _wedged():
-    e = TransientError.of(WEDGED, "no answer")
-    e.attempt = 1  # the worker sets the failed attempt from the record
+def _decided(e, attempts: int):
+    """`e` as the worker's service raises it: carrying its decision (app/retry_policy.py)."""
+    e.decision = decide(e, Attempted(attempts, attempts - 1), get_settings(), time.time())
     return e
+
+
+def _wedged():
+    return _decided(TransientError.of(WEDGED, "no answer"), 1)
 
 
 def _fatal():
-    e = WorkerFatalError.of("cuda_context_lost", "CUDA error")
-    e.attempt = 2
-    return e
+    # Undecided, as an error that escaped the service: the task's retry path decides.
+    return WorkerFatalError.of("cuda_context_lost", "CUDA error")
 
 
 # Per case, what each dispatch raises (None: it returns).

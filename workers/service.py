@@ -5,8 +5,8 @@ Celery-free so it is testable without a broker: the task passes in the delivery'
 dispatch number, and gets back the stored result or a VigilError to raise. A retryable error
 (TransientError, WorkerFatalError) is raised only once the record names the next dispatch (or,
 when Vigil's own state was unreachable, with the record untouched: the next delivery takes the
-request over); the task's one retry path (tasks/base.py) publishes that dispatch after the
-delay the error's properties say (app/errors.py).
+request over); what happens after an error is app/retry_policy.py's one decision, which the
+error carries to the task's one retry path (tasks/base.py) for its delay.
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import time
 from typing import Callable
 
 from app import metrics
-from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
-                        MEMORY_PRESSURE, WORKER_LOST, RequestError, TerminalError, TransientError,
-                        VigilError, WorkerFatalError, error_from_record)
+from app.errors import (DEADLINE_EXCEEDED, WORKER_LOST, RequestError, TerminalError,
+                        TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.adapters import files_fingerprint
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
 from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
+from app.retry_policy import Attempted, End, decide, exhausted, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
@@ -105,8 +105,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
                                                       "passed before a worker could run it"), pool)
     if b.action == "exhausted":
-        return _fail(rt, request_id, TerminalError.of(
-            ATTEMPTS_EXHAUSTED, f"{b.attempts} attempts used; last error: {b.last_error}"), pool)
+        return _fail(rt, request_id, exhausted(b.attempts, b.last_error), pool)
     if b.action != "run":
         raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
     metrics.attempt_begun(pool)
@@ -121,27 +120,11 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         raise StaleDelivery(request_id) from None
     except HandedBack:
         # The stopping worker republished what it held (its record moved to a newer dispatch):
-        # this copy is stale. A request begun after that scan is still ours: retry it at once.
-        if rt.store.release(request_id, rt.instance_id, dispatch + 1,
-                            "worker_lost: the worker stopped"):
-            metrics.retried(pool, WORKER_LOST)
-            raise TransientError.of(WORKER_LOST, "the worker stopped") from None
-        metrics.dropped(pool, "stale")
-        raise StaleDelivery(request_id) from None
-    except TransientError as e:
-        if e.code == MEMORY_PRESSURE:
-            return _wait_for_memory(rt, request_id, dispatch, b.attempts, e, pool)
-        if e.code != LORA_ADAPTER_PENDING:
-            return _retry(rt, request_id, dispatch, b.attempts, e, pool)
-        # The adapter is still being written: not the request's fault and nothing ran, so the
-        # attempt is given back; the request's deadline bounds the wait.
-        if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), refund=True):
-            metrics.retried(pool, e.code)
-            raise e from None  # no attempt used: the backoff grows with the dispatch
-        metrics.dropped(pool, "stale")
-        raise StaleDelivery(request_id) from None
-    except WorkerFatalError as e:
-        return _retry(rt, request_id, dispatch, b.attempts, e, pool)
+        # this copy is stale. A request begun after that scan is still ours: retried (below).
+        return _after_failure(rt, request_id, dispatch, b.attempts,
+                              TransientError.of(WORKER_LOST, "the worker stopped"), pool)
+    except (TransientError, WorkerFatalError) as e:
+        return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
     except VigilError as e:
         return _fail(rt, request_id, e, pool)
     result = {
@@ -183,44 +166,30 @@ def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
             rt.streams.close(tap, ok)
 
 
-def _retry(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
-           e: VigilError, pool: str) -> dict:
-    """The fleet's or the worker's fault: retry (raise `e`, the record naming the next
-    dispatch), or fail when out of attempts."""
-    s = rt.settings
-    if attempts >= s.max_attempts:
-        return _fail(rt, request_id, TerminalError.of(
-            ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: {e}"), pool)
-    if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e)):
-        metrics.retried(pool, e.code)
-        log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
-        e.attempt = attempts  # its backoff grows with the attempts the record counts
-        raise e from None
-    metrics.dropped(pool, "stale")
-    raise StaleDelivery(request_id) from None  # someone else owns it now
-
-
-def _wait_for_memory(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
-                     e: VigilError, pool: str) -> dict:
-    """No engine could start for lack of free memory (a co-tenant holds the card): not the
-    request's fault and nothing ran, so the attempt is given back and the request waits for the
-    memory, bounded by time (VIGIL_MEMORY_PRESSURE_WINDOW from the squeeze's first refusal,
-    within its deadline), not by attempts; the start is tried again at least every
-    MEMORY_RETRY_MAX_S (app/errors.py). Past the window the request ends attempts_exhausted."""
+def _after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
+                   e: VigilError, pool: str) -> dict:
+    """The fleet's or the worker's fault: app/retry_policy.py decides. An end is written; a
+    retry releases the record to the next dispatch (giving the attempt back when the rule says
+    so: a pending adapter, a memory wait) and raises `e`, carrying the decision, for the task's
+    retry path. A release refused means someone else owns the request now: StaleDelivery."""
     s = rt.settings
     now = time.time()
-    rec = rt.store.get(request_id) or {}
-    since = float(rec.get("pressure_since") or now)
-    if now - since >= s.memory_pressure_window:
-        return _fail(rt, request_id, TerminalError.of(ATTEMPTS_EXHAUSTED, (
-            f"no engine could start for memory pressure for {now - since:.0f} s "
-            f"(VIGIL_MEMORY_PRESSURE_WINDOW {s.memory_pressure_window:g} s); last error: {e}")),
-            pool)
-    if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), now=now, refund=True,
-                        pressure=True):
+    since = None
+    if rule_for(e).memory_window:  # the wait is bounded by time from its first refusal
+        rec = rt.store.get(request_id) or {}
+        since = float(rec.get("pressure_since") or now)
+    decision = decide(e, Attempted(attempts, dispatch, pressure_since=since), s, now)
+    if isinstance(decision, End):
+        return _fail(rt, request_id, decision.error, pool)
+    if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), now=now,
+                        refund=not decision.uses_attempt, pressure=decision.pressure):
         metrics.retried(pool, e.code)
-        log.info("request %s: %s; waiting for memory (%.0f s so far)", request_id, e,
-                 now - since)
+        if decision.pressure:
+            log.info("request %s: %s; waiting for memory (%.0f s so far)", request_id, e,
+                     now - since)
+        else:
+            log.info("request %s attempt %d: %s; retrying", request_id, attempts, e)
+        e.decision = decision
         raise e from None
     metrics.dropped(pool, "stale")
     raise StaleDelivery(request_id) from None

@@ -17,12 +17,17 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from app.errors import ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, TerminalError
+from app.errors import DEADLINE_EXCEEDED, WORKER_LOST, TerminalError, TransientError
 from app.fleet.outcomes import Backend, end_request
+from app.retry_policy import Attempted, End, Limits, decide
 from app.state.keys import PENDING, RUNNING
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.housekeeping")
+
+# The error a handed-back request is judged by (app/retry_policy.py): retried at once, while it
+# has attempts and time left.
+LOST = TransientError.of(WORKER_LOST, "its worker stopped heartbeating and was reaped")
 
 # republish(request_id, record, dispatch): publish the request's message again under `dispatch`
 # (app/requests/publish.py `republish`).
@@ -32,7 +37,7 @@ Republish = Callable[[str, dict, int], None]
 def hand_back_one(store: RequestStore, now: float, request_id: str, instance: int | str,
                   republish: Republish, backend: Backend | None, max_attempts: int) -> str:
     """Hand one request of worker instance `instance` back: ended (its deadline passed, or it is
-    out of attempts) or moved to its next dispatch and published again. Returns "failed",
+    out of attempts: app/retry_policy.py decides, as for any `worker_lost`) or moved to its next dispatch and published again. Returns "failed",
     "requeued", or "skipped" when it had ended or moved on (nothing done). Raises what the
     publish raises after the record moved (Redis gone between the two steps: the deadline sweep
     ends that request)."""
@@ -41,14 +46,13 @@ def hand_back_one(store: RequestStore, now: float, request_id: str, instance: in
     if status not in (RUNNING, PENDING) or (status == RUNNING
                                             and rec.get("instance") != str(instance)):
         return "skipped"
-    attempts = int(rec.get("attempts", 0))
-    err = None
-    if float(rec.get("deadline_at") or 0) and float(rec["deadline_at"]) < now:
-        err = TerminalError.of(DEADLINE_EXCEEDED, "its worker died and the deadline has passed")
-    elif attempts >= max_attempts:
-        err = TerminalError.of(ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: "
-                               "worker_lost: its worker stopped heartbeating and was reaped")
-    if err is not None:
+    decision = decide(LOST, Attempted(int(rec.get("attempts", 0)), int(rec.get("dispatch", 0)),
+                                      float(rec.get("deadline_at") or 0)), Limits(max_attempts), now)
+    if isinstance(decision, End):
+        err = decision.error
+        if err.code == DEADLINE_EXCEEDED:
+            err = TerminalError.of(DEADLINE_EXCEEDED, "its worker died and the deadline has "
+                                   "passed")
         won, _ = end_request(store, request_id, error=err, now=now, pool=rec.get("pool", ""),
                              backend=backend)
         return "failed" if won else "skipped"

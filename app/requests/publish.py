@@ -14,7 +14,7 @@ worker or found without a message (app/fleet/handback.py, app/fleet/message_audi
   `deadline_exceeded`);
 - an `argsrepr`/`kwargsrepr` that shows only model and job, never the prompt (Flower, events
   and logs show these);
-- for a republish, kombu's outage retry policy: the record already moved to this dispatch, so
+- for a republish, kombu's outage retry policy (app/retry_policy.py): the record already moved to this dispatch, so
   the publish keeps trying through a Redis restart instead of leaving the request without a
   message.
 """
@@ -25,7 +25,8 @@ import json
 from typing import Any, Callable
 
 from app import control
-from app.settings import VigilSettings, get_settings
+from app.retry_policy import OutagePolicy
+from app.settings import get_settings
 from app.state.queues import DEFAULT_JOB, job_queue, job_queue_name
 from app.state.registry import WorkerRegistry
 
@@ -43,14 +44,6 @@ def kwargs_repr(model: object, job: object) -> str:
     """What Flower, events and logs show of a request's kwargs: its model and job, never the
     prompt (user data)."""
     return f"{{model: {model!r}, job: {job!r}}}"
-
-
-def outage_retry_policy(s: VigilSettings) -> dict:
-    """kombu's retry policy for a worker's own publishes (a retry, a requeue): they keep trying
-    for about VIGIL_REDIS_OUTAGE_GRACE, so a Redis restart does not drop a request between its
-    record (already moved to the next dispatch) and its message. Pauses of 0.2 s growing to 2 s."""
-    return {"max_retries": max(2, int(s.redis_outage_grace / 2) + 2), "interval_start": 0.2,
-            "interval_step": 0.5, "interval_max": 2.0}
 
 
 def expires_at(deadline_at: float) -> dt.datetime:
@@ -73,7 +66,7 @@ def publish(request_id: str, kwargs: dict, *, model: object, job: object,
         options.setdefault("expires", expires_at(deadline_at))
     if dispatch:
         options["retries"] = dispatch
-        options.setdefault("retry_policy", outage_retry_policy(get_settings()))
+        options.setdefault("retry_policy", OutagePolicy.of(get_settings()).kombu())
     if send is None:
         from app import app
 

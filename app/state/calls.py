@@ -2,8 +2,8 @@
 exception, optionally riding out an outage first.
 
 Every reader and writer in app/state/ goes through one `Calls` per client. With `outage_grace` > 0
-(workers), a call that cannot reach Redis is retried with doubling pauses for up to that many
-seconds (a Redis restart, a failover, a restarted Redis still reading its AOF) before it raises:
+(workers), a call that cannot reach Redis is retried with doubling pauses (app/retry_policy.py,
+`OutagePolicy`) for up to that many seconds (a Redis restart, a failover, a restarted Redis still reading its AOF) before it raises:
 a finished generation is not thrown away for a restart. Every Lua script is written so that
 running it again after a lost reply is harmless (it finds its own change and reports it).
 """
@@ -16,10 +16,7 @@ from typing import Callable
 import redis
 
 from app.errors import REDIS_UNAVAILABLE, TransientError
-
-# Pauses between retries of a call while Redis is unreachable (outage_grace): doubling, capped.
-OUTAGE_RETRY_FIRST_S = 0.1
-OUTAGE_RETRY_MAX_S = 2.0
+from app.retry_policy import OutagePolicy
 
 log = logging.getLogger("vigil.store")
 
@@ -32,12 +29,13 @@ class Calls:
                  sleep: Callable[[float], None] = time.sleep):
         self.client = client
         self.outage_grace = outage_grace
+        self._policy = OutagePolicy(outage_grace)
         self._clock, self._sleep = clock, sleep
 
     def __call__(self, fn, *a, **kw):
         """`fn(*a, **kw)`; TransientError(redis_unavailable) when Redis cannot be reached (after
         `outage_grace` seconds of retries) or refuses the credentials."""
-        give_up, pause = None, OUTAGE_RETRY_FIRST_S
+        give_up, pause = None, self._policy.first_pause()
         while True:
             try:
                 return fn(*a, **kw)
@@ -55,7 +53,7 @@ class Calls:
                 if now >= give_up:
                     raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
                 self._sleep(min(pause, give_up - now))
-                pause = min(pause * 2, OUTAGE_RETRY_MAX_S)
+                pause = self._policy.next_pause(pause)
 
     def pipeline(self, transaction: bool = False):
         """A pipeline on this client (run it with `self(pipe.execute)`)."""

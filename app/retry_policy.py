@@ -1,0 +1,224 @@
+"""What happens to a request after an error: the one retry decision, and the outage policies.
+
+`decide(error, state, settings, now)` answers `Retry(countdown, uses_attempt, pressure)` (publish
+the request again as its next dispatch) or `End(error)` (write the outcome, final). Every place
+that asks the question asks it here: the worker's service after a failed attempt
+(workers/service.py), the task's one retry path (tasks/base.py: the countdown of an error that
+escaped the service undecided, e.g. Redis unreachable mid-delivery), and the hand-back of a
+dead or stopping worker's requests (app/fleet/handback.py). Celery's autoretry lists
+(tasks/inference.py) are derived from the same table (`RETRIED`, `NEVER_RETRIED`).
+
+The table, by class, then by code (docs/api.md, "Retries", shows it to users):
+
+| error | retried? | delay | attempt used? |
+| --- | --- | --- | --- |
+| RequestError, TerminalError | never | | |
+| TransientError (default) | until VIGIL_MAX_ATTEMPTS | jittered backoff on the attempt | yes |
+| TransientError wedged, worker_lost | until VIGIL_MAX_ATTEMPTS | at once | yes |
+| TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
+| TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
+| WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
+
+The outage policies: how long a reader or writer of Redis rides out an outage before it raises
+(`OutagePolicy`, used by app/state/calls.py), the same bound in kombu's terms for a worker's own
+publishes (`OutagePolicy.kombu`), and the fail-fast policy of a producer's submit
+(`SUBMIT_PUBLISH_RETRY`).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
+                        MEMORY_PRESSURE, WEDGED, WORKER_LOST, RequestError, TerminalError,
+                        TransientError, VigilError, WorkerFatalError)
+from app.settings import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
+                          DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
+
+# A request waiting for memory (memory_pressure) is tried again at least this often, so it
+# starts soon after a co-tenant lets go of the card.
+MEMORY_RETRY_MAX_S = 15.0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one kind of error is handled: `retried` at all; `at_once` (no backoff: another worker
+    can take it now); `uses_attempt` (counted against VIGIL_MAX_ATTEMPTS; else the attempt is
+    given back and the request's deadline or window bounds it); `delay_cap` (a tighter cap on
+    the backoff); `memory_window` (bounded by VIGIL_MEMORY_PRESSURE_WINDOW from the first
+    refusal)."""
+
+    retried: bool
+    at_once: bool = False
+    uses_attempt: bool = True
+    delay_cap: float | None = None
+    memory_window: bool = False
+
+
+NEVER = Rule(retried=False)
+BACKOFF = Rule(retried=True)
+AT_ONCE = Rule(retried=True, at_once=True)
+
+# By class: the default of every code of that class.
+CLASS_RULES: dict[type[VigilError], Rule] = {
+    RequestError: NEVER,
+    TerminalError: NEVER,
+    TransientError: BACKOFF,
+    WorkerFatalError: AT_ONCE,
+}
+# By code, where a code differs from its class.
+CODE_RULES: dict[str, Rule] = {
+    WEDGED: AT_ONCE,
+    WORKER_LOST: AT_ONCE,
+    LORA_ADAPTER_PENDING: Rule(retried=True, uses_attempt=False),
+    MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
+                          memory_window=True),
+}
+
+# Celery's autoretry lists (tasks/inference.py), derived from the table.
+RETRIED: tuple[type[VigilError], ...] = tuple(c for c, r in CLASS_RULES.items() if r.retried)
+NEVER_RETRIED: tuple[type[VigilError], ...] = tuple(
+    c for c, r in CLASS_RULES.items() if not r.retried)
+
+
+def rule_for(error: VigilError) -> Rule:
+    """The rule of `error`: its code's if the code has one of its own, else its class's (the
+    nearest class in the table; a VigilError of no listed class is never retried)."""
+    for cls in type(error).__mro__:
+        if cls in CLASS_RULES:
+            base = CLASS_RULES[cls]
+            return CODE_RULES.get(error.code, base) if base.retried else base
+    return NEVER
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds a decision reads (VigilSettings has all four, and is accepted as they are)."""
+
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    memory_pressure_window: float = DEFAULT_MEMORY_PRESSURE_WINDOW_S
+    retry_backoff: float = DEFAULT_RETRY_BACKOFF_S
+    retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX_S
+
+
+@dataclass(frozen=True)
+class Attempted:
+    """What the request's record says at the failure: the attempts it has counted (None when
+    the failure happened before any was known, e.g. Redis unreachable mid-delivery), the
+    dispatch that failed, its deadline (0: not checked here) and when its memory-pressure wait
+    began (None: not waiting)."""
+
+    attempts: int | None
+    dispatch: int
+    deadline_at: float = 0.0
+    pressure_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Publish the request again as its next dispatch after `countdown` seconds; the attempt
+    stays counted when `uses_attempt`, else it is given back; `pressure` starts or continues the
+    memory-pressure window."""
+
+    countdown: float
+    uses_attempt: bool
+    pressure: bool = False
+
+
+@dataclass(frozen=True)
+class End:
+    """End the request with `error` (final)."""
+
+    error: VigilError
+
+
+def exhausted(attempts: int, last_error: str) -> TerminalError:
+    """The `attempts_exhausted` end of a request that used `attempts` attempts."""
+    return TerminalError.of(ATTEMPTS_EXHAUSTED, f"{attempts} attempts used; last error: "
+                            f"{last_error}")
+
+
+def backoff(step: int, base: float, cap: float, rng: random.Random = random) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**(step-1))]."""
+    return rng.uniform(0, min(cap, base * (2 ** max(0, step - 1))))
+
+
+def decide(error: VigilError, state: Attempted, settings: Limits, now: float,
+           rng: random.Random = random) -> Retry | End:
+    """What happens to a request whose attempt (or delivery) failed with `error`.
+
+    End: an error never retried; a deadline already past (when `state` names one); the attempts
+    used up, for an error that uses one; the memory-pressure window over, for a memory wait.
+    Retry otherwise, at once or after a full-jitter backoff on the failed attempt (on the next
+    dispatch number when no attempt counts), capped by the rule's own cap."""
+    rule = rule_for(error)
+    if not rule.retried:
+        return End(error)
+    if state.deadline_at and now > state.deadline_at:
+        return End(TerminalError.of(DEADLINE_EXCEEDED, f"the deadline passed; last error: "
+                                    f"{error}"))
+    if rule.memory_window:
+        since = now if state.pressure_since is None else state.pressure_since
+        if now - since >= settings.memory_pressure_window:
+            return End(TerminalError.of(ATTEMPTS_EXHAUSTED, (
+                f"no engine could start for memory pressure for {now - since:.0f} s "
+                f"(VIGIL_MEMORY_PRESSURE_WINDOW {settings.memory_pressure_window:g} s); "
+                f"last error: {error}")))
+    elif rule.uses_attempt and state.attempts is not None \
+            and state.attempts >= settings.max_attempts:
+        return End(exhausted(state.attempts, str(error)))
+    return Retry(countdown(rule, state, settings, rng), rule.uses_attempt, rule.memory_window)
+
+
+def countdown(rule: Rule, state: Attempted, settings: Limits,
+              rng: random.Random = random) -> float:
+    """Seconds before the retry that `rule` makes of a failure in `state` (decide's delay)."""
+    if rule.at_once:
+        return 0.0
+    step = state.attempts if rule.uses_attempt and state.attempts else state.dispatch + 1
+    delay = backoff(step, settings.retry_backoff, settings.retry_backoff_max, rng)
+    return delay if rule.delay_cap is None else min(rule.delay_cap, delay)
+
+
+# -- outages of Redis ------------------------------------------------------------------------------
+# Pauses between retries of a call while Redis is unreachable: doubling, capped.
+OUTAGE_RETRY_FIRST_S = 0.1
+OUTAGE_RETRY_MAX_S = 2.0
+
+# A producer's submit fails within seconds when Redis is down instead of hanging (Celery's
+# `task_publish_retry_policy`): the caller gets TransientError(redis_unavailable) and retries.
+SUBMIT_PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
+                        "interval_max": 1.0}
+
+
+@dataclass(frozen=True)
+class OutagePolicy:
+    """How long a caller rides out an unreachable Redis before it raises: `grace` seconds (0:
+    not at all), with doubling pauses from OUTAGE_RETRY_FIRST_S up to OUTAGE_RETRY_MAX_S. Workers
+    ride out VIGIL_REDIS_OUTAGE_GRACE (a restart, a failover) so a finished generation is not
+    thrown away; producers and operator tools fail at once."""
+
+    grace: float = 0.0
+
+    @classmethod
+    def of(cls, settings) -> "OutagePolicy":
+        """A worker's policy: VIGIL_REDIS_OUTAGE_GRACE."""
+        return cls(settings.redis_outage_grace)
+
+    @staticmethod
+    def first_pause() -> float:
+        """The pause before the first retry."""
+        return OUTAGE_RETRY_FIRST_S
+
+    @staticmethod
+    def next_pause(pause: float) -> float:
+        """The pause after `pause`: doubled, capped."""
+        return min(pause * 2, OUTAGE_RETRY_MAX_S)
+
+    def kombu(self) -> dict:
+        """The same bound as kombu's publish retry policy, for a worker's own publishes (a retry,
+        a requeue): the record already moved to the next dispatch, so the publish keeps trying
+        through a Redis restart instead of leaving the request without a message. Pauses of
+        0.2 s growing to 2 s, about `grace` seconds in all."""
+        return {"max_retries": max(2, int(self.grace / 2) + 2), "interval_start": 0.2,
+                "interval_step": 0.5, "interval_max": 2.0}
