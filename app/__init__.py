@@ -6,19 +6,10 @@ raises SettingsError naming the variable). It connects to nothing; importing a s
 """
 from __future__ import annotations
 
-import threading
-
-_lock = threading.Lock()
-_app = None
-
 
 def __getattr__(name: str):
-    global _app
     if name in ("app", "celery"):
-        with _lock:
-            if _app is None:
-                from app.celery_app import create_app
+        from app.celery_app import shared_app  # built on first access, never at import
 
-                _app = create_app()
-        return _app
+        return shared_app()
     raise AttributeError(f"module 'app' has no attribute {name!r}")

@@ -1,16 +1,20 @@
 """The Celery application, configured from VigilSettings. Every setting says why it is set.
 
-The top of app/: it composes the app from every floor below (settings, Redis connections, the
-registry's queues, the explanation of a wait), and nothing in app/ imports it; code that needs
-the app reaches it through `from app import app` inside a function (app/__init__.py builds it on
-first access).
+It composes the app from the floors below it (settings, Redis connections, the registry's
+queues, the explanation of a wait) and hands what they need of it back down as its ports
+(app/celery_ports.py): nothing below it looks the app up. The entry points above it (the
+operator tools, the local harness, the worker, the tasks) get this process's app from
+`shared_app()`, which `from app import app` also returns (app/__init__.py).
 """
 from __future__ import annotations
+
+import threading
 
 from celery import Celery
 from kombu import Queue
 from kombu.utils.objects import cached_property
 
+from app.celery_ports import CeleryPorts
 from app.fleet import waiting
 from app.requests.models import ModelRegistry, get_registry
 from app.result_backend import backend_url
@@ -21,6 +25,8 @@ from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
 from app.state.transport import transport_for
+from app.task_names import (BATCH_TICK, DEADLINE_SWEEP, FOREIGN_QUEUES, HEALTH_TICK, JOB_LEASES,
+                             MESSAGE_AUDIT, REAP_WORKERS, RECONCILE)
 
 # The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
 APP_NAME = "vigil"
@@ -40,6 +46,11 @@ class VigilCelery(Celery):
         """The result class bound to this app."""
         return self.subclass_with_self("app.requests.async_result:VigilAsyncResult",
                                        reverse="AsyncResult")
+
+    @cached_property
+    def vigil_ports(self) -> CeleryPorts:
+        """What the code below the app needs of it (app/celery_ports.py), built once."""
+        return CeleryPorts(self)
 
     @cached_property
     def vigil_redis(self):
@@ -66,24 +77,24 @@ class VigilCelery(Celery):
 def _beat_schedule(s: VigilSettings) -> dict:
     # Beat's own settings decide the timing; the reap timeout and registration grace travel with
     # the task so the worker that runs it reaps by the same rule beat was configured with.
-    sched = {"vigil.deadline_sweep": (s.deadline_sweep_interval, "vigil.deadline_sweep", {})}
+    sched = {DEADLINE_SWEEP: (s.deadline_sweep_interval, DEADLINE_SWEEP, {})}
     if s.worker_reap_timeout > 0:  # reap_timeout/4: a dead worker is found within 1.25 timeouts
-        sched["vigil.reap_workers"] = (s.worker_reap_timeout / 4, "vigil.reap_workers",
+        sched[REAP_WORKERS] = (s.worker_reap_timeout / 4, REAP_WORKERS,
                                        {"reap_timeout": s.worker_reap_timeout,
                                         "registration_grace": s.worker_registration_grace})
     # Quarantined workers must really stop consuming: the worker cancels its own consumers,
     # and this tick does it from outside when the worker could not.
-    sched["vigil.health_tick"] = (s.health_tick_interval, "vigil.health_tick", {})
+    sched[HEALTH_TICK] = (s.health_tick_interval, HEALTH_TICK, {})
     # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/fleet/jobs.py).
-    sched["vigil.reconcile"] = (s.reconcile_interval, "vigil.reconcile", {})
-    sched["vigil.job_leases"] = (s.deadline_sweep_interval, "vigil.job_leases", {})
+    sched[RECONCILE] = (s.reconcile_interval, RECONCILE, {})
+    sched[JOB_LEASES] = (s.deadline_sweep_interval, JOB_LEASES, {})
     # Open requests whose message is nowhere (a producer that died between record and publish).
-    sched["vigil.message_audit"] = (s.message_audit_interval, "vigil.message_audit", {})
+    sched[MESSAGE_AUDIT] = (s.message_audit_interval, MESSAGE_AUDIT, {})
     # Batch objects: validate, submit the next lines, record results, end (app/fleet/batches.py).
-    sched["vigil.batch_tick"] = (s.batch_tick_interval, "vigil.batch_tick", {})
+    sched[BATCH_TICK] = (s.batch_tick_interval, BATCH_TICK, {})
     # vigil.generate sent to another app's default queue (no `queue=`): moved to be forwarded.
     if s.foreign_queue_names:
-        sched["vigil.foreign_queues"] = (s.foreign_queue_scan_interval, "vigil.foreign_queues",
+        sched[FOREIGN_QUEUES] = (s.foreign_queue_scan_interval, FOREIGN_QUEUES,
                                          {})
     return {name: {"task": task, "schedule": every, "kwargs": kwargs,
                    "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
@@ -180,3 +191,18 @@ def create_app(settings: VigilSettings | None = None,
     app.vigil_settings, app.vigil_registry = s, reg
     app.conf.update(celery_config(s, reg))
     return app
+
+
+_shared_lock = threading.Lock()
+_shared: Celery | None = None
+
+
+def shared_app() -> Celery:
+    """This process's Celery app, built by `create_app` from the settings on the first call
+    (under a lock, once per process); `from app import app` is the same object. Raises
+    SettingsError for a bad setting or registry file."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = create_app()
+        return _shared

@@ -93,8 +93,7 @@ def open_memory(rds: EmbeddedRedis, n: int) -> float:
     for i in range(n):
         submit_request({"model": "tiny-llama", "prompt": prompt, "max_tokens": 128,
                         "job": "bench"}, settings=settings, registry=get_registry(),
-                       store=store, send=lambda a, kw, **o: app.send_task(
-                           "vigil.generate", args=a, kwargs=kw, **o))
+                       store=store, ports=app.vigil_ports)
     per = (c.info("memory")["used_memory"] - m0) / n
     c.flushall()
     return per

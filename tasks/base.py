@@ -6,9 +6,11 @@ one decision's (app/retry_policy.py `decide`: made by the worker's service, or h
 error that escaped it undecided), applied by the one retry path, `VigilTask.retry`."""
 from __future__ import annotations
 
-from celery import Task
+from celery import Signature, Task
 from celery.worker.request import Request
+from kombu.utils.objects import cached_property
 
+from app.celery_ports import ports_of
 from app.errors import INVALID_REQUEST, RequestError, TerminalError, TransientError, VigilError
 from app.retry_policy import Attempted, Retry, decide
 from app.requests.models import get_registry
@@ -83,19 +85,41 @@ class VigilTask(Task):
         return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
                              countdown=countdown, max_retries=max_retries, **options)
 
-    def apply_async(self, args=None, kwargs=None, task_id=None, **options):
-        """Submit a request (validated, recorded, published), or publish Celery's own retry of
-        one (the record already exists and names the new dispatch)."""
-        def send(a, kw, **opts):
-            return super(VigilTask, self).apply_async(a, kw, **opts)
+    def signature_from_request(self, request=None, args=None, kwargs=None, queue=None,
+                               **extra_options):
+        """Celery's signature of the next dispatch (what its `retry` publishes), as a
+        RetrySignature: publishing it goes to `publish_retry`, never to `apply_async`, which
+        only submits."""
+        sig = RetrySignature(super().signature_from_request(request, args, kwargs, queue,
+                                                            **extra_options), app=self.app)
+        sig._type = self
+        return sig
 
+    def _send(self, args, kwargs, **options):
+        """Celery's own publish of this task (below Vigil's submit)."""
+        return super().apply_async(args, kwargs, **options)
+
+    def publish_retry(self, args=None, kwargs=None, task_id=None, retries=0, **options):
+        """Publish Celery's retry of a request as its next dispatch (`retries`): the record
+        already exists and names it (workers/service.py), so nothing is validated or recorded;
+        the message is shaped as every message of a request is (app/requests/publish.py)."""
         kwargs = kwargs or {}
-        if options.get("retries"):  # Celery's own republish of a retry
-            dispatch = options.pop("retries")
-            return publish(task_id, kwargs, model=kwargs.get("model"), job=kwargs.get("job"),
-                           dispatch=dispatch, send=send, **options)
+        return publish(task_id, kwargs, model=kwargs.get("model"), job=kwargs.get("job"),
+                       dispatch=retries, send=self._send, **options)
+
+    def apply_async(self, args=None, kwargs=None, task_id=None, **options):
+        """Submit a request: validated, recorded, published (app/requests/submit.py)."""
         if args:
             raise RequestError.of(INVALID_REQUEST, "pass the request as keyword arguments, "
                                   "e.g. generate.delay(model=..., prompt=...)")
-        return submit_request(kwargs, task_id, settings=get_settings(), registry=get_registry(),
-                              store=self.store, send=send, **options)
+        return submit_request(kwargs or {}, task_id, settings=get_settings(),
+                              registry=get_registry(), store=self.store,
+                              ports=ports_of(self.app), send=self._send, **options)
+
+
+class RetrySignature(Signature):
+    """The signature Celery's `retry` publishes: through the task's `publish_retry`."""
+
+    @cached_property
+    def _apply_async(self):
+        return self.type.publish_retry

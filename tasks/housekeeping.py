@@ -1,11 +1,12 @@
-"""Beat tasks (thin): each calls a `(store, now)` function in app/fleet/ with Celery's result
-backend and control bus (app/control.py) as its collaborators."""
+"""Beat tasks (thin): each calls a `(store, now)` function in app/fleet/ with the Celery app's
+ports (app/celery_ports.py: result backend, control bus, publish) as its collaborators."""
 from __future__ import annotations
 
 import logging
 import time
 
-from app import app, control
+from app import app
+from app.celery_ports import ports_of
 from app.errors import TerminalError
 from app.fleet.batch_tick import BatchDriver
 from app.fleet.consumers import enforce_quarantines, ensure_job_consumers
@@ -19,13 +20,15 @@ from app.fleet.reconcile import reconcile_pools
 from app.local.tiny_model import build_if_local
 from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
-from app.requests.publish import republish
+from app.requests.publish import republisher
 from app.requests.submit import submit_request
 from app.settings import get_settings
 from app.state.batches import BatchStore
 from app.state.health import HealthLedger
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
+from app.task_names import (BATCH_TICK, DEADLINE_SWEEP, FOREIGN_QUEUES, HEALTH_TICK, JOB_LEASES,
+                             MESSAGE_AUDIT, REAP_WORKERS, RECONCILE)
 
 log = logging.getLogger("vigil.housekeeping")
 
@@ -37,18 +40,18 @@ BATCH_TICK_LOCK = "batch_tick"
 BATCH_TICK_LOCK_S = 300.0
 
 
-@app.task(name="vigil.deadline_sweep", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+@app.task(name=DEADLINE_SWEEP, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def deadline_sweep() -> int:
     """Fail every request past its deadline (deadline_exceeded); returns how many. First, if
     Redis restarted since the last look, publish again the open requests whose message the
     restart lost (app/fleet/message_audit.py)."""
-    store = shared_store()
-    audit_after_restart(store, time.time(), republish)
-    return sweep_deadlines(store, time.time(), app.backend)
+    store, ports = shared_store(), ports_of(app)
+    audit_after_restart(store, time.time(), republisher(ports.send))
+    return sweep_deadlines(store, time.time(), ports.backend)
 
 
-@app.task(name="vigil.reap_workers", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+@app.task(name=REAP_WORKERS, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def reap(reap_timeout: float | None = None, registration_grace: float | None = None) -> int:
     """Requeue the in-flight requests of workers silent for `reap_timeout`, or for
@@ -59,30 +62,31 @@ def reap(reap_timeout: float | None = None, registration_grace: float | None = N
     timeout = s.worker_reap_timeout if reap_timeout is None else float(reap_timeout)
     grace = (s.worker_registration_grace if registration_grace is None
              else float(registration_grace))
-    store = shared_store()
-    return len(reap_workers(store, time.time(), republish, app.backend,
+    store, ports = shared_store(), ports_of(app)
+    return len(reap_workers(store, time.time(), republisher(ports.send), ports.backend,
                             reap_timeout=timeout, max_attempts=s.max_attempts,
                             registration_grace=grace, redis_started_at=store.redis_run()[1]))
 
 
 def _cancel(name: str, queue: str) -> None:
-    control.cancel_consumer(queue, [name])
+    ports_of(app).bus.cancel_consumer(queue, [name])
 
 
 def _add(name: str, queue: str) -> None:
-    control.add_consumer(queue, [name])
+    ports_of(app).bus.add_consumer(queue, [name])
 
 
-@app.task(name="vigil.health_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@app.task(name=HEALTH_TICK, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def health_tick() -> int:
     """Stop quarantined workers that still consume (app/fleet/consumers.py)."""
     s = get_settings()
     store = shared_store()
     ledger = HealthLedger(store.r, window=s.failure_window, threshold=s.failure_threshold)
-    return enforce_quarantines(ledger, store, time.time(), control.active_queues, _cancel)
+    return enforce_quarantines(ledger, store, time.time(), ports_of(app).bus.active_queues,
+                               _cancel)
 
 
-@app.task(name="vigil.reconcile", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@app.task(name=RECONCILE, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def reconcile() -> dict:
     """Give unserved pools a worker (app/fleet/reconcile.py) and make every worker of a pool
     consume all of its job queues; returns what it did."""
@@ -92,23 +96,23 @@ def reconcile() -> dict:
     with store.locked(POOL_RECONCILE_LOCK, 60) as held:
         if not held:
             return {}
-        done = reconcile_pools(store, reg, time.time(), control.set_consuming,
+        done = reconcile_pools(store, reg, time.time(), ports_of(app).bus.set_consuming,
                                live_window=s.live_window, concurrency=s.reconcile_concurrency)
-    done["job_consumers_added"] = ensure_job_consumers(store, reg.names(), control.active_queues,
-                                                       _add)
+    done["job_consumers_added"] = ensure_job_consumers(store, reg.names(),
+                                                       ports_of(app).bus.active_queues, _add)
     return done
 
 
-@app.task(name="vigil.job_leases", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@app.task(name=JOB_LEASES, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def job_leases() -> int:
     """End jobs whose lease lapsed (abandoned): their open requests fail job_deleted."""
     now = time.time()
     store = shared_store()
     return expire_jobs(store, now, get_settings().job_lease_s,
-                       lambda name, reason: delete_job(store, name, reason, now))
+                       lambda name, reason: delete_job(store, ports_of(app), name, reason, now))
 
 
-@app.task(name="vigil.foreign_queues", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+@app.task(name=FOREIGN_QUEUES, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def foreign_queues() -> int:
     """Move vigil.generate messages sent to other Celery apps' queues (VIGIL_FOREIGN_QUEUES:
@@ -117,12 +121,12 @@ def foreign_queues() -> int:
     return move_foreign_messages(shared_store(), get_settings().foreign_queue_names)
 
 
-@app.task(name="vigil.message_audit", queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+@app.task(name=MESSAGE_AUDIT, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
           acks_late=True)
 def message_audit() -> int | None:
     """Publish again the open requests no queue, worker or unacked entry holds (a producer
     that stopped between record and message; app/fleet/message_audit.py); returns how many."""
-    return audit_orphans(shared_store(), time.time(), republish)
+    return audit_orphans(shared_store(), time.time(), republisher(ports_of(app).send))
 
 
 _chat = None
@@ -135,26 +139,27 @@ def _render_chat(model: str, messages: list) -> list[int]:
     return _chat(model, messages)
 
 
-@app.task(name="vigil.batch_tick", queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@app.task(name=BATCH_TICK, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
 def batch_tick() -> dict:
     """Advance every live batch one step (app/fleet/batch_tick.py): validate, submit the next
     lines, record what ended, end it; returns {batch id: status}."""
     s = get_settings()
-    store = shared_store()
+    store, ports = shared_store(), ports_of(app)
 
     def submit(request_id: str, kwargs: dict) -> None:
-        submit_request(kwargs, request_id, settings=s, registry=get_registry(), store=store)
+        submit_request(kwargs, request_id, settings=s, registry=get_registry(), store=store,
+                       ports=ports)
 
     def end_job(name: str, reason: str, code: str) -> int:
-        return delete_job(store, name, reason, code=code)
+        return delete_job(store, ports, name, reason, code=code)
 
     def end_requests(ids: list[str], code: str, reason: str) -> int:
         try:  # first: a worker running one frees its engine slot (as ending a job does)
-            control.abort_requests(ids)
+            ports.bus.abort_requests(ids)
         except Exception as e:
             log.warning("batch: abort broadcast failed: %s", e)
         return end_requests_failed(store, ids, TerminalError.of(code, reason), now=time.time(),
-                                   backend=app.backend)
+                                   backend=ports.backend)
 
     with store.locked(BATCH_TICK_LOCK, BATCH_TICK_LOCK_S) as held:
         if not held:

@@ -9,12 +9,14 @@ from __future__ import annotations
 from celery.exceptions import Ignore, Reject
 
 from app import app
+from app.celery_ports import ports_of
 from app.fleet.outcomes import result_key_for
 from app.requests.models import get_registry
 from app.retry_policy import NEVER_RETRIED, RETRIED
 from app.settings import get_settings
 from app.state.queues import is_pool_queue
 from app.state.store import shared_store
+from app.task_names import GENERATE
 from tasks.base import VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
@@ -27,7 +29,7 @@ WORKER_HOOKS = lifecycle
 # Retried (docs/api.md, "Retries"; the table is app/retry_policy.py's): the fleet's and the
 # worker's failures, through the one retry path (VigilTask.retry). Never retried: the request's
 # own errors and the ends Vigil decided.
-@app.task(base=VigilTask, bind=True, name="vigil.generate",
+@app.task(base=VigilTask, bind=True, name=GENERATE,
           autoretry_for=RETRIED, dont_autoretry_for=NEVER_RETRIED)
 def generate(self, **kwargs) -> dict:
     """Generate text for one request; returns the stored result dict (see GenerateResult). A
@@ -36,10 +38,10 @@ def generate(self, **kwargs) -> dict:
     queue = (self.request.delivery_info or {}).get("routing_key")
     try:
         if lifecycle.housekeeper() or (queue and not is_pool_queue(queue)):
-            forward(shared_store(), get_registry(), get_settings(), self.request.id,
-                    self.request.retries or 0, kwargs)
+            forward(shared_store(), get_registry(), get_settings(), ports_of(self.app),
+                    self.request.id, self.request.retries or 0, kwargs)
             raise Ignore()
-        rt = get_runtime(self.request.hostname or "")
+        rt = get_runtime(self.request.hostname or "", ports_of(self.app))
         request, written = self.request, []
 
         def result_key():  # Celery's result key, written by the finish that stores the result

@@ -377,3 +377,35 @@ class NeverTold:
 
     def mark_as_done(self, task_id, result):
         pytest.fail(f"told the backend that {task_id} succeeded")
+
+
+class RecordingPorts:
+    """A Celery app's ports (app/celery_ports.py) that publish nothing: `sent` records each
+    vigil.generate message as (request id, dispatch); no result backend; control broadcasts
+    recorded in `broadcasts`. For Redis-tier tests of worker-side rules."""
+
+    def __init__(self):
+        from app.control import ControlBus
+
+        self.sent: list[tuple[str, int]] = []
+        self.broadcasts: list[tuple] = []
+        self.backend = None
+        ports = self
+
+        class _Control:
+            def add_consumer(self, queue, **kw):
+                ports.broadcasts.append(("add_consumer", queue, kw.get("destination")))
+
+            def cancel_consumer(self, queue, **kw):
+                ports.broadcasts.append(("cancel_consumer", queue, kw.get("destination")))
+
+            def broadcast(self, command, **kw):
+                ports.broadcasts.append((command, kw.get("arguments")))
+
+        self.bus = ControlBus(_Control())
+
+    def send(self, args, kwargs, task_id, **options):
+        self.sent.append((task_id, options.get("retries", 0)))
+
+    def result(self, request_id):
+        return request_id

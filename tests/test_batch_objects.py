@@ -27,6 +27,7 @@ from app.state import keys
 from app.state.batches import BatchStore
 from app.state.store import RequestStore
 from tests.conftest import CACHE_DIR
+from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis
 T0 = 1_800_000_000.0
@@ -64,7 +65,8 @@ class Fleet:
 
     def submit(self, rid: str, kwargs: dict) -> None:
         submit_request(kwargs, rid, settings=self.settings, registry=get_registry(),
-                       store=self.store, send=lambda *a, **kw: self.sent.append(rid))
+                       store=self.store, ports=RecordingPorts(),
+                       send=lambda *a, **kw: self.sent.append(rid))
 
     def end_requests(self, ids: list[str], code: str, reason: str) -> int:
         return end_requests_failed(self.store, ids, TerminalError.of(code, reason), now=self.now)

@@ -17,6 +17,7 @@ from app.state import keys
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime
 from workers.service import serve
+from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis
 GOOD = {"model": "tiny-llama", "prompt": "still serving", "max_tokens": 2}
@@ -73,7 +74,8 @@ KWARGS = st.one_of(
 @pytest.fixture()
 def instant_runtime(settings):
     """A worker runtime on database 1 whose engine answers at once (no model)."""
-    rt = WorkerRuntime(settings, "w-fuzz", engine="instant", guard=False)
+    rt = WorkerRuntime(settings, "w-fuzz", engine="instant", guard=False,
+                       ports=RecordingPorts())
     rt.host.start()
     yield rt
     rt.host.shutdown(1)

@@ -58,8 +58,7 @@ def producer(redis_url: str):
 
     def submit(**kwargs):
         r = submit_request(kwargs, settings=settings, registry=get_registry(), store=store,
-                           send=lambda a, kw, **o: private.send_task("vigil.generate", args=a,
-                                                                      kwargs=kw, **o))
+                           ports=private.vigil_ports)
         return private.AsyncResult(r.id)
 
     return private, store, submit

@@ -23,6 +23,7 @@ from workers import metrics_server
 from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.service import StaleDelivery, serve
+from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis
 POOL = "tiny-llama"
@@ -53,7 +54,7 @@ def runtime(settings):
 
     def _make(script=(), **overrides):
         rt = WorkerRuntime(settings.model_copy(update=overrides), "w-test", engine="instant",
-                           guard=False)
+                           guard=False, ports=RecordingPorts())
         rt.host = EngineHost(Scripted(script), idle_cleanup=0).start()
         rts.append(rt)
         return rt

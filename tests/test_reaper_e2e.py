@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from app import control
+from app import app
 from app.fleet import batches
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.requests import batch_file as fmt
@@ -59,8 +59,8 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         # Both workers consume the batch's queue before beat (and its batch tick) starts, so
         # its lines spread over them instead of going to whichever heard of the queue first.
         queue = job_queue_name("tiny-llama", job)
-        announce_queue(store.workers, "tiny-llama", job)
-        wait_for(lambda: all(queue in (control.active_queues(w) or [])
+        announce_queue(app.vigil_ports.bus, store.workers, "tiny-llama", job)
+        wait_for(lambda: all(queue in (app.vigil_ports.bus.active_queues(w) or [])
                              for w in ("warm@testhost", "victim2@testhost")), 60, 0.5,
                  "both workers to consume the batch's queue")
         beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",

@@ -265,20 +265,18 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(settings, m
     (a Redis crash rolled its finish back) and a PENDING one whose delayed retry its consumer
     dropped with the connection, when Redis comes back, then both are moved to their next
     dispatch and published again."""
-    from app.requests import publish
-
-    published = Published()
-    monkeypatch.setattr(publish, "republish", published)
+    from tests.conftest import RecordingPorts
     from workers.runtime import WorkerRuntime
 
-    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False)
+    published = RecordingPorts()
+    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False, ports=published)
     create(rt.store, "rolled-back")
     rt.store.begin("rolled-back", 0, rt.name, rt.instance_id, time.time(), 3)
     create(rt.store, "dropped-retry")
     rt.store.begin("dropped-retry", 0, rt.name, rt.instance_id, time.time(), 3)
     rt.store.release("dropped-retry", rt.instance_id, 1, "wedged: test")
-    assert rt.reclaim_orphans() == 2
-    assert sorted(published) == [("dropped-retry", 2), ("rolled-back", 1)]
+    assert rt.held.reclaim_orphans() == 2
+    assert sorted(published.sent) == [("dropped-retry", 2), ("rolled-back", 1)]
     assert {rt.store.get(r)["status"] for r in ("rolled-back", "dropped-retry")} == {"PENDING"}
 
 

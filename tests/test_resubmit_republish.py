@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from app.celery_ports import ports_of
 from app.requests.models import get_registry
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields, submit_request
@@ -28,8 +29,7 @@ def store(settings):
 
 def submit(store, settings, celery_app, rid):
     return submit_request(dict(KW), rid, settings=settings, registry=get_registry(),
-                          store=store, send=lambda a, kw, **o: celery_app.send_task(
-                              "vigil.generate", args=a, kwargs=kw, **o))
+                          store=store, ports=ports_of(celery_app))
 
 
 def orphan(store, rid):

@@ -17,6 +17,7 @@ from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
 from workers.service import StaleDelivery, serve
+from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
@@ -127,7 +128,7 @@ def runtime(settings):
 
     def _make(script=(), **overrides):
         s = settings.model_copy(update=overrides)
-        rt = WorkerRuntime(s, "w-test", engine="instant", guard=False)
+        rt = WorkerRuntime(s, "w-test", engine="instant", guard=False, ports=RecordingPorts())
         engine = Scripted(script)
         rt.host = EngineHost(engine, idle_cleanup=0).start()
         rt.engine = engine

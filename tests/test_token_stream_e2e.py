@@ -23,7 +23,7 @@ from app import app
 from app.local.embedded import vigil_env
 from app.ops.request_view import describe
 from app.requests.models import get_registry
-from app.requests.publish import republish
+from app.requests.publish import republisher
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
 from app.settings import get_settings
@@ -73,7 +73,7 @@ def resubmit_after_a_ghost_attempt(rid: str, kw: dict, token_ids: list[int], tex
         rid, b.token, 1, 0, token_ids, text, counts, prompt_ids=PROMPT,
         adapter_fingerprint=fingerprint)]) == [1]
     assert store.requeue(rid, GHOST, 1)
-    republish(rid, store.get(rid), 1)
+    republisher(app.vigil_ports.send)(rid, store.get(rid), 1)
     return app.AsyncResult(rid)
 
 

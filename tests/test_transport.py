@@ -196,20 +196,19 @@ def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
     request, Celery does not have it yet), when Redis comes back at that moment and the worker
     hands back what its set names but it does not hold, then that request is not handed back:
     it is arriving. Once the message was handed over and dropped, it is."""
-    from app.requests import publish as publish_mod
-    from tests.test_redis_outage import Published
+    from tests.conftest import RecordingPorts
     from tests.test_store_and_service import create
     from workers.runtime import WorkerRuntime
 
-    published = Published()
-    monkeypatch.setattr(publish_mod, "republish", published)
-    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False)
+    ports = RecordingPorts()
+    published = ports.sent
+    rt = WorkerRuntime(settings, "w-test", engine="instant", guard=False, ports=ports)
     hold_deliveries(rt.store.delivery_holder(rt.instance_id, "vigil.generate"))
     create(rt.store, "r-arriving")
     reclaimed = []
     publish(conn, "vigil.generate", "r-arriving")
-    consume_one(conn, lambda message: reclaimed.append(rt.reclaim_orphans()))
+    consume_one(conn, lambda message: reclaimed.append(rt.held.reclaim_orphans()))
     assert reclaimed == [0] and published == []
     # The message was handed over and Celery never took it in (this test's consumer is not
     # Celery's): now it is an orphan of this worker's, handed back.
-    assert rt.reclaim_orphans() == 1 and published == [("r-arriving", 1)]
+    assert rt.held.reclaim_orphans() == 1 and published == [("r-arriving", 1)]

@@ -32,7 +32,7 @@ from vine import promise
 
 from app.errors import INVALID_REQUEST, RequestError
 from app.fleet.outcomes import end_request
-from app.requests.publish import GENERATE
+from app.task_names import GENERATE
 from workers import runtime
 
 log = logging.getLogger("vigil.consumer")
@@ -82,13 +82,11 @@ def malformed(message) -> str | None:
 
 def _end_request(request_id: str, why: str) -> None:
     """Give a dropped vigil.generate message's request its typed end (record + Celery result)."""
-    from app import app
-
     rt = runtime.get_runtime()
     err = RequestError.of(INVALID_REQUEST, f"malformed message: {why}")
     # Celery never ran it, so it stores nothing: the backend gets the stored outcome.
-    end_request(rt.store, request_id, error=err, instance=rt.instance_id, backend=app.backend,
-                tell_always=True)
+    end_request(rt.store, request_id, error=err, instance=rt.instance_id,
+                backend=rt.ports.backend, tell_always=True)
 
 
 class VigilConsumer(Consumer):

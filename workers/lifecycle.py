@@ -16,14 +16,15 @@ from celery.signals import (task_revoked, worker_init, worker_ready, worker_shut
 from celery.worker.control import control_command
 
 from app.celery_app import APP_NAME
+from app.celery_ports import ports_of
 from app.errors import DEADLINE_EXCEEDED, TerminalError
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
-from app.requests.publish import GENERATE
 from app.settings import get_settings
-from app.state.queues import HOUSEKEEPING_QUEUE, pool_queues
+from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
 from app.state.transport import hold_deliveries
+from app.task_names import GENERATE
 from workers import metrics_server, runtime
 
 log = logging.getLogger("vigil.worker")
@@ -59,8 +60,8 @@ def _on_worker_init(sender=None, **_):
         log.info("housekeeper %s: runs beat's tasks on %s, never an engine",
                  getattr(sender, "hostname", ""), HOUSEKEEPING_QUEUE)
         return
-    rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker")
-                         .start())
+    rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker",
+                                               ports=ports_of(sender.app)).start())
     # Each generate message this worker's consumer takes is recorded as held by this instance in
     # the same write as kombu's note of the delivery (app/state/transport.py), so if the worker
     # dies before a thread begins it, the reaper still finds it (otherwise only Redis'
@@ -101,7 +102,7 @@ def _consume_job_queues(consumer, rt) -> None:
     rt.consumer = consumer
     try:
         for pool in rt.pools:
-            for queue in pool_queues(rt.client, pool)[1:]:
+            for queue in rt.store.pool_queues(pool)[1:]:
                 consumer.add_task_queue(queue)
     except Exception as e:  # the reconcile adds them within one pass
         log.warning("could not consume the job queues of %s: %s", rt.pools, e)

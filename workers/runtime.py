@@ -1,8 +1,10 @@
 """The worker process's runtime: built in Celery's start-up hook, torn down at shutdown.
 
-One `WorkerRuntime` per worker process holds the settings, the Redis state, the model registry,
-the engine host, the heartbeat and the orphan guard. Nothing here runs at import: producers
-import `tasks.inference` (and so this module) without starting anything.
+One `WorkerRuntime` per worker process wires together the settings, the Redis state, the model
+registry, the engine host, the heartbeat, the health ledger, the orphan guard and the rules for
+the requests it holds (workers/held.py); the Celery app's ports (app/celery_ports.py) come in
+from the start-up hook. Nothing here runs at import: producers import `tasks.inference` (and so
+this module) without starting anything.
 """
 from __future__ import annotations
 
@@ -12,29 +14,26 @@ import threading
 import time
 import uuid
 
-from celery.worker import state as worker_state
-
-from app import control
+from app.celery_ports import CeleryPorts
 from app.drills import parse_drill
 from app.errors import WorkerFatalError
-from app.fleet.handback import hand_back_all, hand_back_one
-from app.requests import publish
+from app.requests.publish import republisher
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
 from app.settings import VigilSettings, get_settings
 from app.state.calls import Calls
 from app.state.conn import connect
 from app.state.health import HEALTHY, HealthLedger
-from app.state.queues import pool_of, pool_queues
+from app.state.queues import pool_of
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
-from app.state.transport import arriving
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.engine.vllm import engine_env_defaults
 from workers.engine.witness import Witness
 from workers.heartbeat import Heartbeat
+from workers.held import HeldRequests
 from workers.orphan_guard import OrphanGuard
 from workers.quarantine import QuarantineActions, WorkerHealth
 from workers.streaming import StreamSink
@@ -43,9 +42,6 @@ log = logging.getLogger("vigil.worker")
 
 # How long a worker trusts its last look at which other workers serve a pool.
 OTHERS_CACHE_S = 2.0
-# Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
-# context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
-EXIT_WORKER_BROKEN = 70
 
 _runtime: "WorkerRuntime | None" = None
 _lock = threading.Lock()
@@ -59,9 +55,11 @@ def new_instance_id() -> int:
 class WorkerRuntime:
     """Everything a worker process needs to serve requests."""
 
-    def __init__(self, settings: VigilSettings, name: str, registry: ModelRegistry | None = None,
-                 engine: str | None = None, guard: bool = True):
+    def __init__(self, settings: VigilSettings, name: str, *, ports: CeleryPorts,
+                 registry: ModelRegistry | None = None, engine: str | None = None,
+                 guard: bool = True):
         self.settings = settings
+        self.ports = ports
         self.name = name
         self.instance_id = new_instance_id()
         self.registry = registry or get_registry()
@@ -87,7 +85,8 @@ class WorkerRuntime:
                                idle_cleanup=settings.idle_cleanup,
                                on_change=self._engine_changed,
                                planner=self.plan_memory if engine in MODEL_ENGINES else None,
-                               death_limit=settings.engine_death_limit, on_fatal=self.leave,
+                               death_limit=settings.engine_death_limit,
+                               on_fatal=lambda err: self.held.leave(err),
                                stall_timeout=settings.stall_after,
                                engine_start_timeout=settings.engine_start_timeout,
                                on_failure=lambda reason: self.health.failure(reason),
@@ -101,21 +100,26 @@ class WorkerRuntime:
             self.streams = StreamSink(
                 TokenStreams(self.client, Calls(self.client, settings.redis_outage_grace)),
                 settings.stream_flush_ms, settings.stream_chunk_tokens)
-        self.leaving: WorkerFatalError | None = None
+        self.held = HeldRequests(
+            name, self.instance_id, self.store, self.host, self.streams,
+            republisher(ports.send), ports.backend, ports.bus, settings.max_attempts,
+            pools=lambda: self.pools, stop_heartbeat=lambda: self.heartbeat.stop(
+                unregister=False))
         self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(
             HealthLedger(self.client, window=settings.failure_window,
                          threshold=settings.failure_threshold),
             self.instance_id, name, self.host,
             QuarantineActions(pools=lambda: self.pools or list(self.configured_pools),
-                              consume=self.consume_pools, hand_back=self.hand_back_held,
-                              canary_spec=self.canary_spec, leave=self.leave),
+                              consume=self.held.consume_pools,
+                              hand_back=self.held.hand_back_held,
+                              canary_spec=self.canary_spec, leave=self.held.leave),
             on_change=lambda: self.heartbeat.poke(), canary_timeout=settings.request_timeout,
             max_canary_failures=settings.max_canary_failures)
         self.heartbeat = Heartbeat(self.client, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields,
-                                   on_redis_back=self.reclaim_orphans,
-                                   after_beat=self.abort_ended)
+                                   on_redis_back=self.held.reclaim_orphans,
+                                   after_beat=self.held.abort_ended)
 
     @property
     def pools(self) -> list[str]:
@@ -212,111 +216,14 @@ class WorkerRuntime:
         return self.registry.get(self.host.snapshot()["model"]
                                  or (self.pools or self.configured_pools)[0])
 
-    def hand_back_held(self) -> tuple[int, int]:
-        """Publish every request this worker holds again (same id, next dispatch; failed when
-        out of attempts or time) and abort them in the engine, whose callers drop their stale
-        copies; their token streams are written first, so the next attempts continue them. The engine host must already refuse new requests. Returns (requeued, failed)."""
-        from app import app
-
-        if self.streams is not None:  # what they generated so far: the next attempts go on
-            try:
-                self.streams.flush(force=True)
-            except Exception as e:
-                log.warning("could not write the token streams before the hand-back: %s", e)
-        done = hand_back_all(self.store, time.time(), self.instance_id, publish.republish,
-                             app.backend, self.settings.max_attempts)
-        self._aborted = self.host.abort_in_flight()
-        return done
-
-    def abort_ended(self) -> int:
-        """Abort, in the engine, every request this worker runs whose record has ended elsewhere
-        (the deadline sweep, a job delete, the reaper's decision) or is gone: nobody will read
-        what it generates. Run after each heartbeat, so such work stops within one heartbeat
-        interval. Returns how many it aborted."""
-        running = self.host.request_ids()
-        if not running:
-            return 0
-        ended = set(self.store.ended(sorted(running)))
-        if not ended:
-            return 0
-        n = self.host.abort_requests(ended)
-        if n:
-            log.warning("aborted %d request(s) that ended elsewhere while they ran", n)
-        return n
-
-    def reclaim_orphans(self) -> int:
-        """After Redis was away or restarted: hand back (same id, next dispatch) every request
-        this worker's in-flight set names but the worker does not hold. Celery's consumer drops
-        the messages it held but had not started (a retry's delayed message) when it loses the
-        broker, and a Redis crash can roll a finished request back to RUNNING here; either would
-        otherwise wait for the visibility timeout or the deadline. Returns how many."""
-        from app import app
-
-        listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
-        # A delivery is added to the set as the consumer takes it, and listed in `arriving()`
-        # from before that write until Celery has it as reserved, scheduled or active
-        # (app/state/transport.py). Read in this order, one that arrives now is missing from
-        # `listed`, in `arriving`, or (if it moved on in between) in Celery's groups.
-        held = set(arriving())
-        held.update(r.id for group in (worker_state.active_requests,
-                                       worker_state.reserved_requests,
-                                       worker_state.scheduled_requests) for r in tuple(group))
-        n = 0
-        for rid in listed:
-            if rid in held:
-                continue
-            try:
-                outcome = hand_back_one(self.store, time.time(), rid, self.instance_id,
-                                        publish.republish, app.backend,
-                                        self.settings.max_attempts)
-            except Exception as e:  # the next Redis return tries again
-                log.warning("could not hand back orphan %s: %s", rid, e)
-                continue
-            n += outcome in ("requeued", "failed")
-        if n:
-            log.warning("handed back %d request(s) this worker no longer held after Redis came "
-                        "back", n)
-        return n
+    @property
+    def leaving(self) -> WorkerFatalError | None:
+        """Why this worker is leaving broken, once it is (workers/held.py `leave`)."""
+        return self.held.leaving
 
     def hand_back(self) -> tuple[int, int]:
-        """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds
-        again (same id, next dispatch) so another worker takes it now instead of after the reap
-        timeout, abort them in the engine, and unregister. Returns (requeued, failed)."""
-        # Order matters: refuse new deliveries first (they go back on the queue untouched), then
-        # republish what is held, then abort it in the engine. A delivery that slipped in
-        # between is still RUNNING here when aborted, and retries itself (service.serve).
-        self.host.refuse_new()
-        self.heartbeat.stop(unregister=False)
-        done = self.hand_back_held()
-        aborted = self._aborted
-        self.store.workers.drop(self.instance_id)
-        log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
-                    "failed %d out of attempts or time", self.name, done[0], aborted, done[1])
-        return done
-
-    def leave(self, err: WorkerFatalError) -> None:
-        """A broken worker leaves (docs/failure-modes.md): stop consuming, hand every request it
-        holds back to the queue at once (same id, next dispatch), and stop the worker with a
-        non-zero status for its supervisor to restart it. Called once, off the engine loop."""
-        self.leaving = err
-        log.critical("worker %s is broken and leaves: %s", self.name, err)
-        self.consume_pools(self.pools, False)  # refuse_new() below sends the rest back anyway
-        try:
-            self.hand_back()
-        except Exception as e:  # the reaper remains the backstop
-            log.error("handing back in-flight requests failed: %s", e)
-        worker_state.should_stop = EXIT_WORKER_BROKEN
-
-    def consume_pools(self, pools: list[str], on: bool) -> None:
-        """Make this worker consume (on) or stop consuming (off) every queue of `pools`, its own
-        and its jobs', through Celery's control bus. A pool that fails is logged and skipped:
-        beat's health tick and reconcile repair consumers from outside."""
-        for pool in pools:
-            try:
-                for queue in pool_queues(self.client, pool):
-                    control.set_consuming(self.name, queue, on)
-            except Exception as e:
-                log.warning("could not %s consuming %s: %s", "resume" if on else "stop", pool, e)
+        """Graceful stop (SIGTERM): the held requests go back to the queue (workers/held.py)."""
+        return self.held.hand_back()
 
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""
@@ -342,13 +249,17 @@ def installed() -> "WorkerRuntime | None":
     return _runtime
 
 
-def get_runtime(name: str = "") -> WorkerRuntime:
-    """This process's runtime; built and started on first use if no start-up hook built it
-    (e.g. an in-process test worker)."""
+def get_runtime(name: str = "", ports: CeleryPorts | None = None) -> WorkerRuntime:
+    """This process's runtime; built (with `ports`, the app's) and started on first use if no
+    start-up hook built it (e.g. an in-process test worker). Raises RuntimeError when none is
+    built and no ports are given."""
     global _runtime
     with _lock:
         if _runtime is None:
-            _runtime = WorkerRuntime(get_settings(), name or f"local@{os.uname().nodename}").start()
+            if ports is None:
+                raise RuntimeError("no worker runtime in this process")
+            _runtime = WorkerRuntime(get_settings(), name or f"local@{os.uname().nodename}",
+                                     ports=ports).start()
         return _runtime
 
 

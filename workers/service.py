@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from app import metrics
+from app.celery_ports import CeleryPorts
 from app.errors import (DEADLINE_EXCEEDED, WORKER_LOST, RequestError, TerminalError,
                         TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
@@ -204,10 +205,11 @@ def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dic
 
 
 def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSettings,
-            request_id: str, dispatch: int, kwargs: object) -> None:
+            ports: CeleryPorts, request_id: str, dispatch: int, kwargs: object) -> None:
     """A vigil.generate message that reached a queue no pool owns (vigil.housekeeping, where a
     producer without `queue=` lands, or the housekeeper): validate it and publish it to its
-    pool's queue under the same id and dispatch, running nothing here. A message sent around the
+    pool's queue under the same id and dispatch (through the app's `ports`), running nothing
+    here. A message sent around the
     producer gets its record first. Raises the request's stored error when it cannot be served
     (ended as `serve` would end it)."""
     try:
@@ -224,7 +226,7 @@ def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSetting
                                                          settings.request_deadline))
         if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
             try:
-                announce_queue(store.workers, spec.name, req.job)
+                announce_queue(ports.bus, store.workers, spec.name, req.job)
             except Exception as e:  # beat's reconcile repairs it
                 log.warning("could not announce job %s's queue: %s", req.job, e)
         rec = store.get(request_id) or {}
@@ -232,5 +234,5 @@ def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSetting
         return  # a duplicate of a request that has ended: nothing to run
     publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
             deadline_at=float(rec.get("deadline_at") or time.time() + settings.request_deadline),
-            dispatch=dispatch)
+            dispatch=dispatch, send=ports.send)
     log.info("forwarded %s from a queue no pool owns to pool %s", request_id, spec.name)

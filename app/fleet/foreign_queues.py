@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 
-from app.requests.publish import GENERATE
 from app.state import broker
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import RequestStore
+from app.task_names import GENERATE
 
 log = logging.getLogger("vigil.housekeeping")
 

@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Callable
 
-from app import control
+from app.celery_ports import CeleryPorts
 from app.errors import JOB_DELETED, TerminalError, TransientError
 from app.fleet.outcomes import Backend, end_request
 from app.requests.models import get_registry
@@ -47,7 +47,7 @@ JOB_LOCK = "job:{}"
 CHUNK = 100
 
 
-Cancel = Callable[[str, list[str]], None]  # (queue, worker names): app/control.py
+Cancel = Callable[[str, list[str]], None]  # (queue, worker names): app/control.py ControlBus
 Abort = Callable[[list[str]], None]  # request ids that workers should stop running
 
 
@@ -116,13 +116,12 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
     return ended
 
 
-def delete_job(store: RequestStore, name: str, reason: str, now: float | None = None,
-               code: str = JOB_DELETED) -> int:
-    """`end_job` with this process's settings and registry, Celery's result backend and its
-    control bus (app/control.py): what `vigil job delete` and the lease sweep run. Returns how
-    many requests it failed, or -1 when someone else is ending the job right now."""
-    from app import app
-
-    return end_job(store, name, time.time() if now is None else now, reason, app.backend,
-                   control.cancel_consumer, get_registry().names(),
-                   get_settings().request_deadline, abort=control.abort_requests, code=code)
+def delete_job(store: RequestStore, ports: CeleryPorts, name: str, reason: str,
+               now: float | None = None, code: str = JOB_DELETED) -> int:
+    """`end_job` with this process's settings and registry, and the Celery app's result backend
+    and control bus (its `ports`, app/celery_ports.py): what `vigil job delete` and the lease
+    sweep run. Returns how many requests it failed, or -1 when someone else is ending the job
+    right now."""
+    return end_job(store, name, time.time() if now is None else now, reason, ports.backend,
+                   ports.bus.cancel_consumer, get_registry().names(),
+                   get_settings().request_deadline, abort=ports.bus.abort_requests, code=code)

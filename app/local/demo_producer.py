@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.celery_app import shared_app
 from app.errors import VigilError
 from app.requests.models import TINY_LLAMA, get_registry
 from app.requests.submit import submit_request
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     pending = {}
     for text in prompts(a.n):
         r = submit_request(dict(model=TINY_LLAMA, prompt=text, max_tokens=a.max_tokens,
-                                job=a.job), settings=settings, registry=registry, store=store)
+                                job=a.job), settings=settings, registry=registry, store=store,
+                           ports=shared_app().vigil_ports)
         pending[r.id] = (r, time.monotonic())
     results, failures, latencies = [], Counter(), []
     with Progress(TextColumn("[bold]generate.delay"), BarColumn(), MofNCompleteColumn(),

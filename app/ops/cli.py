@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+from app.celery_app import shared_app
 from app.errors import VigilError
 from app.fleet import jobs
 from app.local.demo import run_demo
@@ -37,7 +38,7 @@ from app.settings import SettingsError, get_settings
 from app.state import jobs as job_state
 from app.state.batches import BatchStore
 from app.state.conn import connect, preflight
-from app.state.queues import HOUSEKEEPING_QUEUE, pool_queue
+from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues, pool_queue
 from app.state.store import RequestStore
 
 # Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
@@ -47,15 +48,13 @@ WITHOUT_MINGLE = ("--without-mingle",)
 
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     """The `celery worker` command line for `vigil worker` (pure, for tests)."""
-    from app import app
-
     if args.gpu is not None:
         name = args.name or f"gpu{args.gpu}@%h"
     else:
         name = args.name or "cpu@%h"
     pools = [p for p in (args.pools or "").split(",") if p]
-    queues = [HOUSEKEEPING_QUEUE] + [pool_queue(p) for p in pools] if pools else [
-        q.name for q in app.conf.task_queues]
+    queues = ([HOUSEKEEPING_QUEUE] + [pool_queue(p) for p in pools] if pools
+              else declared_queues(get_registry().names()))
     return [
         sys.executable, "-m", "celery", "-A", "app", "worker",
         "-P", "threads", "-c", str(args.concurrency or concurrency),
@@ -196,7 +195,8 @@ def _cmd_job(args: argparse.Namespace) -> int:
                     print(f"{r['name']:<32} pending {r['pending']:>7}  replicas {r['replicas']}"
                           f"  last active {time.time() - r['last_active']:.0f} s ago")
         else:
-            n = jobs.delete_job(_store(client), args.name, f"job {args.name!r} was deleted")
+            n = jobs.delete_job(_store(client), shared_app().vigil_ports, args.name,
+                                f"job {args.name!r} was deleted")
             if n < 0:
                 print(f"vigil job: job {args.name} is being ended by someone else",
                       file=sys.stderr)
@@ -245,8 +245,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 def _cmd_request(args: argparse.Namespace) -> int:
     if args.follow:
-        from app import app  # the results' app: its AsyncResult reads the token stream
-        return follow_request(app, args.id, after=args.after, timeout=args.timeout)
+        # The results' app: its AsyncResult reads the token stream.
+        return follow_request(shared_app(), args.id, after=args.after, timeout=args.timeout)
     return run_request(args.id, as_json=args.json, show_text=args.show_text)
 
 

@@ -3,7 +3,7 @@
 Every message of a request goes through `publish`: the first one (app/requests/submit.py), a
 Celery retry (tasks/base.py), and the republish of a request handed back by a dead or stopping
 worker or found without a message (app/fleet/handback.py, app/fleet/message_audit.py:
-`republish`). Each message carries:
+`republisher`). Each message carries:
 
 - the request id as its task id, on every dispatch;
 - `retries` = the dispatch number, which the worker reads to tell a current copy from a stale
@@ -24,19 +24,17 @@ import datetime as dt
 import json
 from typing import Any, Callable
 
-from app import control
+from app.control import ControlBus
 from app.retry_policy import OutagePolicy
 from app.settings import get_settings
 from app.state.queues import DEFAULT_JOB, job_queue, job_queue_name
 from app.state.registry import WorkerRegistry
-
-GENERATE = "vigil.generate"
 # A worker refuses a message this long past the request's deadline without running it; the
 # deadline itself is enforced by Vigil (a typed deadline_exceeded), this is the backstop.
 EXPIRES_GRACE_S = 300.0
 
-# send(args, kwargs, task_id=..., **options): Celery's publish (app.send_task, or a task's own
-# apply_async for Celery's retries).
+# send(args, kwargs, task_id=..., **options): Celery's publish of vigil.generate (the app's,
+# app/celery_ports.py `CeleryPorts.send`, or the task's own for its retries, tasks/base.py).
 Send = Callable[..., Any]
 
 
@@ -53,11 +51,11 @@ def expires_at(deadline_at: float) -> dt.datetime:
 
 def publish(request_id: str, kwargs: dict, *, model: object, job: object,
             pool: str | None = None, deadline_at: float | None = None, dispatch: int = 0,
-            send: Send | None = None, **options) -> Any:
-    """Publish one message of request `request_id` (module docstring); returns what `send`
-    returns (Celery's AsyncResult). `pool` picks the queue and `deadline_at` the expiry unless
-    `options` say otherwise; a `dispatch` above 0 is a republish. `send` defaults to the app's
-    `send_task`. Raises what Celery raises when the broker cannot be reached."""
+            send: Send, **options) -> Any:
+    """Publish one message of request `request_id` through `send` (module docstring); returns
+    what `send` returns (Celery's AsyncResult). `pool` picks the queue and `deadline_at` the
+    expiry unless `options` say otherwise; a `dispatch` above 0 is a republish. Raises what
+    Celery raises when the broker cannot be reached."""
     options.setdefault("argsrepr", "()")
     options.setdefault("kwargsrepr", kwargs_repr(model, job))
     if pool is not None:
@@ -67,22 +65,24 @@ def publish(request_id: str, kwargs: dict, *, model: object, job: object,
     if dispatch:
         options["retries"] = dispatch
         options.setdefault("retry_policy", OutagePolicy.of(get_settings()).kombu())
-    if send is None:
-        from app import app
-
-        return app.send_task(GENERATE, args=(), kwargs=kwargs, task_id=request_id, **options)
     return send((), kwargs, task_id=request_id, **options)
 
 
-def republish(request_id: str, record: dict, dispatch: int) -> None:
-    """Publish a request again from its stored record, under `dispatch` (the record has already
-    moved to it): same id, its pool's and job's queue, its deadline's expiry."""
-    job = record.get("job", DEFAULT_JOB)
-    publish(request_id, json.loads(record["request"]), model=record["model"], job=job,
-            pool=record["pool"], deadline_at=float(record["deadline_at"]), dispatch=dispatch)
+def republisher(send: Send) -> Callable[[str, dict, int], None]:
+    """`republish(request_id, record, dispatch)` through `send`: publish a request again from
+    its stored record, under `dispatch` (the record has already moved to it): same id, its
+    pool's and job's queue, its deadline's expiry (the reaper's, the hand-back's and the
+    audit's `Republish`)."""
+    def republish(request_id: str, record: dict, dispatch: int) -> None:
+        job = record.get("job", DEFAULT_JOB)
+        publish(request_id, json.loads(record["request"]), model=record["model"], job=job,
+                pool=record["pool"], deadline_at=float(record["deadline_at"]),
+                dispatch=dispatch, send=send)
+
+    return republish
 
 
-def announce_queue(registry: WorkerRegistry, pool: str, job: str) -> None:
+def announce_queue(bus: ControlBus, registry: WorkerRegistry, pool: str, job: str) -> None:
     """Tell the pool's registered workers to consume a job's new queue (best effort: beat's
     reconcile repairs a lost broadcast)."""
-    control.add_consumer(job_queue_name(pool, job), registry.serving(pool))
+    bus.add_consumer(job_queue_name(pool, job), registry.serving(pool))

@@ -29,6 +29,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError
 
+from app.celery_ports import CeleryPorts
 from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, PROMPT_TOO_LONG,
                         REDIS_UNAVAILABLE, TOKEN_OUT_OF_VOCAB, RequestError, TerminalError,
                         TransientError)
@@ -47,14 +48,14 @@ log = logging.getLogger("vigil.submit")
 
 
 def submit_request(kwargs: object, task_id: str | None = None, *, settings: VigilSettings,
-                   registry: ModelRegistry, store: RequestStore, send: Send | None = None,
-                   **options) -> Any:
-    """Admit, record and publish one request (module docstring); returns Celery's AsyncResult
-    for it (Vigil's result class). `send` and `options` are handed to `publish`. Raises
-    RequestError for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
+                   registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
+                   send: Send | None = None, **options) -> Any:
+    """Admit, record and publish one request (module docstring) through the Celery app's
+    `ports` (app/celery_ports.py); returns Celery's AsyncResult for it (Vigil's result class).
+    `send` (default: `ports.send`) and `options` are handed to `publish`. Raises RequestError
+    for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
     TransientError(redis_unavailable)."""
-    from app import app
-
+    send = send or ports.send
     req, spec = admit(kwargs, settings, registry)
     request_id = task_id or str(uuid.uuid4())
     now = time.time()
@@ -69,7 +70,7 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
                                "refused (use a new job name)")
     if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
         try:
-            announce_queue(store.workers, spec.name, req.job)
+            announce_queue(ports.bus, store.workers, spec.name, req.job)
         except Exception as e:  # beat's reconcile repairs it
             log.warning("could not announce job %s's queue: %s", req.job, e)
     if created == EXISTS:
@@ -87,7 +88,7 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
                         request_id)
             publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
                     deadline_at=float(existing["deadline_at"]), send=send, **options)
-        return app.AsyncResult(request_id)
+        return ports.result(request_id)
     try:
         return publish(request_id, wire_kwargs(req), model=req.model, job=req.job,
                        pool=spec.name, deadline_at=fields["deadline_at"], send=send, **options)

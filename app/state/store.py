@@ -19,7 +19,7 @@ from app.state import broker, jobs, keys
 from app.state.calls import Calls
 from app.state.conn import connect, server_run
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
-from app.state.queues import DEFAULT_JOB
+from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.results import ResultKey
 
@@ -141,6 +141,10 @@ class RequestStore:
         deadline first (the index holds only non-terminal requests)."""
         ids = self._call(self.r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
         return [i.decode() for i in ids]
+
+    def pool_queues(self, pool: str) -> list[str]:
+        """Every queue of `pool`: its own, then one per job that has requests there (sorted)."""
+        return self._call(pool_queues, self.r, pool)
 
     def hold(self, request_id: str, instance: int | str) -> None:
         """Note that this worker instance holds a request's message (received, not yet begun),

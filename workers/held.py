@@ -1,0 +1,154 @@
+"""What a worker does with the requests it holds when it cannot finish them here.
+
+The policy half of a worker process (workers/runtime.py is the wiring): the worker hands its
+requests back to the queue when it stops (SIGTERM), quarantines or leaves broken; after Redis
+was away it hands back the ones its in-flight set names but it no longer holds; after every
+heartbeat it aborts, in the engine, the ones that ended elsewhere. Handing back is the reaper's
+rule applied by the worker to itself (app/fleet/handback.py): same id, the next dispatch, ended
+instead when out of attempts or time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from celery.worker import state as worker_state
+
+from app.control import ControlBus
+from app.errors import WorkerFatalError
+from app.fleet.handback import Republish, hand_back_all, hand_back_one
+from app.state.store import RequestStore
+from app.state.transport import arriving
+from workers.engine.host import EngineHost
+from workers.streaming import StreamSink
+
+log = logging.getLogger("vigil.worker")
+
+# Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
+# context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
+EXIT_WORKER_BROKEN = 70
+
+
+@dataclass
+class HeldRequests:
+    """One worker's rules for the requests it holds (module docstring). Built by the runtime
+    with the worker's collaborators; `pools` says what the worker consumes now,
+    `stop_heartbeat` stops its heartbeat thread without unregistering."""
+
+    name: str
+    instance_id: int
+    store: RequestStore
+    host: EngineHost
+    streams: StreamSink | None
+    republish: Republish
+    backend: Any
+    bus: ControlBus
+    max_attempts: int
+    pools: Callable[[], list[str]]
+    stop_heartbeat: Callable[[], None]
+    leaving: WorkerFatalError | None = None
+    aborted: int = 0
+
+    def hand_back_held(self) -> tuple[int, int]:
+        """Publish every request this worker holds again (same id, next dispatch; failed when
+        out of attempts or time) and abort them in the engine, whose callers drop their stale
+        copies; their token streams are written first, so the next attempts continue them. The
+        engine host must already refuse new requests. Returns (requeued, failed)."""
+        if self.streams is not None:  # what they generated so far: the next attempts go on
+            try:
+                self.streams.flush(force=True)
+            except Exception as e:
+                log.warning("could not write the token streams before the hand-back: %s", e)
+        done = hand_back_all(self.store, time.time(), self.instance_id, self.republish,
+                             self.backend, self.max_attempts)
+        self.aborted = self.host.abort_in_flight()
+        return done
+
+    def abort_ended(self) -> int:
+        """Abort, in the engine, every request this worker runs whose record has ended elsewhere
+        (the deadline sweep, a job delete, the reaper's decision) or is gone: nobody will read
+        what it generates. Run after each heartbeat, so such work stops within one heartbeat
+        interval. Returns how many it aborted."""
+        running = self.host.request_ids()
+        if not running:
+            return 0
+        ended = set(self.store.ended(sorted(running)))
+        if not ended:
+            return 0
+        n = self.host.abort_requests(ended)
+        if n:
+            log.warning("aborted %d request(s) that ended elsewhere while they ran", n)
+        return n
+
+    def reclaim_orphans(self) -> int:
+        """After Redis was away or restarted: hand back (same id, next dispatch) every request
+        this worker's in-flight set names but the worker does not hold. Celery's consumer drops
+        the messages it held but had not started (a retry's delayed message) when it loses the
+        broker, and a Redis crash can roll a finished request back to RUNNING here; either would
+        otherwise wait for the visibility timeout or the deadline. Returns how many."""
+        listed = self.store.inflight_ids(self.instance_id)  # before the local view: see below
+        # A delivery is added to the set as the consumer takes it, and listed in `arriving()`
+        # from before that write until Celery has it as reserved, scheduled or active
+        # (app/state/transport.py). Read in this order, one that arrives now is missing from
+        # `listed`, in `arriving`, or (if it moved on in between) in Celery's groups.
+        held = set(arriving())
+        held.update(r.id for group in (worker_state.active_requests,
+                                       worker_state.reserved_requests,
+                                       worker_state.scheduled_requests) for r in tuple(group))
+        n = 0
+        for rid in listed:
+            if rid in held:
+                continue
+            try:
+                outcome = hand_back_one(self.store, time.time(), rid, self.instance_id,
+                                        self.republish, self.backend, self.max_attempts)
+            except Exception as e:  # the next Redis return tries again
+                log.warning("could not hand back orphan %s: %s", rid, e)
+                continue
+            n += outcome in ("requeued", "failed")
+        if n:
+            log.warning("handed back %d request(s) this worker no longer held after Redis came "
+                        "back", n)
+        return n
+
+    def hand_back(self) -> tuple[int, int]:
+        """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds
+        again (same id, next dispatch) so another worker takes it now instead of after the reap
+        timeout, abort them in the engine, and unregister. Returns (requeued, failed)."""
+        # Order matters: refuse new deliveries first (they go back on the queue untouched), then
+        # republish what is held, then abort it in the engine. A delivery that slipped in
+        # between is still RUNNING here when aborted, and retries itself (service.serve).
+        self.host.refuse_new()
+        self.stop_heartbeat()
+        done = self.hand_back_held()
+        self.store.workers.drop(self.instance_id)
+        log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
+                    "failed %d out of attempts or time", self.name, done[0], self.aborted,
+                    done[1])
+        return done
+
+    def leave(self, err: WorkerFatalError) -> None:
+        """A broken worker leaves (docs/failure-modes.md): stop consuming, hand every request it
+        holds back to the queue at once (same id, next dispatch), and stop the worker with a
+        non-zero status for its supervisor to restart it. Called once, off the engine loop."""
+        self.leaving = err
+        log.critical("worker %s is broken and leaves: %s", self.name, err)
+        self.consume_pools(self.pools(), False)  # refuse_new() below sends the rest back anyway
+        try:
+            self.hand_back()
+        except Exception as e:  # the reaper remains the backstop
+            log.error("handing back in-flight requests failed: %s", e)
+        worker_state.should_stop = EXIT_WORKER_BROKEN
+
+    def consume_pools(self, pools: list[str], on: bool) -> None:
+        """Make this worker consume (on) or stop consuming (off) every queue of `pools`, its own
+        and its jobs', through Celery's control bus. A pool that fails is logged and skipped:
+        beat's health tick and reconcile repair consumers from outside."""
+        for pool in pools:
+            try:
+                for queue in self.store.pool_queues(pool):
+                    self.bus.set_consuming(self.name, queue, on)
+            except Exception as e:
+                log.warning("could not %s consuming %s: %s", "resume" if on else "stop", pool, e)
