@@ -36,6 +36,7 @@ from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
 from app.ops.batch_run import run_command
 from app.ops.request_view import follow_request, run_request
 from app.ops.status import run_status
+from app.requests.engine_defaults import worker_concurrency
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
 from app.state import jobs as job_state
@@ -143,24 +144,49 @@ def _gpu_start(args: argparse.Namespace) -> tuple[dict[str, str], list[Card]] | 
     return env, cards
 
 
+def worker_threads(asked: int, specs: list, platform: str, cards: list[Card]) -> int:
+    """The task threads of a worker that asked for `asked`: at least the largest max_num_seqs of
+    the models it serves on `platform` (app/requests/engine_defaults.py), or its engine's batch
+    never fills; says so when it raises the number."""
+    small = min(cards, key=lambda c: c.total) if cards else None
+    threads = worker_concurrency(asked, [spec.engine_args for spec in specs], platform,
+                                 small.total if small else None, small.name if small else "")
+    if threads > asked:
+        print(f"vigil worker: concurrency {asked} raised to {threads}, the largest max_num_seqs "
+              "of the pools it serves here, so the engine's batch can fill", file=sys.stderr)
+    return threads
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     env: dict[str, str] = {}
+    cards: list[Card] = []
     if args.gpu is not None:
         checked = _gpu_start(args)
         if checked is None:
             return 2
         env = checked[0]
+        cards = checked[1]
     s = get_settings()
     reg = get_registry()
-    for p in [p for p in (args.pools or "").split(",") if p]:
+    pools = [p for p in (args.pools or "").split(",") if p]
+    for p in pools:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
+    if args.gpu is not None:  # an entry that would kill the engine stops the worker, not a request
+        reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={s.models_file}" if s.models_file
+                              else "the built-in models")
+    threads = worker_threads(args.concurrency or s.worker_concurrency,
+                             [reg.get(p) for p in pools or reg.names()],
+                             "cuda" if args.gpu is not None else "cpu", cards)
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
     preflight(s, connect(s))
     os.environ.update(env)
+    # The worker's Redis pools are sized from this setting: it must say what Celery runs.
+    os.environ["VIGIL_WORKER_CONCURRENCY"] = str(threads)
     if args.pools:
         os.environ["VIGIL_POOLS"] = args.pools
-    argv = worker_argv(args, s.worker_concurrency)
+    args.concurrency = threads
+    argv = worker_argv(args, threads)
     os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
     return 0  # pragma: no cover
 
