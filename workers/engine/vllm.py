@@ -17,6 +17,7 @@ from app.requests.adapters import AdapterRef
 from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from workers.engine.classify import classify_core_failure
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
 from workers.engine.resume import Seam, fast_decoder, refusal
@@ -156,6 +157,10 @@ class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
     streams = True  # `run` takes a token stream tap (workers/streaming.py)
+    # (the worker's engine error file, where this engine's records begin): set by its factory
+    # (workers/engine/kinds.py), read by `death_cause`.
+    core_log = None
+    _death_cause: object = False  # not read yet
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None):
@@ -330,6 +335,24 @@ class VllmEngine:
     def child_pids(self) -> list[tuple[int, float]]:
         """(pid, create_time) of every process this engine started (EngineCore, workers)."""
         return descendants()
+
+    def death_cause(self):
+        """What this dead engine's EngineCore said of its death (read once): a VigilError for a
+        CUDA fault (`classify_core_failure`), else None (the requests are suspects)."""
+        if self._death_cause is False:
+            self._death_cause = None
+            if self.core_log is not None:
+                log, mark = self.core_log
+                self._death_cause = classify_core_failure(log.failure_since(mark),
+                                                          self.core_exit_codes())
+        return self._death_cause
+
+    def core_exit_codes(self) -> dict:
+        """Exit codes of this engine's EngineCore processes that have exited, by name."""
+        try:
+            return dict(self._llm.engine_core.resources.engine_manager.finished_procs())
+        except AttributeError:  # shut down, or an in-process engine core
+            return {}
 
     def shutdown(self, timeout: float) -> None:
         """Stop the engine and its processes; safe to call twice.
