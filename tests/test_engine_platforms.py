@@ -185,3 +185,40 @@ def test_a_tensor_parallel_start_behind_a_cotenant_on_one_card_is_sized_to_that_
     plan = plan_memory(spec, probe_memory("cuda", ("0", "1", "2", "3"), nvml))
     util = engine_args(spec, plan)["gpu_memory_utilization"]
     assert plan.sized_down and util < (100 * GiB) / (141 * GiB)
+
+
+def test_vigil_worker_gpu_execs_celery_with_the_cards_order_and_threads(monkeypatch, capsys):
+    """The whole start of `vigil worker --gpu 1` under an inherited CUDA_VISIBLE_DEVICES=4,5 on
+    H200s: the card it checks and pins is 5, in PCI bus order, and Celery runs 1,024 threads
+    (vllm serve's max_num_seqs there), with the worker's setting saying so."""
+    import os
+
+    from app.ops import cli
+
+    env = {k: v for k, v in os.environ.items()}
+    env.update(CUDA_VISIBLE_DEVICES="4,5", CUDA_DEVICE_ORDER="FASTEST_FIRST")
+    monkeypatch.setattr(os, "environ", env)
+    cards = FakeNvml([FakeCard(139 * GiB, **H200) for _ in range(6)])
+    checked = []
+
+    def check(entries):
+        checked.append(entries)
+        return (list(probe_memory("cuda", entries, cards).cards),
+                {"driver": "580.82.07", "driver_cuda": "13.0", "torch": "2.13.0",
+                 "torch_cuda": "13.0"})
+
+    monkeypatch.setattr(cli, "check_gpus", check)
+    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
+    monkeypatch.setattr(cli, "connect", lambda s: None)
+    execs = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
+    assert cli.main(["worker", "--gpu", "1", "--pools", "tiny-llama"]) == 0
+    assert checked == [("5",)]
+    argv = execs[0]
+    assert argv[argv.index("-c") + 1] == "1024" and argv[argv.index("-n") + 1] == "gpu1@%h"
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["VIGIL_WORKER_CONCURRENCY"] == "1024"
+    err = capsys.readouterr().err
+    assert "CUDA_DEVICE_ORDER=FASTEST_FIRST replaced by PCI_BUS_ID" in err
+    assert "NVIDIA driver 580.82.07 (CUDA 13.0), torch 2.13.0 (built for CUDA 13.0)" in err
+    assert "GPU 5: NVIDIA H200" in err and "raised to 1024" in err

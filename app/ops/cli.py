@@ -174,19 +174,21 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.gpu is not None:  # an entry that would kill the engine stops the worker, not a request
         reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={s.models_file}" if s.models_file
                               else "the built-in models")
-    threads = worker_threads(args.concurrency or s.worker_concurrency,
-                             [reg.get(p) for p in pools or reg.names()],
-                             "cuda" if args.gpu is not None else "cpu", cards)
+    asked = args.concurrency or s.worker_concurrency
+    # A GPU engine runs up to max_num_seqs sequences; CPU workers keep the number given (small
+    # ones are how tests and small hosts run them).
+    threads = worker_threads(asked, [reg.get(p) for p in pools or reg.names()], "cuda",
+                             cards) if args.gpu is not None else asked
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
     preflight(s, connect(s))
     os.environ.update(env)
-    # The worker's Redis pools are sized from this setting: it must say what Celery runs.
-    os.environ["VIGIL_WORKER_CONCURRENCY"] = str(threads)
+    if threads != asked:  # the worker's Redis pools are sized from it: say what Celery runs
+        os.environ["VIGIL_WORKER_CONCURRENCY"] = str(threads)
+        args.concurrency = threads
     if args.pools:
         os.environ["VIGIL_POOLS"] = args.pools
-    args.concurrency = threads
-    argv = worker_argv(args, threads)
+    argv = worker_argv(args, s.worker_concurrency)
     os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
     return 0  # pragma: no cover
 
