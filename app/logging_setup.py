@@ -19,26 +19,34 @@ from typing import Callable
 
 from celery.app import trace as celery_trace
 
+from app.core_log import use_error_log
+
 LINE_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(name)s: %(message)s"
 
 
 def vllm_logging_config(level: str) -> dict:
-    """The dictConfig vLLM and its children load."""
+    """The dictConfig vLLM and its children load: Vigil's line format on stderr, and vLLM's
+    ERROR records in the worker's engine error file too (app/core_log.py: how the worker tells
+    a CUDA fault from a request's)."""
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"vigil": {"format": LINE_FORMAT}},
         "handlers": {"vigil": {"class": "logging.StreamHandler", "formatter": "vigil",
-                               "stream": "ext://sys.stderr", "level": level}},
-        "loggers": {"vllm": {"handlers": ["vigil"], "level": level, "propagate": False}},
+                               "stream": "ext://sys.stderr", "level": level},
+                     "vigil-engine-errors": {"()": "app.core_log.error_file_handler"}},
+        "loggers": {"vllm": {"handlers": ["vigil", "vigil-engine-errors"], "level": level,
+                             "propagate": False}},
     }
 
 
 def configure_vllm_logging(cache_dir: Path, level: str) -> None:
-    """Point vLLM at Vigil's logging config unless the operator already chose one."""
+    """Point vLLM at Vigil's logging config unless the operator already chose one (then the
+    engine error file stays empty and engine deaths are judged without it)."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
+    use_error_log(cache_dir)
     path = cache_dir / f"vllm-logging-{level.lower()}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(vllm_logging_config(level)))

@@ -69,7 +69,17 @@ DEFAULT_BATCH_WINDOW = 512
 # deleted; a week bounds what Redis holds).
 DEFAULT_BATCH_RETENTION_S = 7 * 86400
 # Tasks in flight per worker: enough threads to keep the engine's batch (max_num_seqs) full.
+# `vigil worker` raises it to the largest max_num_seqs of the pools it serves on its platform
+# (app/requests/engine_defaults.py), so a GPU worker's engine can run its batch full.
 DEFAULT_WORKER_CONCURRENCY = 128
+# GPU memory kept free beside vLLM's budget on each card: EngineCore creates its CUDA context
+# (and, on a tensor-parallel worker, NCCL's buffers) before vLLM checks that its budget
+# (gpu_memory_utilization x total) is free, so a start sized to what NVML showed free must leave
+# that much aside. A CUDA 12/13 context with cuBLAS loaded is commonly reported at 0.5-0.9 GiB on
+# Hopper cards; not measured here (no GPU on the development machines): bench/gpu_check.py
+# measures the context on a GPU host and fails when it exceeds this setting. Was 512 MiB, about
+# a bare context, which made a sized-down start fail vLLM's own check on every retry.
+DEFAULT_GPU_HEADROOM_MIB = 1024
 # Threads of `vigil housekeeper`: beat's five tasks each run alone under their lock, so a few
 # threads let a slow reconcile (it asks workers for their queues) never hold up a sweep or a reap.
 DEFAULT_HOUSEKEEPER_CONCURRENCY = 4
@@ -204,6 +214,7 @@ class VigilSettings(BaseSettings):
     # deployment: a result gone before a slow poller reads it is a lost result.
     allow_short_result_ttl: bool = False
     worker_concurrency: int = Field(DEFAULT_WORKER_CONCURRENCY, ge=1, le=4096)
+    gpu_headroom_mib: int = Field(DEFAULT_GPU_HEADROOM_MIB, ge=0, le=65536)
     retry_backoff: float = Field(DEFAULT_RETRY_BACKOFF_S, ge=0, description="Base of the retry "
                                  "backoff: full jitter, uniform in [0, min(max, base * "
                                  "2^(attempt-1))].")

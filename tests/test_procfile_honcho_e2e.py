@@ -35,7 +35,8 @@ def cpu_procfile(real: str) -> str:
     """The Procfile for this machine: the real one with --gpu -> --cpu on one worker line."""
     out, workers = [], 0
     for line in real.splitlines():
-        m = re.match(r"^(gpu\d+):\s*(vigil worker .*)--gpu \d+(.*)$", line)
+        # gpu0, gpu1, and tensor-parallel lines such as gpu2-3 (--gpu 2-3)
+        m = re.match(r"^(gpu[\d_-]+):\s*(vigil worker .*)--gpu [\d,-]+(.*)$", line)
         if m:
             workers += 1
             if workers == 1:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import redis
 
-from app.errors import TransientError
+from app.errors import TransientError, WorkerFatalError
 from app.state.conn import server_run_id
 from app.state.registry import WorkerRegistry
 
@@ -135,3 +135,20 @@ class Heartbeat:
                 self.registry.drop(self.instance_id)
             except TransientError as e:
                 log.warning("could not unregister worker %s: %s", self.name, e)
+
+
+def device_fields(probe: Callable[[], object], on_lost: Callable[[WorkerFatalError], None]) -> dict:
+    """The entry's device fields from `probe()` (a MemoryProbe: `device`, `device_free_bytes`,
+    `device_total_bytes` and, on a GPU, each card in `device_cards`). A probe failure leaves
+    them empty and never stops the heartbeat; a card lost under the worker
+    (WorkerFatalError from NVML) is also handed to `on_lost`, which makes the worker leave."""
+    empty = {"device": None, "device_free_bytes": None, "device_total_bytes": None}
+    try:
+        return probe().heartbeat_fields()
+    except WorkerFatalError as e:
+        log.critical("a card of this worker is lost: %s", e)
+        on_lost(e)
+        return empty
+    except Exception as e:  # a probe failure must not stop the heartbeat
+        log.warning("memory probe failed: %s", e)
+        return empty

@@ -29,10 +29,10 @@ from app.state.store import RequestStore
 from app.state.streams import TokenStreams
 from workers.engine.host import EngineHost
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
-from workers.engine.memory import MemoryPlan, plan_memory, probe_memory, worker_device
+from workers.engine.memory import MiB, MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.engine.vllm import engine_env_defaults
 from workers.engine.witness import Witness
-from workers.heartbeat import Heartbeat
+from workers.heartbeat import Heartbeat, device_fields
 from workers.held import HeldRequests
 from workers.orphan_guard import OrphanGuard
 from workers.quarantine import QuarantineActions, WorkerHealth
@@ -167,19 +167,20 @@ class WorkerRuntime:
 
     def plan_memory(self, spec: ModelSpec) -> MemoryPlan:
         """Measure free memory on this worker's device and size `spec`'s engine start to it."""
-        return plan_memory(spec, probe_memory(*self.device))
+        return plan_memory(spec, probe_memory(*self.device),
+                           self.settings.gpu_headroom_mib * MiB)
 
     def _heartbeat_fields(self) -> dict:
-        try:
-            mem = probe_memory(*self.device)
-            free, total, device = mem.free, mem.total, mem.device
-        except Exception as e:  # a probe failure must not stop the heartbeat
-            log.warning("memory probe failed: %s", e)
-            free = total = device = None
+        # Every card of the worker, each heartbeat; a card lost under it makes the worker leave.
+        device = device_fields(lambda: probe_memory(*self.device), self._card_lost)
         return {**self.host.snapshot(), **self.health.fields(), "pools": ",".join(self.pools),
                 "configured_pools": ",".join(self.configured_pools),
-                "engine_kind": self.engine_kind, "device": device,
-                "device_free_bytes": free, "device_total_bytes": total}
+                "engine_kind": self.engine_kind, **device}
+
+    def _card_lost(self, err: WorkerFatalError) -> None:
+        if self.leaving is None:  # off the heartbeat thread: leaving stops that thread
+            threading.Thread(target=self.held.leave, args=(err,), name="vigil-card-lost",
+                             daemon=True).start()
 
     def _engine_changed(self) -> None:
         if self.guard is not None:

@@ -71,11 +71,13 @@ def ensure_tiny_llama(path: str | os.PathLike) -> Path:
     return dest
 
 
-def build_tiny_llama(path: str | os.PathLike, seed: int = 0) -> Path:
+def build_tiny_llama(path: str | os.PathLike, seed: int = 0, hidden_size: int = 128) -> Path:
     """Build tiny-llama into `path` (created; replaced atomically if it exists) and return it.
 
     The directory is written under a temporary name and renamed into place, so a crash mid-build
-    never leaves a half-written model that a worker would try to load.
+    never leaves a half-written model that a worker would try to load. `hidden_size` (4 heads:
+    head_dim = hidden_size / 4) builds a wider variant, e.g. 512 for head_dim 128, the head size
+    every GPU attention backend takes (bench/gpu_check.py); the built-in model is 128.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -111,8 +113,8 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         config = LlamaConfig(
             vocab_size=VOCAB_SIZE,
-            hidden_size=128,
-            intermediate_size=256,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=4,

@@ -1,6 +1,7 @@
 """The `vigil` command: worker, status, model, flower, demo, batch, api.
 
     vigil worker --gpu 0                 # pinned to GPU 0, named gpu0@%h
+    vigil worker --gpu 0-3               # one tensor-parallel engine on 4 GPUs, gpu0-3@%h
     vigil worker --cpu --name cpu1@%h    # no GPU; several workers may share a host
     vigil housekeeper                    # beat's tasks on their own threads, no engine
     vigil status [--wide|--json] [--watch S]  # workers (health state, streak) and pools
@@ -24,6 +25,9 @@ import sys
 import time
 
 from app.celery_app import shared_app
+from app.devices import (DEVICE_ORDER, Card, GpuSpecError, NvmlMissing, cuda_versions,
+                         describe_versions, gpu_label, load_nvml, node_name, parse_gpu_spec,
+                         read_cards, version_problem, visible_devices, visible_entries)
 from app.errors import VigilError
 from app.fleet import jobs
 from app.local.demo import run_demo
@@ -33,6 +37,7 @@ from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
 from app.ops.batch_run import run_command
 from app.ops.request_view import follow_request, run_request
 from app.ops.status import run_status
+from app.requests.engine_defaults import worker_concurrency
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
 from app.state import jobs as job_state
@@ -49,7 +54,7 @@ WITHOUT_MINGLE = ("--without-mingle",)
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     """The `celery worker` command line for `vigil worker` (pure, for tests)."""
     if args.gpu is not None:
-        name = args.name or f"gpu{args.gpu}@%h"
+        name = args.name or node_name(args.gpu)
     else:
         name = args.name or "cpu@%h"
     pools = [p for p in (args.pools or "").split(",") if p]
@@ -64,39 +69,122 @@ def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
     ]
 
 
-def cuda_problem(gpu: int) -> str | None:
-    """Why GPU `gpu` cannot be used from this host (None when it can): a worker that cannot work
-    must not join the fleet and take requests."""
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed (install the gpu extra)"
+def gpu_worker_env(indexes: tuple[int, ...], environ) -> dict[str, str]:
+    """What a GPU worker on `indexes` adds to its environment before it execs Celery (pure):
+    CUDA_DEVICE_ORDER=PCI_BUS_ID (NVML's numbering, so an index names one card to CUDA, NVML and
+    nvidia-smi) and CUDA_VISIBLE_DEVICES, narrowed from an inherited one, which wins
+    (app/devices.py). Raises GpuSpecError for a card the inherited list does not show."""
+    return {"CUDA_DEVICE_ORDER": DEVICE_ORDER,
+            "CUDA_VISIBLE_DEVICES": visible_devices(indexes, environ.get("CUDA_VISIBLE_DEVICES"))}
+
+
+class GpuProblem(Exception):
+    """The cards a GPU worker was given cannot be used from this host."""
+
+
+def check_gpus(entries: tuple[str, ...], nvml=None, torch=None) -> tuple[list[Card], dict]:
+    """The cards `entries` names and the driver's and torch's CUDA versions, or GpuProblem saying
+    why they cannot be used (a worker that cannot work must not join the fleet and take
+    requests). Reads NVML only: no CUDA context is made in this process."""
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            raise GpuProblem("PyTorch is not installed (install the gpu extra)") from None
     if torch.version.cuda is None:
-        return "this PyTorch is a CPU build: Torch not compiled with CUDA enabled"
-    if not torch.cuda.is_available():
-        return "CUDA is not usable here: no NVIDIA driver or no device visible"
-    if gpu >= torch.cuda.device_count():
-        return f"there is no GPU {gpu} (this host shows {torch.cuda.device_count()})"
-    return None
+        raise GpuProblem("this PyTorch is a CPU build: Torch not compiled with CUDA enabled")
+    try:
+        nvml = nvml or load_nvml()
+        nvml.nvmlInit()
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        finally:
+            nvml.nvmlShutdown()
+    except NvmlMissing as e:
+        raise GpuProblem(str(e)) from None
+    except Exception as e:  # NVMLError: LIBRARY_NOT_FOUND, DRIVER_NOT_LOADED, ...
+        raise GpuProblem(f"CUDA is not usable here: no NVIDIA driver or no device visible "
+                         f"(NVML: {e})") from None
+    missing = [e for e in entries if e.isdigit() and int(e) >= count]
+    if missing:
+        raise GpuProblem(f"there is no GPU {','.join(missing)} (this host shows {count})")
+    try:
+        cards = read_cards(entries, nvml)
+    except Exception as e:
+        raise GpuProblem(f"NVML cannot read GPU {','.join(entries)}: {e}") from None
+    versions = cuda_versions(nvml, torch)
+    problem = version_problem(versions)
+    if problem:
+        raise GpuProblem(problem)
+    return cards, versions
+
+
+def _gpu_start(args: argparse.Namespace) -> tuple[dict[str, str], list[Card]] | None:
+    """Check the cards of `vigil worker --gpu` and print them with the CUDA versions; None (after
+    printing why) when the worker must not start."""
+    label = gpu_label(args.gpu)
+    try:
+        env = gpu_worker_env(args.gpu, os.environ)
+        cards, versions = check_gpus(visible_entries(env["CUDA_VISIBLE_DEVICES"]))
+    except (GpuSpecError, GpuProblem) as problem:
+        print(f"vigil worker: cannot use GPU {label}: {problem}. Run `vigil worker --cpu` "
+              "on a host without a GPU; otherwise check the NVIDIA driver (nvidia-smi) and "
+              "that CUDA_VISIBLE_DEVICES does not hide the device", file=sys.stderr)
+        return None
+    order = os.environ.get("CUDA_DEVICE_ORDER")
+    if order and order != DEVICE_ORDER:
+        print(f"vigil worker: CUDA_DEVICE_ORDER={order} replaced by {DEVICE_ORDER}: NVML numbers "
+              "cards by PCI bus, and the worker's memory probe must read the cards CUDA uses",
+              file=sys.stderr)
+    for c in cards:
+        print(f"vigil worker: GPU {c.entry}: {c.name} {c.uuid}, {c.free / 2**30:.1f} of "
+              f"{c.total / 2**30:.1f} GiB free", file=sys.stderr)
+    print(f"vigil worker: {describe_versions(versions)}", file=sys.stderr)
+    return env, cards
+
+
+def worker_threads(asked: int, specs: list, platform: str, cards: list[Card]) -> int:
+    """The task threads of a worker that asked for `asked`: at least the largest max_num_seqs of
+    the models it serves on `platform` (app/requests/engine_defaults.py), or its engine's batch
+    never fills; says so when it raises the number."""
+    small = min(cards, key=lambda c: c.total) if cards else None
+    threads = worker_concurrency(asked, [spec.engine_args for spec in specs], platform,
+                                 small.total if small else None, small.name if small else "")
+    if threads > asked:
+        print(f"vigil worker: concurrency {asked} raised to {threads}, the largest max_num_seqs "
+              "of the pools it serves here, so the engine's batch can fill", file=sys.stderr)
+    return threads
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    env: dict[str, str] = {}
+    cards: list[Card] = []
     if args.gpu is not None:
-        problem = cuda_problem(args.gpu)
-        if problem:
-            print(f"vigil worker: cannot use GPU {args.gpu}: {problem}. Run `vigil worker --cpu` "
-                  "on a host without a GPU; otherwise check the NVIDIA driver (nvidia-smi) and "
-                  "that CUDA_VISIBLE_DEVICES does not hide the device", file=sys.stderr)
+        checked = _gpu_start(args)
+        if checked is None:
             return 2
+        env = checked[0]
+        cards = checked[1]
     s = get_settings()
     reg = get_registry()
-    for p in [p for p in (args.pools or "").split(",") if p]:
+    pools = [p for p in (args.pools or "").split(",") if p]
+    for p in pools:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
+    if args.gpu is not None:  # an entry that would kill the engine stops the worker, not a request
+        reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={s.models_file}" if s.models_file
+                              else "the built-in models")
+    asked = args.concurrency or s.worker_concurrency
+    # A GPU engine runs up to max_num_seqs sequences; CPU workers keep the number given (small
+    # ones are how tests and small hosts run them).
+    threads = worker_threads(asked, [reg.get(p) for p in pools or reg.names()], "cuda",
+                             cards) if args.gpu is not None else asked
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
     preflight(s, connect(s))
-    if args.gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    os.environ.update(env)
+    if threads != asked:  # the worker's Redis pools are sized from it: say what Celery runs
+        os.environ["VIGIL_WORKER_CONCURRENCY"] = str(threads)
+        args.concurrency = threads
     if args.pools:
         os.environ["VIGIL_POOLS"] = args.pools
     argv = worker_argv(args, s.worker_concurrency)
@@ -250,6 +338,13 @@ def _cmd_request(args: argparse.Namespace) -> int:
     return run_request(args.id, as_json=args.json, show_text=args.show_text)
 
 
+def _gpu_spec(text: str) -> tuple[int, ...]:
+    try:
+        return parse_gpu_spec(text)
+    except GpuSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `vigil`."""
     p = argparse.ArgumentParser(prog="vigil", description="Fault-tolerant LLM inference on Celery.")
@@ -257,9 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a worker (one per GPU)")
     dev = w.add_mutually_exclusive_group(required=True)
-    dev.add_argument("--gpu", type=int, metavar="N", help="pin to GPU N (CUDA_VISIBLE_DEVICES)")
+    dev.add_argument("--gpu", type=_gpu_spec, metavar="N[,M|-M]",
+                     help="pin to GPU N, or to several (0,1 or 0-3: one tensor-parallel "
+                     "engine over them); N counts within an inherited CUDA_VISIBLE_DEVICES")
     dev.add_argument("--cpu", action="store_true", help="run on the CPU (no GPU)")
-    w.add_argument("--name", help="Celery node name (default gpuN@%%h or cpu@%%h)")
+    w.add_argument("--name", help="Celery node name (default gpuN@%%h, gpuN-M@%%h or cpu@%%h)")
     w.add_argument("--pools", help="comma-separated models to serve and preload (default: all "
                    "registered pools, loaded on first use)")
     w.add_argument("--concurrency", type=int, help="requests in flight (VIGIL_WORKER_CONCURRENCY)")

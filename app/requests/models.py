@@ -16,12 +16,13 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import MODEL_NOT_FOUND, RequestError
 from app.requests.adapters import load_adapters
+from app.requests.engine_defaults import FLOAT32, default_dtype
 from app.settings import SettingsError, VigilSettings, get_settings
 from app.state.queues import pool_queue
 
@@ -56,11 +57,42 @@ class ModelSpec(BaseModel):
     max_loras: int = Field(0, ge=0, le=64)
     max_lora_rank: int = Field(16, ge=1, le=512)
     lora_mixing_safe: bool = False
+    # The dtype vLLM gets on each platform. Unset: `engine_args.dtype` if the entry has one (every
+    # platform), else bfloat16 on CUDA and vLLM's own choice on the CPU
+    # (app/requests/engine_defaults.py).
+    dtypes: dict[Literal["cpu", "cuda"], str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_dtype_and_one_that_runs(self) -> "ModelSpec":
+        if self.dtypes and "dtype" in self.engine_args:
+            raise ValueError(f"model {self.name}: give the dtype in `dtypes` (per platform) or "
+                             "in `engine_args.dtype` (every platform), not both")
+        if "cuda" in self.dtypes:  # said explicitly: it can never run, wherever it is loaded
+            problem = self.platform_problem("cuda")
+            if problem:
+                raise ValueError(problem)
+        return self
 
     @property
     def queue(self) -> str:
         """The pool's own queue (its default-job requests)."""
         return pool_queue(self.name)
+
+    def dtype_on(self, platform: str) -> str | None:
+        """The dtype this model runs with on `platform` ("cuda" or "cpu"); None: vLLM's own."""
+        return (self.dtypes.get(platform) or self.engine_args.get("dtype")
+                or default_dtype(platform))
+
+    def platform_problem(self, platform: str) -> str | None:
+        """Why this entry cannot run on `platform` (None when it can): on CUDA, float32 with
+        LoRA lanes, which vLLM's CUDA LoRA kernels refuse (lora_shrink asserts float16 or
+        bfloat16), killing EngineCore at the first adapter request."""
+        if platform == "cuda" and self.max_loras and str(self.dtype_on("cuda")) in FLOAT32:
+            return (f"model {self.name}: float32 with LoRA (max_loras {self.max_loras}) cannot "
+                    "run on CUDA: vLLM's CUDA LoRA kernels take float16 or bfloat16 only "
+                    "(lora_shrink asserts) and the first adapter request would kill EngineCore; "
+                    'set "dtypes": {"cuda": "bfloat16"} (or float16), or max_loras 0')
+        return None
 
 
 def _builtins(settings: VigilSettings) -> list[ModelSpec]:
@@ -77,9 +109,10 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             kv_cache_floor_gib=0.25,
             # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
             # tiny model nothing.
-            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0,
-                         # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
-                         "dtype": "float32"},
+            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0},
+            # float32 on the CPU: bfloat16 died with SIGILL on these CPUs at batch ~20
+            # (docs/operations.md); CUDA gets bfloat16, the only dtypes its LoRA kernels take.
+            dtypes={"cpu": "float32"},
             max_loras=2,
             max_lora_rank=8,
         )
@@ -109,6 +142,14 @@ class ModelRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs
+
+    def refuse_unrunnable(self, platform: str, source: str = "the model registry") -> None:
+        """Raise SettingsError naming every entry that cannot run on `platform` (a GPU worker
+        calls it at start: an entry that would kill its engine must stop it, not a request)."""
+        problems = [p for p in (self._specs[n].platform_problem(platform) for n in self.names())
+                    if p]
+        if problems:
+            raise SettingsError(f"invalid settings: {source}: " + "; ".join(problems))
 
 
 def load_registry(settings: VigilSettings) -> ModelRegistry:

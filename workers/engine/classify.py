@@ -16,8 +16,20 @@ from app.errors import (ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGI
                         PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError,
                         VigilError, WorkerFatalError)
 
+# Texts of a CUDA fault that leaves the device context unusable (torch's "CUDA error: ..."
+# messages, raised as torch.AcceleratorError since torch 2.8; Triton's and the driver API's; NCCL
+# wrapping one). Checked after the out-of-memory texts: "CUDA error: out of memory" is an
+# allocation failure, after which the context still works.
 _CUDA_FATAL = ("cuda error", "illegal memory access", "device-side assert", "cudaerror",
-               "cuda_error_illegal_address")
+               "cuda_error_", "unspecified launch failure", "ecc error", "cuda driver error",
+               "triton error [cuda]", "unhandled cuda error", "gpu is lost")
+# Texts of a CUDA allocation failure: torch's OutOfMemoryError ("CUDA out of memory. Tried to
+# allocate ..."), the runtime's cudaErrorMemoryAllocation ("CUDA error: out of memory"), cuBLAS'.
+_CUDA_OOM = ("cuda out of memory", "outofmemoryerror", "cuda error: out of memory",
+             "cudaerrormemoryallocation", "cublas_status_alloc_failed")
+# vLLM's own start-up check (vllm/v1/worker/utils.py `request_memory`, 0.32 and 0.33): the budget
+# was not free once EngineCore had its context (a co-tenant grew since the worker measured).
+_START_MEMORY = ("on startup is less than",)
 
 
 def _vllm_types():
@@ -50,6 +62,8 @@ def classify(exc: BaseException) -> VigilError:
         return RequestError.of(INVALID_REQUEST, msg)
     if client and isinstance(exc, client):
         return RequestError.of(INVALID_REQUEST, msg)
+    if any(s in low for s in _CUDA_OOM):
+        return TransientError.of(ALLOCATION_FAILED, msg)
     if any(s in low for s in _CUDA_FATAL):
         return WorkerFatalError.of(CUDA_CONTEXT_LOST, msg)
     if dead and isinstance(exc, dead):
@@ -63,6 +77,52 @@ def classify(exc: BaseException) -> VigilError:
         cause = exc.__cause__ or exc
         return TransientError.of(ENGINE_ERROR, _short(cause))
     return TransientError.of(ENGINE_ERROR, f"{type(exc).__name__}: {msg}")
+
+
+def classify_core_failure(logged: str, exitcodes: dict | None = None) -> VigilError | None:
+    """What an engine's death was, from EngineCore's own failure (app/core_log.py: the error it
+    logged on the way down, and its processes' exit codes): a CUDA allocation failure is
+    `allocation_failed` (retried: memory, not the requests, ran out), any other CUDA fault
+    `cuda_context_lost` (the worker leaves: its device is suspect). None when the failure says
+    nothing of CUDA (a Python error, a SIGKILL that logged nothing): the requests that were in
+    the engine are then suspects, and the recovery finds a guilty one (workers/engine/suspects.py).
+    """
+    low = logged.lower()
+    if not low:
+        return None
+    why = _last_error_line(logged)
+    exits = f"; exit codes {exitcodes}" if exitcodes else ""
+    if any(s in low for s in _CUDA_OOM):
+        return TransientError.of(ALLOCATION_FAILED, f"the engine ran out of GPU memory and "
+                                 f"died (EngineCore logged: {why}{exits})")
+    if any(s in low for s in _CUDA_FATAL):
+        return WorkerFatalError.of(CUDA_CONTEXT_LOST, f"the engine died of a CUDA fault "
+                                   f"(EngineCore logged: {why}{exits})")
+    return None
+
+
+def _last_error_line(logged: str) -> str:
+    """The line naming the exception (a traceback's last "Name: message" line), else the last
+    line, with the log line's prefix cut: short enough for an error message."""
+    lines = [ln.strip() for ln in logged.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        body = ln.split("] ", 1)[-1] if ln.startswith("[") else ln
+        head = body.split(":", 1)[0]
+        if head.replace(".", "").replace("_", "").isalnum() and head[:1].isalpha() and \
+                ("Error" in head or "Exception" in head):
+            return " ".join(body.split())[:300]
+    return " ".join((lines[-1] if lines else "").split())[:300]
+
+
+def death_cause(engine) -> VigilError | None:
+    """A dead engine's cause, when the engine can tell one (`death_cause()`: a CUDA fault its
+    EngineCore logged), else None."""
+    read = getattr(engine, "death_cause", None)
+    try:
+        cause = read() if read is not None else None
+    except Exception:  # reading the log must never hide the death itself
+        return None
+    return type(cause)(str(cause)) if cause is not None else None
 
 
 def is_engine_dead(exc: BaseException) -> bool:
@@ -81,12 +141,27 @@ def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None
 
     - the start was sized below the registry's request (`plan.sized_down`), or a fresh
       measurement after the failure shows the memory gone -> TransientError(memory_pressure);
+    - EngineCore logged a CUDA out of memory, or vLLM's own free-memory check failing
+      (`StartFailure.logged`) -> TransientError(memory_pressure), even with the full request
+      granted: a co-tenant may have come and gone during the start;
     - otherwise the failure is deterministic: missing weights -> RequestError(model_not_found),
       anything else -> RequestError(invalid_model_config). Neither is retried.
     """
     if isinstance(exc, VigilError):
         return exc
+    logged = getattr(exc, "logged", "")  # EngineCore's own account (StartFailure, kinds.py)
+    exc = getattr(exc, "cause", exc)
+    if isinstance(exc, VigilError):
+        return exc
     cause = _short(exc)
+    low_logged = logged.lower()
+    if logged and any(s in low_logged for s in _CUDA_OOM + _START_MEMORY):
+        # Out of memory while starting, or vLLM's own check found its budget taken: memory,
+        # whoever held it (a co-tenant that came and went), retried in the pressure window.
+        return TransientError.of(MEMORY_PRESSURE, (
+            f"the engine start ran out of GPU memory (EngineCore logged: "
+            f"{_last_error_line(logged)}); if the card was idle, the model does not fit its "
+            f"budget (lower max_model_len or max_num_seqs, or raise gpu_memory_utilization)"))
     if plan is not None and plan.sized_down:
         return TransientError.of(MEMORY_PRESSURE, f"engine start failed after sizing below the "
                                  f"request ({plan.describe()}): {cause}")

@@ -41,7 +41,8 @@ from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.bridge import STALLED, Aborted, HandedBack, LoopBridge
-from workers.engine.classify import classify, classify_load_failure, is_engine_dead
+from workers.engine.classify import (classify, classify_load_failure, death_cause,
+                                     is_engine_dead)
 from workers.engine.lora import BASE_LANE, AdapterCache, lane_of
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
@@ -321,7 +322,12 @@ class EngineHost:
                 f"request {t.rid} got no answer from the engine within {t.timeout:g} s"))
         except BaseException as e:  # classified once, here, at the engine boundary
             if getattr(engine, "dead", False) or is_engine_dead(e):
-                outcome, value = "died", e
+                # EngineCore's own account: a CUDA fault is not the requests' (no suspects).
+                fault = death_cause(engine)
+                outcome, value = ("died", e) if fault is None else ("error", fault)
+                if fault is not None:
+                    value.__cause__ = e
+                    self._note_death(engine, fault)
             else:
                 outcome, value = "error", classify(e)
                 value.__cause__ = e

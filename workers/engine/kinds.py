@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from app.core_log import CoreLog
 from app.drills import Drill
 from workers.engine.drill import DrillEngine
 from workers.engine.instant import InstantEngine
@@ -23,7 +24,39 @@ def engine_factory(kind: str, drill: Drill = Drill(),
     gets the faults of `drill`; the model engines write their finished generations to
     `witness` when there is one."""
     if kind == "drill":
-        return functools.partial(DrillEngine, drill=drill, witness=witness)
+        return with_core_log(functools.partial(DrillEngine, drill=drill, witness=witness))
     if kind == "vllm":
-        return functools.partial(VllmEngine, witness=witness)
+        return with_core_log(functools.partial(VllmEngine, witness=witness))
     return ENGINES[kind]
+
+
+class StartFailure(RuntimeError):
+    """An engine start that failed, with what its EngineCore logged on the way down (the parent
+    sees only "Engine core initialization failed"): read by classify_load_failure."""
+
+    def __init__(self, cause: BaseException, logged: str):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.logged = logged
+
+
+def with_core_log(build: Callable) -> Callable:
+    """`build` (spec, plan) -> engine, reading the worker's engine error file (app/core_log.py):
+    a start that fails raises StartFailure carrying what EngineCore logged after the start
+    began; a started engine keeps `core_log` (the file, and where its own records begin) for
+    `death_cause`."""
+    def start(spec, plan=None):
+        log = CoreLog.from_env()
+        mark = log.mark() if log is not None else 0
+        try:
+            engine = build(spec, plan)
+        except Exception as e:
+            logged = log.failure_since(mark) if log is not None else ""
+            if logged:
+                raise StartFailure(e, logged) from e
+            raise
+        if log is not None:
+            engine.core_log = (log, mark)
+        return engine
+
+    return start

@@ -11,10 +11,13 @@ import os
 
 import psutil
 
+from app.errors import INVALID_MODEL_CONFIG, RequestError
 from app.local.tiny_model import ensure_model_files
 from app.requests.adapters import AdapterRef
+from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from workers.engine.classify import classify_core_failure
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
 from workers.engine.resume import Seam, fast_decoder, refusal
@@ -42,28 +45,62 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool = True) -> dict:
+def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool = True,
+                platform: str | None = None) -> dict:
     """The AsyncEngineArgs (besides `model`) of an engine for `spec`: the one recipe for the
     worker's engine and the benchmark's direct engine (bench/direct_engine.py), so the two
     cannot drift. The registry's engine args, the memory plan's KV cache size (without a plan:
     the registry's `kv_cache_gib` as it is, since vLLM's own CPU default, 90% of the node, fails
     on any shared host), no periodic stats logging, and the LoRA lanes when the model serves
-    adapters (`lora=False` leaves them out: for measuring what they cost)."""
+    adapters (`lora=False` leaves them out: for measuring what they cost).
+
+    Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
+    dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
+    under what the registry says; on CUDA, one tensor-parallel rank per card of the worker (the
+    plan's probe). Refuses, as `invalid_model_config`, an entry that cannot run here (float32
+    with LoRA on CUDA) and a `tensor_parallel_size` other than the worker's number of cards."""
+    platform = platform or (plan.probe.device if plan is not None else _current_platform())
     if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             "kv_cache_memory_bytes" not in spec.engine_args and \
-            "gpu_memory_utilization" not in spec.engine_args and \
+            "gpu_memory_utilization" not in spec.engine_args and platform != "cuda" and \
             not os.environ.get("CUDA_VISIBLE_DEVICES"):
         plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
     else:
         plan_args = plan.engine_args if plan is not None else {}
-    args = {"disable_log_stats": True, **executor_args(spec), **spec.engine_args, **plan_args}
+    problem = spec.platform_problem(platform)
+    if problem:
+        raise RequestError.of(INVALID_MODEL_CONFIG, problem)
+    cards = plan.probe.cards if plan is not None else ()
+    small = min(cards, key=lambda c: c.total) if cards else None
+    defaults = batch_defaults(platform, small.total if small else None,
+                              small.name if small else "")
+    if cards:
+        asked = int(spec.engine_args.get("tensor_parallel_size", len(cards)))
+        if asked != len(cards):
+            raise RequestError.of(INVALID_MODEL_CONFIG, (
+                f"model {spec.name} asks for tensor_parallel_size {asked}, but this worker has "
+                f"{len(cards)} card(s): serve it with workers of {asked} cards (--gpu, --pools)"))
+        if len(cards) > 1:
+            defaults["tensor_parallel_size"] = len(cards)
+    args = {"disable_log_stats": True, **executor_args(spec, platform), **defaults,
+            **spec.engine_args, **plan_args}
+    dtype = spec.dtype_on(platform)
+    if dtype is not None:
+        args["dtype"] = dtype
     if spec.max_loras and lora:
         args = {"enable_lora": True, "max_loras": spec.max_loras,
                 "max_lora_rank": spec.max_lora_rank, **args}
     return args
 
 
-def executor_args(spec: ModelSpec) -> dict:
+def _current_platform() -> str:
+    """vLLM's platform here: "cuda" or "cpu" (what an engine built without a plan runs on)."""
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda() else "cpu"
+
+
+def executor_args(spec: ModelSpec, platform: str | None = None) -> dict:
     """Where the model runs: inside EngineCore on the CPU, for an engine on one device.
 
     On a GPU with one device vLLM runs the model in EngineCore itself (its UniProcExecutor); on
@@ -75,9 +112,7 @@ def executor_args(spec: ModelSpec) -> dict:
     entry that chooses the executor itself keeps vLLM's choice (`chooses_executor`)."""
     if chooses_executor(spec.engine_args):
         return {}
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if (platform or _current_platform()) != "cpu":
         return {}
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
@@ -122,6 +157,10 @@ class VllmEngine:
     """A warm vLLM AsyncLLM for one model. Build it on the host's event loop thread."""
 
     streams = True  # `run` takes a token stream tap (workers/streaming.py)
+    # (the worker's engine error file, where this engine's records begin): set by its factory
+    # (workers/engine/kinds.py), read by `death_cause`.
+    core_log = None
+    _death_cause: object = False  # not read yet
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None):
@@ -296,6 +335,24 @@ class VllmEngine:
     def child_pids(self) -> list[tuple[int, float]]:
         """(pid, create_time) of every process this engine started (EngineCore, workers)."""
         return descendants()
+
+    def death_cause(self):
+        """What this dead engine's EngineCore said of its death (read once): a VigilError for a
+        CUDA fault (`classify_core_failure`), else None (the requests are suspects)."""
+        if self._death_cause is False:
+            self._death_cause = None
+            if self.core_log is not None:
+                log, mark = self.core_log
+                self._death_cause = classify_core_failure(log.failure_since(mark),
+                                                          self.core_exit_codes())
+        return self._death_cause
+
+    def core_exit_codes(self) -> dict:
+        """Exit codes of this engine's EngineCore processes that have exited, by name."""
+        try:
+            return dict(self._llm.engine_core.resources.engine_manager.finished_procs())
+        except AttributeError:  # shut down, or an in-process engine core
+            return {}
 
     def shutdown(self, timeout: float) -> None:
         """Stop the engine and its processes; safe to call twice.

@@ -1,0 +1,33 @@
+"""Worker tier: bench/gpu_check.py's real-engine smoke (bench/gpu_engine_smoke.py) as a dry run on
+the CPU build of vLLM: the model and adapter built here, Vigil's engine host with the real engine,
+a base and an adapter request, EngineCore SIGKILLed under a 400-token request that must finish
+on the recovered engine. On a GPU host the same script runs bfloat16 on the card; here it runs
+float32 (no GPU: the CUDA kernels are what this cannot check)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.worker
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_engine_smoke_passes_on_the_cpu_build(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_VISIBLE_DEVICES", "VIGIL_ENGINE_ERROR_LOG",
+                        "VLLM_LOGGING_CONFIG_PATH")}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_engine_smoke.py"),
+                          str(1 << 30)], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=420)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("SMOKE ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    smoke = json.loads(lines[-1][len("SMOKE "):])
+    assert smoke["device"] == "cpu"
+    assert smoke["ok"], smoke
+    assert smoke["killed"] >= 1 and smoke["restarts"] == 1 and smoke["long_tokens"] == 400
