@@ -70,7 +70,7 @@ class VigilCelery(Celery):
     def vigil_why_waiting(self, request_id: str) -> dict | None:
         """Why an open request waits (app/fleet/waiting.py), read with this app's settings,
         registry and Redis client; None once it has ended or without a record."""
-        return waiting.why_waiting(request_id, client=self.vigil_redis,
+        return waiting.why_waiting(request_id, store=self.vigil_store,
                                    settings=self.vigil_settings, registry=self.vigil_registry)
 
 

@@ -34,7 +34,7 @@ def fill(store: RequestStore, n: int, prefix: str) -> None:
                          "deadline_s": 1})
     fields = record_fields(req, 1000.0, 3600)
     for start in range(0, n, 1000):
-        with store.r.pipeline(transaction=False) as pipe:
+        with store.raw.pipeline(transaction=False) as pipe:
             for i in range(start, min(n, start + 1000)):
                 script_keys, args = store.create_call(f"{prefix}{i}", fields, 1000.0)
                 store._create(keys=script_keys, args=args, client=pipe)
@@ -51,7 +51,7 @@ def measure(store: RequestStore, backend, n: int, prefix: str, *, trace: bool
     the peak Python memory is traced (tracemalloc slows Python down: the time of a traced
     sweep is not reported)."""
     fill(store, n, prefix)
-    before = store.r.info("stats")["total_commands_processed"]
+    before = store.raw.info("stats")["total_commands_processed"]
     if trace:
         tracemalloc.start()
     t = time.perf_counter()
@@ -61,12 +61,12 @@ def measure(store: RequestStore, backend, n: int, prefix: str, *, trace: bool
     if trace:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    commands = store.r.info("stats")["total_commands_processed"] - before - 1
+    commands = store.raw.info("stats")["total_commands_processed"] - before - 1
     assert failed == n, (failed, n)
-    assert store.r.zcard("vigil:deadlines") == 0
-    assert count_keys(store.r, f"celery-task-meta-{prefix}*") == n
+    assert store.raw.zcard("vigil:deadlines") == 0
+    assert count_keys(store.raw, f"celery-task-meta-{prefix}*") == n
     assert store.get(f"{prefix}{n - 1}")["status"] == "FAILED"
-    store.r.flushdb()
+    store.raw.flushdb()
     return peak / 1024, elapsed, commands
 
 

@@ -51,7 +51,7 @@ def build(store: RequestStore, n_workers: int, n_pools: int, now: float) -> Mode
         pool = pools[i % n_pools]
         dead = i % 10 == 0
         at = now - (REAP_TIMEOUT * 3 if dead else 1.0)
-        hb = Heartbeat(store.r, 10_000 + i, f"gpu{i % 8}@node-{i // 8:04d}", 10, (
+        hb = Heartbeat(store.workers, 10_000 + i, f"gpu{i % 8}@node-{i // 8:04d}", 10, (
             lambda pool=pool: {"pools": pool, "configured_pools": pool, "model": pool,
                                "engine_state": "ready", "in_flight": 3,
                                "device_free_bytes": 40 * GiB, "device_total_bytes": 80 * GiB}),
@@ -66,17 +66,17 @@ def build(store: RequestStore, n_workers: int, n_pools: int, now: float) -> Mode
                 store.begin(rid, 0, f"gpu{i % 8}", 10_000 + i, now - 100, 3, REAP_TIMEOUT)
     # Work waiting in a tenth of the pools (a message each, in their own queue).
     for p in pools[::10]:
-        store.r.lpush(job_queue_name(p, "default"), b'{"headers": {"id": "w"}}')
+        store.raw.lpush(job_queue_name(p, "default"), b'{"headers": {"id": "w"}}')
     return reg
 
 
 def timed(store: RequestStore, fn) -> tuple[float, int, object]:
     """(seconds, Redis commands, result) of one call."""
-    before = store.r.info("stats")["total_commands_processed"]
+    before = store.raw.info("stats")["total_commands_processed"]
     t = time.perf_counter()
     out = fn()
     secs = time.perf_counter() - t
-    return secs, store.r.info("stats")["total_commands_processed"] - before - 1, out
+    return secs, store.raw.info("stats")["total_commands_processed"] - before - 1, out
 
 
 def passes(rds: EmbeddedRedis, n_workers: int, n_pools: int) -> dict[str, tuple[float, int]]:
@@ -88,7 +88,7 @@ def passes(rds: EmbeddedRedis, n_workers: int, n_pools: int) -> dict[str, tuple[
     reg = build(store, n_workers, n_pools, now)
     republished: list[str] = []
     out = {}
-    secs, cmds, _ = timed(store, lambda: collect(store.r, settings, reg, now=now))
+    secs, cmds, _ = timed(store, lambda: collect(store, settings, reg, now=now))
     out["status"] = (secs, cmds)
     secs, cmds, reaped = timed(store, lambda: reap_workers(
         store, now, lambda rid, rec, d: republished.append(rid), None,
@@ -100,7 +100,7 @@ def passes(rds: EmbeddedRedis, n_workers: int, n_pools: int) -> dict[str, tuple[
     secs, cmds, _ = timed(store, lambda: reconcile_pools(
         store, reg, now, lambda name, q, add: None, live_window=REAP_TIMEOUT))
     out["reconcile"] = (secs, cmds)
-    assert keys.WORKERS and store.r.zcard(keys.WORKERS) == n_workers - len(reaped)
+    assert keys.WORKERS and store.raw.zcard(keys.WORKERS) == n_workers - len(reaped)
     return out
 
 

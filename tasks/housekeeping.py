@@ -23,8 +23,6 @@ from app.requests.models import get_registry
 from app.requests.publish import republisher
 from app.requests.submit import submit_request
 from app.settings import get_settings
-from app.state.batches import BatchStore
-from app.state.health import HealthLedger
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
 from app.task_names import (BATCH_TICK, DEADLINE_SWEEP, FOREIGN_QUEUES, HEALTH_TICK, JOB_LEASES,
@@ -81,7 +79,7 @@ def health_tick() -> int:
     """Stop quarantined workers that still consume (app/fleet/consumers.py)."""
     s = get_settings()
     store = shared_store()
-    ledger = HealthLedger(store.r, window=s.failure_window, threshold=s.failure_threshold)
+    ledger = store.health_ledger(window=s.failure_window, threshold=s.failure_threshold)
     return enforce_quarantines(ledger, store, time.time(), ports_of(app).bus.active_queues,
                                _cancel)
 
@@ -164,7 +162,7 @@ def batch_tick() -> dict:
     with store.locked(BATCH_TICK_LOCK, BATCH_TICK_LOCK_S) as held:
         if not held:
             return {}
-        driver = BatchDriver(BatchStore(store.r), store, s, submit=submit,
+        driver = BatchDriver(store.batches(), store, s, submit=submit,
                              end_requests=end_requests, end_job=end_job,
                              render_chat=_render_chat, chat_budget=rest_of_context)
         return driver.advance_all(time.time())

@@ -276,9 +276,9 @@ def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny
     would blur what the test measures."""
     from app.state import keys
 
-    if store.r.llen(queue):
+    if store.raw.llen(queue):
         return False
-    held = set().union(*(store.r.smembers(keys.inflight(i)) for i in instances))
+    held = set().union(*(store.raw.smembers(keys.inflight(i)) for i in instances))
     return all(r.id.encode() in held or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")
                for r in results)
 

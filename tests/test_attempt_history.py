@@ -52,7 +52,7 @@ def test_a_retried_then_successful_request_keeps_both_attempts(store):
     ]
     times = [t for e in h for t in (e["started_at"], e["ended_at"])]
     assert times == sorted(times) and len(set(times)) == 4
-    raw = json.loads(store.r.hget(keys.request("r"), "history"))
+    raw = json.loads(store.raw.hget(keys.request("r"), "history"))
     assert raw[0]["instance"] == str(BIG)  # stored as a string, not a rounded number
 
 
@@ -82,8 +82,8 @@ def test_the_reaper_closes_a_dead_workers_attempt_as_requeued(store):
     """Given a request running on a worker that stopped heartbeating, when the reaper requeues
     it, then the attempt is closed 'requeued' with worker_lost at the reaper's clock, and the
     next attempt is appended after it."""
-    store.r.hset(keys.worker(5), mapping={"name": "dead@h", "last_seen": T0})
-    store.r.zadd(keys.WORKERS, {"5": T0})
+    store.raw.hset(keys.worker(5), mapping={"name": "dead@h", "last_seen": T0})
+    store.raw.zadd(keys.WORKERS, {"5": T0})
     add(store, "r")
     store.begin("r", 0, "dead@h", 5, T0 + 1, 3)
     published = []

@@ -36,13 +36,13 @@ def test_a_job_at_its_cap_is_accepted_one_over_refused_and_a_finished_request_fr
     accepted and the 4th refused with nothing written; once one ends, the next is accepted."""
     for i in range(3):
         assert store.create(f"r{i}", fields(), max_per_job=3) >= CREATED
-    assert store.r.scard(keys.job_requests("j")) == 3
+    assert store.raw.scard(keys.job_requests("j")) == 3
     assert store.create("r3", fields(), max_per_job=3) == OVERLOADED_JOB
-    assert store.get("r3") is None and not store.r.zscore(keys.DEADLINES, "r3")
-    assert store.r.scard(keys.pool_requests("tiny-llama")) == 3
+    assert store.get("r3") is None and not store.raw.zscore(keys.DEADLINES, "r3")
+    assert store.raw.scard(keys.pool_requests("tiny-llama")) == 3
     store.finish("r0", 1, time.time(), result={"text": "x"})
     assert store.create("r3", fields(), max_per_job=3) >= CREATED
-    assert store.r.scard(keys.job_requests("j")) == 3
+    assert store.raw.scard(keys.job_requests("j")) == 3
 
 
 def test_concurrent_producers_never_overshoot_the_caps(settings):
@@ -61,16 +61,16 @@ def test_concurrent_producers_never_overshoot_the_caps(settings):
     store = RequestStore(connect(settings), settings.result_ttl)
     assert sum(o >= CREATED for o in outcomes) == 120
     assert set(outcomes) <= {CREATED, 2, OVERLOADED_POOL, OVERLOADED_JOB}
-    assert store.r.scard(keys.pool_requests("tiny-llama")) == 120
-    assert store.r.scard(keys.job_requests("race")) == 120
-    assert store.r.zcard(keys.DEADLINES) == 120
+    assert store.raw.scard(keys.pool_requests("tiny-llama")) == 120
+    assert store.raw.scard(keys.job_requests("race")) == 120
+    assert store.raw.zcard(keys.DEADLINES) == 120
 
 
 def test_the_pool_cap_counts_every_job_of_the_pool_and_only_that_pool(store):
     assert store.create("a", fields(job="j1"), max_per_pool=2) >= CREATED
     assert store.create("b", fields(job="j2"), max_per_pool=2) >= CREATED
     assert store.create("c", fields(job="j3"), max_per_pool=2) == OVERLOADED_POOL
-    assert store.get("c") is None and not store.r.exists(keys.job_requests("j3"))
+    assert store.get("c") is None and not store.raw.exists(keys.job_requests("j3"))
     assert store.create("d", fields(model="unserved-model"), max_per_pool=2) >= CREATED
     store.finish("a", 1, time.time(), error_kind="RequestError", error="invalid_request: x")
     assert store.create("c", fields(job="j3"), max_per_pool=2) >= CREATED
@@ -85,11 +85,11 @@ def test_zero_means_unlimited_and_a_rolled_back_submit_gives_its_slot_back(store
     for i in range(5):
         assert store.create(f"u{i}", fields(), max_per_job=0, max_per_pool=0) >= CREATED
     store.delete("u0")
-    assert store.r.scard(keys.job_requests("j")) == 4
-    assert store.r.scard(keys.pool_requests("tiny-llama")) == 4
+    assert store.raw.scard(keys.job_requests("j")) == 4
+    assert store.raw.scard(keys.pool_requests("tiny-llama")) == 4
     for i in range(1, 5):
         store.finish(f"u{i}", 1, time.time(), result={"text": "x"})
-    assert not store.r.exists(keys.job_requests("j"), keys.pool_requests("tiny-llama"))
+    assert not store.raw.exists(keys.job_requests("j"), keys.pool_requests("tiny-llama"))
 
 
 @pytest.fixture()
@@ -126,7 +126,7 @@ def test_delay_past_the_job_cap_raises_overloaded_at_once_with_retry_advice(capp
     job = f"bp-{time.time_ns()}"
     a = generate.delay(model="tiny-llama", prompt="one", job=job)
     generate.delay(model="tiny-llama", prompt="two", job=job)
-    r = shared_store().r
+    r = shared_store().raw
     before = r.dbsize()
     with pytest.raises(TransientError) as ei:
         generate.delay(model="tiny-llama", prompt="three", job=job)
@@ -143,7 +143,7 @@ def test_delay_past_the_job_cap_raises_overloaded_at_once_with_retry_advice(capp
 
 def test_delay_past_the_pool_cap_raises_overloaded_naming_the_pool(capped):
     cap, sent = capped
-    r = shared_store().r
+    r = shared_store().raw
     cap(max_pending_per_pool=r.scard(keys.pool_requests("unserved-model")) + 1)
     generate.delay(model="unserved-model", prompt="fits")
     with pytest.raises(TransientError, match=r"^overloaded: pool 'unserved-model' has \d+ open "

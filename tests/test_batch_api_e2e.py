@@ -61,7 +61,7 @@ def store(redis_server):
 
 
 def request_ids(store, batch_id: str, custom_ids) -> list[str]:
-    job = store.r.hget(keys.batch(batch_id), "job").decode()
+    job = store.raw.hget(keys.batch(batch_id), "job").decode()
     return [fmt.request_id_for(job, cid) for cid in custom_ids]
 
 
@@ -182,6 +182,6 @@ def test_a_batch_submitted_from_a_terminal_that_exits_runs_and_a_cancel_ends_the
         "batch_cancelled"}
     for e in errs:
         rec = store.get(fmt.request_id_for(
-            store.r.hget(keys.batch(bid), "job").decode(), e["custom_id"]))
+            store.raw.hget(keys.batch(bid), "job").decode(), e["custom_id"]))
         assert rec is None or rec["error"].startswith("batch_cancelled:")
     assert len(out.read_text().splitlines()) == counts["completed"]

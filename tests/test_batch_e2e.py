@@ -164,7 +164,7 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
 
     def in_flight_unwritten() -> list[str]:
         w = written()
-        return [c for c in cids if c not in w and store.r.exists(f"vigil:req:{rids[c]}")]
+        return [c for c in cids if c not in w and store.raw.exists(f"vigil:req:{rids[c]}")]
 
     first = start_process(argv, env, tmp_path / "first.log")
     try:
@@ -199,4 +199,4 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
     after = store.stats()
     for counter in ("duplicate_deliveries", "stale_deliveries", "duplicate_results"):
         assert after.get(counter, 0) == stats_before.get(counter, 0), counter
-    assert store.r.llen("vigil.pool.tiny-llama") == 0
+    assert store.raw.llen("vigil.pool.tiny-llama") == 0

@@ -72,7 +72,7 @@ def test_a_foreign_producers_request_without_a_queue_gets_its_result_and_others_
                          tmp_path / "beat.log")
     script = tmp_path / "producer.py"
     script.write_text(PRODUCER)
-    client = store.r
+    client = store.raw
     client.delete("celery")
     try:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}

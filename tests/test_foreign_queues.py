@@ -69,7 +69,8 @@ def test_a_message_taken_meanwhile_is_not_moved(settings, other_app):
     other_app.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": "hi"})
     [raw] = broker.messages_of_task(client, "celery", "vigil.generate", limit=100)
     assert client.rpop("celery") == raw  # a consumer took it
-    assert not broker.move_message(client, "celery", HOUSEKEEPING_QUEUE, raw)
+    store = RequestStore(client, settings.result_ttl)
+    assert not store.broker.move_message("celery", HOUSEKEEPING_QUEUE, raw)
     assert client.llen(HOUSEKEEPING_QUEUE) == 0
 
 

@@ -35,7 +35,7 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
 
         wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
                  what="every request to be taken by a worker")
-        held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
+        held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
         assert held, "the leaving worker took no request"
         children = engine_processes(victim.proc.pid)
         assert "EngineCore" in " ".join(p.name() for p in children)

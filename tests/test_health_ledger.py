@@ -9,6 +9,7 @@ import redis
 from app.fleet.consumers import enforce_quarantines
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING, SUSPECT, HealthLedger
 from app.state.store import RequestStore
+from app.state.registry import WorkerRegistry
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -30,7 +31,7 @@ def ledger(client):
 
 def probe_passes(client, instance, now):
     """What a probe or heartbeat does: rewrite the worker's entry. It must not touch the ledger."""
-    Heartbeat(client, instance, "w@host", 10, lambda: {"engine_state": "ready"},
+    Heartbeat(WorkerRegistry(client), instance, "w@host", 10, lambda: {"engine_state": "ready"},
               clock=lambda: now).beat()
 
 
@@ -99,7 +100,7 @@ class Fleet:
 
 
 def register(client, instance, name, now):
-    Heartbeat(client, instance, name, 10, lambda: {}, clock=lambda: now).beat()
+    Heartbeat(WorkerRegistry(client), instance, name, 10, lambda: {}, clock=lambda: now).beat()
 
 
 def test_the_health_tick_stops_a_quarantined_worker_that_still_consumes(ledger, client):

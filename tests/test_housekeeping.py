@@ -72,7 +72,7 @@ def test_the_sweep_writes_celerys_own_results_in_one_pipeline_and_wakes_a_waitin
     waiter.start()
     key = app.backend.get_key_for_task("waited")
     # It waits subscribed to its result's channel: the PUBLISH is what must wake it.
-    wait_until(lambda: store.r.pubsub_numsub(key)[0][1] == 1, 10)
+    wait_until(lambda: store.raw.pubsub_numsub(key)[0][1] == 1, 10)
     assert sweep_deadlines(store, T0 + 2, app.backend) == 2
     waiter.join(timeout=20)
     assert seen["error"].startswith("deadline_exceeded: ")
@@ -80,7 +80,7 @@ def test_the_sweep_writes_celerys_own_results_in_one_pipeline_and_wakes_a_waitin
     assert r.state == "FAILURE"
     with pytest.raises(TerminalError, match="^deadline_exceeded: "):
         r.get(timeout=5)
-    ttl = store.r.ttl(app.backend.get_key_for_task("unwatched"))
+    ttl = store.raw.ttl(app.backend.get_key_for_task("unwatched"))
     assert 0 < ttl <= settings.result_ttl
     app.close()
 
@@ -93,7 +93,7 @@ def test_the_sweep_says_why_a_pool_was_unserved_only_for_that_pools_requests(sto
     req = parse_request({"model": UNSERVED_MODEL, "prompt": "x", "deadline_s": 1})
     assert store.create("unserved", record_fields(req, T0, 3600))
     add(store, "served", deadline_s=1)
-    set_unserved(store.r, UNSERVED_MODEL, "no worker has 9.0 GiB free", T0)
+    set_unserved(store.raw, UNSERVED_MODEL, "no worker has 9.0 GiB free", T0)
     told = Told()
     assert sweep_deadlines(store, T0 + 2, told) == 2
     errors = dict(told)
@@ -115,7 +115,7 @@ def test_a_running_request_past_its_deadline_leaves_its_workers_inflight_set(sto
     add(store, "stuck", deadline_s=1)
     assert store.begin("stuck", 0, "w", 7, T0, 3).action == "run"
     assert sweep_deadlines(store, T0 + 5, None) == 1
-    assert not store.r.sismember(keys.inflight(7), "stuck")
+    assert not store.raw.sismember(keys.inflight(7), "stuck")
     won, stored = store.finish("stuck", 7, T0 + 6, result={"text": "too late"})
     assert not won and stored.status == "FAILED"
 
@@ -153,8 +153,8 @@ from app.fleet.reaper import reap_workers  # noqa: E402
 
 
 def register(store, instance, name, last_seen):
-    store.r.hset(keys.worker(instance), mapping={"name": name, "last_seen": last_seen})
-    store.r.zadd(keys.WORKERS, {str(instance): last_seen})
+    store.raw.hset(keys.worker(instance), mapping={"name": name, "last_seen": last_seen})
+    store.raw.zadd(keys.WORKERS, {str(instance): last_seen})
 
 
 def run_on(store, instance, rid, now=T0, deadline_s=3600.0):
@@ -190,8 +190,8 @@ def test_a_silent_workers_requests_are_republished_under_a_new_dispatch(store):
         rec = store.get(rid)
         assert rec["status"] == "PENDING" and rec["dispatch"] == "1"
     assert store.get("c")["status"] == "RUNNING"
-    assert store.r.exists(keys.worker(1), keys.inflight(1)) == 0
-    assert store.r.zscore(keys.WORKERS, "1") is None and store.r.zscore(keys.WORKERS, "2")
+    assert store.raw.exists(keys.worker(1), keys.inflight(1)) == 0
+    assert store.raw.zscore(keys.WORKERS, "1") is None and store.raw.zscore(keys.WORKERS, "2")
 
 
 def test_celerys_own_copy_coming_back_later_is_dropped_and_the_requeue_runs(store):
@@ -221,7 +221,7 @@ def test_a_restarted_worker_with_the_same_name_gets_a_fresh_entry_and_the_old_on
     register(store, 3, "gpu0@h", T0 + 200)  # same hostname, new instance id
     report = reap(store, T0 + 201, Published())
     assert report == {"gpu0@h": (1, 0)}
-    assert store.r.exists(keys.worker(3)) and not store.r.exists(keys.worker(1))
+    assert store.raw.exists(keys.worker(3)) and not store.raw.exists(keys.worker(1))
 
 
 def test_two_reapers_at_once_requeue_each_request_once(store):
@@ -261,10 +261,10 @@ def test_a_request_waiting_on_a_retry_held_by_a_dead_worker_is_requeued(store):
 def test_beginning_a_request_takes_it_out_of_its_previous_holders_set(store):
     run_on(store, 1, "moved")
     store.release("moved", 1, 1, "engine_restarting: x")
-    assert store.r.sismember(keys.inflight(1), "moved")
+    assert store.raw.sismember(keys.inflight(1), "moved")
     assert store.begin("moved", 1, "w2", 2, T0, 3).action == "run"
-    assert not store.r.sismember(keys.inflight(1), "moved")
-    assert store.r.sismember(keys.inflight(2), "moved")
+    assert not store.raw.sismember(keys.inflight(1), "moved")
+    assert store.raw.sismember(keys.inflight(2), "moved")
 
 
 def test_a_message_received_but_not_begun_by_a_dead_worker_is_requeued(store):
@@ -278,7 +278,7 @@ def test_a_message_received_but_not_begun_by_a_dead_worker_is_requeued(store):
     assert published == [("held", 1, "tiny-llama")]
     store.hold("held", 5)
     assert store.begin("held", 0, "w", 5, T0, 3).action == "stale"
-    assert not store.r.sismember(keys.inflight(5), "held")
+    assert not store.raw.sismember(keys.inflight(5), "held")
 
 
 def test_a_heartbeat_landing_mid_reap_keeps_the_workers_entry_set_and_ledger(store):
@@ -291,7 +291,7 @@ def test_a_heartbeat_landing_mid_reap_keeps_the_workers_entry_set_and_ledger(sto
     register(store, 1, "slow@h", T0)
     run_on(store, 1, "a")
     run_on(store, 1, "b")
-    HealthLedger(store.r, window=3600, threshold=3).failure(1, T0, "timeout")
+    HealthLedger(store.raw, window=3600, threshold=3).failure(1, T0, "timeout")
 
     class HeartbeatDuringRepublish(Published):
         def __call__(self, rid, rec, dispatch):
@@ -302,7 +302,7 @@ def test_a_heartbeat_landing_mid_reap_keeps_the_workers_entry_set_and_ledger(sto
     assert reap(store, T0 + 500, published) == {}
     assert len(published) == 1
     kept = ({"a", "b"} - {published[0][0]}).pop()
-    assert store.r.exists(keys.worker(1)) and store.r.exists(keys.health(1))
+    assert store.raw.exists(keys.worker(1)) and store.raw.exists(keys.health(1))
     assert store.inflight_ids(1) == [kept] and store.get(kept)["status"] == "RUNNING"
     assert store.workers.last_seen(1) == T0 + 499
 

@@ -38,9 +38,9 @@ def test_a_jobs_queue_is_new_once_per_pool_and_the_default_job_has_none(store):
     assert submit(store, "a2", "eval-7") == CREATED
     assert submit(store, "a2", "eval-7") == EXISTS
     assert submit(store, "d1", DEFAULT_JOB) == CREATED
-    assert pool_queues(store.r, "tiny-llama") == ["vigil.pool.tiny-llama",
+    assert pool_queues(store.raw, "tiny-llama") == ["vigil.pool.tiny-llama",
                                                   "vigil.pool.tiny-llama.job.eval-7"]
-    [job] = [j for j in list_jobs(store.r) if j["name"] == "eval-7"]
+    [job] = [j for j in list_jobs(store.raw) if j["name"] == "eval-7"]
     assert job["pending"] == 2 and job["last_active"] == T0
 
 
@@ -52,8 +52,8 @@ def test_deleting_a_job_fails_its_open_requests_and_refuses_new_ones(store):
     for i in range(5):
         submit(store, f"j{i}", "doomed")
     store.finish("j0", 0, T0, result={"text": "done"})
-    store.r.lpush(queue_name("tiny-llama", "doomed"), "m1", "m2")
-    Heartbeat(store.r, 1, "w1@h", 10, lambda: {"pools": "tiny-llama"}).beat()
+    store.raw.lpush(queue_name("tiny-llama", "doomed"), "m1", "m2")
+    Heartbeat(store.workers, 1, "w1@h", 10, lambda: {"pools": "tiny-llama"}).beat()
     told, cancelled = Told(), []
     assert store.try_lock("job:doomed", "other", 60)
     assert end_job(store, "doomed", T0 + 1, "job 'doomed' was deleted", told,
@@ -65,18 +65,18 @@ def test_deleting_a_job_fails_its_open_requests_and_refuses_new_ones(store):
     assert n == 4 and sorted(r for r, _ in told) == ["j1", "j2", "j3", "j4"]
     assert all(e.startswith("job_deleted: ") for _, e in told)
     assert store.get("j1")["status"] == "FAILED" and store.get("j0")["status"] == "SUCCEEDED"
-    assert not store.r.exists(queue_name("tiny-llama", "doomed"))
+    assert not store.raw.exists(queue_name("tiny-llama", "doomed"))
     assert cancelled == [("vigil.pool.tiny-llama.job.doomed", ["w1@h"])]
-    assert pool_queues(store.r, "tiny-llama") == ["vigil.pool.tiny-llama"]
+    assert pool_queues(store.raw, "tiny-llama") == ["vigil.pool.tiny-llama"]
     assert submit(store, "late", "doomed") == JOB_DELETED and store.get("late") is None
-    assert not store.r.exists(keys.job_requests("doomed"))
+    assert not store.raw.exists(keys.job_requests("doomed"))
 
 
 def test_a_job_whose_lease_lapsed_is_abandoned_and_an_active_one_is_kept(store):
     submit(store, "o1", "old", now=T0)
     submit(store, "n1", "fresh", now=T0 + 3000)
     submit(store, "d1", DEFAULT_JOB, now=T0)
-    create_job(store.r, "short", lease_s=10, now=T0 + 3000)
+    create_job(store.raw, "short", lease_s=10, now=T0 + 3000)
     ended = []
 
     def end(name, reason):
@@ -93,8 +93,8 @@ def test_the_reconcile_adds_a_job_queue_a_worker_missed_and_skips_quarantined_on
 
     submit(store, "r1", "late-job")
     for inst, name in ((1, "ok@h"), (2, "sick@h")):
-        Heartbeat(store.r, inst, name, 10, lambda: {"pools": "tiny-llama"}).beat()
-    ledger = HealthLedger(store.r, window=3600, threshold=1)
+        Heartbeat(store.workers, inst, name, 10, lambda: {"pools": "tiny-llama"}).beat()
+    ledger = HealthLedger(store.raw, window=3600, threshold=1)
     ledger.failure(2, T0, "stall")
     have = {"ok@h": ["vigil.housekeeping", "vigil.pool.tiny-llama"],
             "sick@h": ["vigil.housekeeping", "vigil.pool.tiny-llama"]}

@@ -58,7 +58,7 @@ def test_deleting_a_job_ends_its_waiting_requests_with_job_deleted(warm_worker, 
     submit to the job is refused with job_deleted."""
     rs = [generate.delay(model=UNSERVED_MODEL, prompt=f"x{i}", job="doomed-e2e")
           for i in range(5)]
-    wait_for(lambda: store.r.llen(queue_name(UNSERVED_MODEL, "doomed-e2e")) == 5, 30,
+    wait_for(lambda: store.raw.llen(queue_name(UNSERVED_MODEL, "doomed-e2e")) == 5, 30,
              what="the job's requests to be queued")
     assert main(["job", "delete", "doomed-e2e"]) == 0
     for r in rs:

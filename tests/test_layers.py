@@ -198,7 +198,7 @@ def test_only_app_state_calls_the_redis_client(pkg):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in REDIS_CALLS
                     and isinstance(node.func.value, (ast.Name, ast.Attribute))
-                    and _name(node.func.value) in ("r", "client", "redis", "store.r", "rt.client",
+                    and _name(node.func.value) in ("r", "client", "redis", "store.raw", "rt.client",
                                                    "self.r", "self.client", "pipe")):
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node.func)}")
     assert not bad, "Redis calls outside app/state/:\n" + "\n".join(bad)
@@ -206,3 +206,20 @@ def test_only_app_state_calls_the_redis_client(pkg):
 
 def _name(node) -> str:
     return ast.unparse(node)
+
+
+@pytest.mark.parametrize("pkg", ["app", "workers", "tasks"])
+def test_only_app_state_reaches_a_stores_client_or_its_outage_policy(pkg):
+    """`x.r` (a state object's Redis client), `x.raw` (the store's client, for tests and
+    benches) and `x._call` (its outage policy) outside app/state/: code there goes through the
+    store's methods and views (app/state/views.py), so every read and write rides out an outage
+    the one way app/state/calls.py promises."""
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith(pkg) or m.startswith("app.state"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("r", "raw", "_call"):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "a store's client or outage policy reached from outside app/state/:\n" + \
+        "\n".join(bad)

@@ -107,7 +107,7 @@ def test_housekeeping_counts_runs_skips_and_the_requests_it_ends(settings):
     assert sweep_deadlines(store, time.time(), None) == 0
     create(store, "held")
     store.begin("held", 0, "dead@h", 9, time.time() - 300, 3)
-    store.r.zadd("vigil:workers", {"9": time.time() - 300})
+    store.raw.zadd("vigil:workers", {"9": time.time() - 300})
     republished = []
     reap_workers(store, time.time(), lambda rid, rec, disp: republished.append(rid),
                  None, reap_timeout=60, max_attempts=3)

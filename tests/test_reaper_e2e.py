@@ -46,7 +46,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         entry = victim.wait_engine()
         inst = entry["instance_id"]
         # A batch object first: its six lines are taken by both workers before the 32 come.
-        bs, now = BatchStore(store.r), time.time()
+        bs, now = BatchStore(store.raw), time.time()
         lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
                   "body": {"model": "tiny-llama", "prompt": f"a batch story {i}",
                            "max_tokens": 150, "ignore_eos": True}} for i in range(6)]
@@ -54,7 +54,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
                                 "reaper.jsonl", "batch", now, get_settings())
         bid = batches.create_batch(bs, f["id"], "/v1/completions", "24h", None, now,
                                    get_settings())["id"]
-        job = store.r.hget(keys.batch(bid), "job").decode()
+        job = store.raw.hget(keys.batch(bid), "job").decode()
         batch_ids = [fmt.request_id_for(job, x["custom_id"]) for x in lines]
         # Both workers consume the batch's queue before beat (and its batch tick) starts, so
         # its lines spread over them instead of going to whichever heard of the queue first.
@@ -80,7 +80,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
 
         wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
                  what="every request to be taken by a worker")
-        held = {x.decode() for x in store.r.smembers(keys.inflight(inst))}
+        held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
         assert held, "the victim took no request"
         batch_held = held & set(batch_ids)
         assert batch_held, "the victim took none of the batch's lines"
@@ -118,7 +118,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
               f"an uninterrupted run: token-identical")
         # The reaper, not the visibility timeout, brought them back.
         assert recovered_s < get_settings().visibility_timeout / 4
-        assert store.r.zscore(keys.WORKERS, inst) is None
+        assert store.raw.zscore(keys.WORKERS, inst) is None
         # The batch: completed, each line once, its killed lines run again on the survivor.
         done = wait_for(lambda: (b := batches.get_batch(bs, bid))["status"] in batches.ENDED
                         and b, 120, 0.2, "the batch to end")

@@ -29,7 +29,7 @@ def store(redis_db1_url):
 
 def worker(store, inst, name, pools, free_gib, model="", in_flight=0, configured=None, at=T0,
            ready=True):
-    hb = Heartbeat(store.r, inst, name, 10, lambda: {
+    hb = Heartbeat(store.workers, inst, name, 10, lambda: {
         "pools": ",".join(pools), "configured_pools": ",".join(configured or pools),
         "device_free_bytes": int(free_gib * GiB), "model": model, "in_flight": in_flight},
         clock=lambda: at)
@@ -47,13 +47,13 @@ def test_an_unserved_pool_gets_the_idlest_worker_that_fits_within_one_pass(store
     waiting work, then one pass assigns y to the idle one: it consumes y's queues."""
     worker(store, 1, "busy@h", ["x"], 8, model="x", in_flight=30)
     worker(store, 2, "idle@h", ["x"], 8, model="x")
-    store.r.lpush(queue_name("y", "default"), "m")
-    store.r.sadd("vigil:pooljobs:y", "eval")
+    store.raw.lpush(queue_name("y", "default"), "m")
+    store.raw.sadd("vigil:pooljobs:y", "eval")
     calls, control = control_log()
     done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
     assert done["assigned"] == [("y", "idle@h")]
     assert calls == [("idle@h", "vigil.pool.y", True), ("idle@h", "vigil.pool.y.job.eval", True)]
-    assert unserved_reason(store.r, "y") == ""
+    assert unserved_reason(store.raw, "y") == ""
 
 
 def test_a_worker_that_cannot_fit_the_model_is_never_chosen_and_the_reason_is_recorded(store):
@@ -61,15 +61,15 @@ def test_a_worker_that_cannot_fit_the_model_is_never_chosen_and_the_reason_is_re
     worker(store, 2, "gone@h", ["x"], 900, at=T0 - 1000)  # silent: not live
     worker(store, 3, "sick@h", ["x"], 900)
     worker(store, 4, "warming@h", ["x"], 900, ready=False)  # not started: cannot take orders
-    HealthLedger(store.r, window=3600, threshold=1).failure(3, T0, "stall")  # quarantined
-    store.r.lpush(queue_name("huge", "default"), "m")
+    HealthLedger(store.raw, window=3600, threshold=1).failure(3, T0, "stall")  # quarantined
+    store.raw.lpush(queue_name("huge", "default"), "m")
     calls, control = control_log()
     done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
     assert calls == [] and done["assigned"] == []
-    reason = unserved_reason(store.r, "huge")
+    reason = unserved_reason(store.raw, "huge")
     assert "needs 501.0 GiB free" in reason and done["unserved"]["huge"] == reason
     # x's worker holds x (2.5 GiB) and has 3 GiB free: y (5 GiB) fits once x is evicted
-    store.r.lpush(queue_name("y", "default"), "m")
+    store.raw.lpush(queue_name("y", "default"), "m")
     assert reconcile_pools(store, REG, T0 + 2, control, live_window=120)["assigned"] == [
         ("y", "small@h")]
 
@@ -78,15 +78,15 @@ def test_a_pool_grows_to_the_replicas_its_jobs_ask_for_and_lent_workers_go_back(
     worker(store, 1, "a@h", ["x"], 8, model="x")
     worker(store, 2, "b@h", ["y"], 8, model="y")
     worker(store, 3, "c@h", ["y"], 8, model="y")
-    store.r.sadd("vigil:pooljobs:x", "big")
-    store.r.hset("vigil:job:big", mapping={"replicas": 2})
-    store.r.lpush(queue_name("x", "big"), "m")
+    store.raw.sadd("vigil:pooljobs:x", "big")
+    store.raw.hset("vigil:job:big", mapping={"replicas": 2})
+    store.raw.lpush(queue_name("x", "big"), "m")
     calls, control = control_log()
     done = reconcile_pools(store, REG, T0 + 1, control, live_window=120)
     assert len(done["assigned"]) == 1 and done["assigned"][0][0] == "x"
     lent = done["assigned"][0][1]
     # the work is done and the lent worker's engine went back to y: it is released
-    store.r.delete(queue_name("x", "big"))
+    store.raw.delete(queue_name("x", "big"))
     worker(store, 2 if lent == "b@h" else 3, lent, ["x", "y"], 8, model="y", configured=["y"])
     calls.clear()
     done = reconcile_pools(store, REG, T0 + 2, control, live_window=120)
@@ -99,7 +99,7 @@ def test_at_most_reconcile_concurrency_pools_get_a_worker_per_pass(store):
                          for i in range(6)])
     for i in range(6):
         worker(store, 10 + i, f"w{i}@h", [], 8)
-        store.r.lpush(queue_name(f"p{i}", "default"), "m")
+        store.raw.lpush(queue_name(f"p{i}", "default"), "m")
     calls, control = control_log()
     done = reconcile_pools(store, reg, T0 + 1, control, live_window=120, concurrency=4)
     assert len(done["assigned"]) == 4 and len({w for _, w in done["assigned"]}) == 4

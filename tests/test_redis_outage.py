@@ -90,7 +90,7 @@ def test_a_workers_call_gives_up_redis_unavailable_after_the_grace(store, clock)
         store._call(down)
     assert e.value.code == REDIS_UNAVAILABLE
     assert sum(clock.slept) == pytest.approx(30.0) and max(clock.slept) == 2.0
-    producer = RequestStore(store.r, store.result_ttl)
+    producer = RequestStore(store.raw, store.result_ttl)
     with pytest.raises(TransientError):
         producer._call(down)
 
@@ -125,12 +125,12 @@ def test_a_copy_of_a_live_run_is_busy_not_run_twice(store):
     owner is dead (silent past the window), the copy runs."""
     now = time.time()
     create(store, "r1")
-    store.r.zadd(keys.WORKERS, {"11": now})
+    store.raw.zadd(keys.WORKERS, {"11": now})
     assert store.begin("r1", 0, "w1", 11, now, 3, live_window=30).action == "run"
     assert store.begin("r1", 0, "w1", 11, now, 3, live_window=30).action == "busy"
-    store.r.sadd(keys.inflight(22), "r1")  # task_received on the other worker
+    store.raw.sadd(keys.inflight(22), "r1")  # task_received on the other worker
     assert store.begin("r1", 0, "w2", 22, now, 3, live_window=30).action == "busy"
-    assert not store.r.sismember(keys.inflight(22), "r1")
+    assert not store.raw.sismember(keys.inflight(22), "r1")
     assert store.get("r1")["attempts"] == "1"
     b = store.begin("r1", 0, "w2", 22, now + 60, 3, live_window=30)
     assert b.action == "run" and b.attempts == 2
@@ -159,9 +159,9 @@ def test_after_a_restart_only_requests_whose_message_is_gone_are_published_again
     for rid in ("lost", "queued", "fetched", "held", "running"):
         create(store, rid, now=before)
     create(store, "after", now=time.time())
-    store.r.lpush("vigil.pool.tiny-llama", _message("queued"))
-    store.r.hset("unacked", "tag-1", json.dumps([json.loads(_message("fetched")), "", "x"]))
-    store.r.sadd(keys.inflight(7), "held")
+    store.raw.lpush("vigil.pool.tiny-llama", _message("queued"))
+    store.raw.hset("unacked", "tag-1", json.dumps([json.loads(_message("fetched")), "", "x"]))
+    store.raw.sadd(keys.inflight(7), "held")
     store.begin("running", 0, "w", 8, time.time(), 3)
     published = Published()
     try:
@@ -170,11 +170,11 @@ def test_after_a_restart_only_requests_whose_message_is_gone_are_published_again
         rec = store.get("lost")
         assert rec["status"] == "PENDING" and rec["dispatch"] == "1"
         assert rec["last_error"].startswith("redis_unavailable")
-        assert store.r.get(keys.REDIS_RUN_ID) is not None
+        assert store.raw.get(keys.REDIS_RUN_ID) is not None
         assert audit_after_restart(store, time.time(), published) is None
         assert len(published) == 2
     finally:
-        store.r.delete("vigil.pool.tiny-llama", "unacked")
+        store.raw.delete("vigil.pool.tiny-llama", "unacked")
 
 
 def test_the_reaper_counts_silence_only_from_when_redis_started(store):
@@ -182,8 +182,8 @@ def test_the_reaper_counts_silence_only_from_when_redis_started(store):
     5 s ago (no heartbeat could land before), then the reaper leaves it; counted from an old
     start, it is reaped."""
     now = time.time()
-    store.r.hset(keys.worker(1), mapping={"name": "w@h", "last_seen": now - 600})
-    store.r.zadd(keys.WORKERS, {"1": now - 600})
+    store.raw.hset(keys.worker(1), mapping={"name": "w@h", "last_seen": now - 600})
+    store.raw.zadd(keys.WORKERS, {"1": now - 600})
     published, failed = Published(), Told()
     args = dict(reap_timeout=120, max_attempts=3)
     assert reap_workers(store, now, published, failed,
@@ -241,11 +241,13 @@ class FlakyClient:
 def test_the_heartbeat_calls_back_when_redis_returns_or_restarted():
     """Given a heartbeat, when its writes fail and then succeed again, and later Redis' run_id
     changes without a failed write, then it calls on_redis_back once for each."""
+    from app.state.registry import WorkerRegistry
     from workers.heartbeat import Heartbeat
 
     calls = []
     client = FlakyClient()
-    hb = Heartbeat(client, 1, "w", 0.01, dict, on_redis_back=lambda: calls.append(1))
+    hb = Heartbeat(WorkerRegistry(client), 1, "w", 0.01, dict,
+                   on_redis_back=lambda: calls.append(1))
     hb.start()
     try:
         wait_until(lambda: hb._run_id == "a")
@@ -286,9 +288,9 @@ def test_after_a_reap_a_message_the_dead_consumer_took_is_published_again(store)
     in-flight set), when the reaper reaps it, then that request is published again under its
     next dispatch; a request submitted a moment ago (between record and publish) is left."""
     now = time.time()
-    store.r.hset(keys.worker(5), mapping={"name": "dead@h", "last_seen": now - 600,
+    store.raw.hset(keys.worker(5), mapping={"name": "dead@h", "last_seen": now - 600,
                                           "pools": "tiny-llama"})
-    store.r.zadd(keys.WORKERS, {"5": now - 600})
+    store.raw.zadd(keys.WORKERS, {"5": now - 600})
     create(store, "taken", now=now - 30)
     create(store, "just-submitted", now=now - 1)
     published = Published()

@@ -27,9 +27,9 @@ def store(settings):
 
 
 def register(store, instance, name, last_seen, has_pinged):
-    store.r.hset(keys.worker(instance), mapping={"name": name, "last_seen": last_seen,
+    store.raw.hset(keys.worker(instance), mapping={"name": name, "last_seen": last_seen,
                                                  "has_pinged": has_pinged})
-    store.r.zadd(keys.WORKERS, {str(instance): last_seen})
+    store.raw.zadd(keys.WORKERS, {str(instance): last_seen})
 
 
 def run_on(store, instance, rid, now=T0):
@@ -46,7 +46,7 @@ def reap(store, now, published=None, **kw):
 
 
 def heartbeat(store, instance, name, clock):
-    return Heartbeat(store.r, instance, name, 10.0, lambda: {"in_flight": 0}, clock=clock)
+    return Heartbeat(store.workers, instance, name, 10.0, lambda: {"in_flight": 0}, clock=clock)
 
 
 def test_a_worker_that_never_pinged_is_reaped_on_the_grace_and_a_pinged_one_on_the_timeout(store):
@@ -62,10 +62,10 @@ def test_a_worker_that_never_pinged_is_reaped_on_the_grace_and_a_pinged_one_on_t
     assert reap(store, T0 + TIMEOUT + 1, published) == {"ready@h": (1, 0)}
     assert published == [("a", 1)]
     assert reap(store, T0 + GRACE - 1, published) == {}
-    assert store.r.exists(keys.worker(2)) and store.get("b")["status"] == "RUNNING"
+    assert store.raw.exists(keys.worker(2)) and store.get("b")["status"] == "RUNNING"
     assert reap(store, T0 + GRACE + 1, published) == {"warming@h": (1, 0)}
     assert published == [("a", 1), ("b", 1)]
-    assert store.r.zcard(keys.WORKERS) == 0 and not store.r.exists(keys.worker(2))
+    assert store.raw.zcard(keys.WORKERS) == 0 and not store.raw.exists(keys.worker(2))
 
 
 def test_workers_in_their_grace_do_not_hide_a_dead_ready_worker_behind_them(store):
@@ -76,7 +76,7 @@ def test_workers_in_their_grace_do_not_hide_a_dead_ready_worker_behind_them(stor
         register(store, 100 + i, f"warming{i}@h", T0 - 100, 0)
     register(store, 1, "dead@h", T0, 1)
     assert reap(store, T0 + TIMEOUT + 1, chunk=100) == {"dead@h": (0, 0)}
-    assert store.r.zcard(keys.WORKERS) == 250
+    assert store.raw.zcard(keys.WORKERS) == 250
 
 
 def test_the_heartbeat_says_has_pinged_only_once_the_worker_is_ready(store):
@@ -86,13 +86,13 @@ def test_the_heartbeat_says_has_pinged_only_once_the_worker_is_ready(store):
     now = [T0]
     hb = heartbeat(store, 7, "w@h", lambda: now[0])
     hb.beat()
-    assert store.r.hget(keys.worker(7), "has_pinged") == b"0"
+    assert store.raw.hget(keys.worker(7), "has_pinged") == b"0"
     now[0] = T0 + 1
     hb.mark_ready()
-    assert store.r.hget(keys.worker(7), "has_pinged") == b"1"
-    assert store.r.zscore(keys.WORKERS, "7") == T0 + 1
+    assert store.raw.hget(keys.worker(7), "has_pinged") == b"1"
+    assert store.raw.zscore(keys.WORKERS, "7") == T0 + 1
     hb.beat()
-    assert store.r.hget(keys.worker(7), "has_pinged") == b"1"
+    assert store.raw.hget(keys.worker(7), "has_pinged") == b"1"
 
 
 def test_a_worker_restarted_with_the_same_name_gets_a_fresh_entry_and_the_dead_one_is_reaped(
@@ -111,11 +111,11 @@ def test_a_worker_restarted_with_the_same_name_gets_a_fresh_entry_and_the_dead_o
     new = heartbeat(store, 2, "gpu0@h", lambda: now[0])
     new.beat()
     assert reap(store, T0 + 201) == {"gpu0@h": (1, 0)}
-    assert not store.r.exists(keys.worker(1), keys.inflight(1))
-    entry = {k.decode(): v.decode() for k, v in store.r.hgetall(keys.worker(2)).items()}
+    assert not store.raw.exists(keys.worker(1), keys.inflight(1))
+    entry = {k.decode(): v.decode() for k, v in store.raw.hgetall(keys.worker(2)).items()}
     assert entry["name"] == "gpu0@h" and entry["instance_id"] == "2"
     assert float(entry["started_at"]) == T0 + 200 and entry["has_pinged"] == "0"
-    assert store.r.zrange(keys.WORKERS, 0, -1) == [b"2"]
+    assert store.raw.zrange(keys.WORKERS, 0, -1) == [b"2"]
 
 
 def test_the_registration_grace_is_validated_against_the_reap_timeout():

@@ -25,6 +25,7 @@ from app.state.broker import position as queue_position
 from app.state.conn import connect
 from app.state.health import HealthLedger
 from app.state.store import RequestStore
+from app.state.registry import WorkerRegistry
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -48,13 +49,13 @@ def publish(app, rid):
 
 
 def worker(client, instance, name, pools="tiny-llama"):
-    Heartbeat(client, instance, name, 10, lambda: {"pools": pools, "in_flight": 0,
+    Heartbeat(WorkerRegistry(client), instance, name, 10, lambda: {"pools": pools, "in_flight": 0,
                                                    "model": "tiny-llama",
                                                    "engine_state": "ready"}).beat()
 
 
 def view(store, settings, rid, **kw):
-    return why_waiting(rid, client=store.r, settings=settings, registry=get_registry(), **kw)
+    return why_waiting(rid, store=store, settings=settings, registry=get_registry(), **kw)
 
 
 def test_a_queued_request_with_no_worker_says_so_and_gives_its_place_in_the_queue(
@@ -78,8 +79,8 @@ def test_a_queued_request_with_no_worker_says_so_and_gives_its_place_in_the_queu
 def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, celery_app):
     """Given the only worker serving tiny-llama quarantined by three failures, then a queued
     request says every worker serving its pool is quarantined."""
-    worker(store.r, 7, "sick@h")
-    ledger = HealthLedger(store.r, window=3600, threshold=3)
+    worker(store.raw, 7, "sick@h")
+    ledger = HealthLedger(store.raw, window=3600, threshold=3)
     for i in range(3):
         ledger.failure(7, time.time() + i, "stall: no progress")
     create(store, "r1")
@@ -91,7 +92,7 @@ def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, cel
 
 
 def test_a_served_pool_gives_only_the_queue_position(store, settings, celery_app):
-    worker(store.r, 5, "ok@h")
+    worker(store.raw, 5, "ok@h")
     create(store, "r1")
     publish(celery_app, "r1")
     w = view(store, settings, "r1")
@@ -100,7 +101,7 @@ def test_a_served_pool_gives_only_the_queue_position(store, settings, celery_app
 
 
 def test_a_running_request_names_its_worker_start_and_attempt(store, settings):
-    worker(store.r, 5, "ok@h")
+    worker(store.raw, 5, "ok@h")
     create(store, "r1")
     started = time.time()
     assert store.begin("r1", 0, "ok@h", 5, started, settings.max_attempts).action == "run"
@@ -116,7 +117,7 @@ def test_a_request_released_for_a_retry_names_the_worker_holding_it(store, setti
     """Given a request whose first attempt ended wedged and was released for a retry by ok@h
     (which keeps it in its in-flight set until someone begins it), then it waits for attempt 2,
     its message with ok@h; it is not reported missing from the queue."""
-    worker(store.r, 5, "ok@h")
+    worker(store.raw, 5, "ok@h")
     create(store, "r1")
     store.begin("r1", 0, "ok@h", 5, time.time(), settings.max_attempts)
     assert store.release("r1", 5, 1, "wedged: no answer in 600 s")
@@ -129,7 +130,7 @@ def test_a_request_released_for_a_retry_names_the_worker_holding_it(store, setti
 
 
 def test_a_request_neither_queued_nor_held_and_past_its_deadline(store, settings):
-    worker(store.r, 5, "ok@h")
+    worker(store.raw, 5, "ok@h")
     create(store, "r1", now=time.time() - 4000)  # deadline 3600 s after creation: passed
     w = view(store, settings, "r1")
     assert w["reasons"][0].startswith(f"not in queue {QUEUE} and held by no worker")
@@ -144,11 +145,11 @@ def test_the_queue_scan_is_chunked_bounded_and_matches_the_header_id_only(store)
     msgs[1]["body"] = "target"  # decoy: mentions the id, is not it
     msgs[4] = {"headers": {"id": "target"}, "body": ""}
     for m in msgs:  # m0 published first: it is delivered first
-        store.r.lpush("q", json.dumps(m))
-    assert queue_position(store.r, "q", "target", limit=SCAN_LIMIT, chunk=2) == (5, 7)
-    assert queue_position(store.r, "q", "target", limit=4, chunk=2) == (None, 7)
-    assert queue_position(store.r, "q", "nobody", limit=SCAN_LIMIT, chunk=3) == (None, 7)
-    assert queue_position(store.r, "empty", "target", limit=SCAN_LIMIT) == (None, 0)
+        store.raw.lpush("q", json.dumps(m))
+    assert queue_position(store.raw, "q", "target", limit=SCAN_LIMIT, chunk=2) == (5, 7)
+    assert queue_position(store.raw, "q", "target", limit=4, chunk=2) == (None, 7)
+    assert queue_position(store.raw, "q", "nobody", limit=SCAN_LIMIT, chunk=3) == (None, 7)
+    assert queue_position(store.raw, "empty", "target", limit=SCAN_LIMIT) == (None, 0)
     assert SCAN_LIMIT == 10_000
 
 
@@ -169,7 +170,7 @@ def test_describe_shows_history_and_result_summary_without_the_text_unless_asked
                                           "finish_reason": "length", "prompt_tokens": 3,
                                           "completion_tokens": 2, "attempts": 2,
                                           "worker": "b@h"})
-    v = describe("r1", client=store.r, settings=settings, registry=get_registry())
+    v = describe("r1", client=store.raw, settings=settings, registry=get_registry())
     assert v["status"] == "SUCCEEDED" and v["job"] == "eval-7" and v["waiting"] is None
     assert [(h["worker"], h["outcome"], h["error"]) for h in v["history"]] == [
         ("a@h", "retry", "engine_restarting"), ("b@h", "succeeded", None)]
@@ -177,7 +178,7 @@ def test_describe_shows_history_and_result_summary_without_the_text_unless_asked
                            "completion_tokens": 2, "attempts": 2, "worker": "b@h",
                            "text_chars": 12}
     assert "secret" not in json.dumps(v) and "hello" not in json.dumps(v)  # nor the prompt
-    shown = describe("r1", client=store.r, settings=settings, registry=get_registry(),
+    shown = describe("r1", client=store.raw, settings=settings, registry=get_registry(),
                      show_text=True)
     assert shown["result"]["text"] == "secret words" and shown["result"]["token_ids"] == [1, 2]
 
@@ -186,7 +187,7 @@ def test_describe_shows_the_error_code_of_a_failed_request(store, settings):
     create(store, "r1")
     store.finish("r1", 0, time.time(), error_kind="RequestError",
                  error="prompt_too_long: 700 tokens > 512")
-    v = describe("r1", client=store.r, settings=settings, registry=get_registry())
+    v = describe("r1", client=store.raw, settings=settings, registry=get_registry())
     assert v["error"] == {"kind": "RequestError", "code": "prompt_too_long",
                           "message": "prompt_too_long: 700 tokens > 512"}
 
@@ -231,7 +232,7 @@ def test_vigil_request_command_json_and_not_found(store, settings, celery_app):
                              env=vigil_env(url), capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and json.loads(missing.stdout) == {"request_id": "nope",
                                                                       "found": False}
-    assert store.r.exists(keys.request("r1"))  # read-only
+    assert store.raw.exists(keys.request("r1"))  # read-only
 
 
 def test_a_request_of_a_job_is_found_in_its_jobs_queue(store, settings, celery_app):

@@ -40,11 +40,11 @@ def orphan(store, rid):
 def test_a_record_left_without_a_message_is_published_by_its_resubmit(
         store, settings, celery_app):
     orphan(store, "lost-1")
-    assert store.r.llen(QUEUE) == 0
+    assert store.raw.llen(QUEUE) == 0
     submit(store, settings, celery_app, "lost-1")
-    assert store.r.llen(QUEUE) == 1
+    assert store.raw.llen(QUEUE) == 1
     submit(store, settings, celery_app, "lost-1")  # its message is queued now: nothing more
-    assert store.r.llen(QUEUE) == 1
+    assert store.raw.llen(QUEUE) == 1
     assert store.get("lost-1")["dispatch"] == "0"
 
 
@@ -53,20 +53,20 @@ def test_a_resubmit_publishes_nothing_while_a_worker_holds_or_has_fetched_the_me
     orphan(store, "held")
     store.hold("held", 42)  # a worker's consumer received it
     submit(store, settings, celery_app, "held")
-    assert store.r.llen(QUEUE) == 0
+    assert store.raw.llen(QUEUE) == 0
     submit(store, settings, celery_app, "fetched")  # a first submit: record and message
-    raw = store.r.rpop(QUEUE)  # a consumer fetched it: kombu keeps it in its unacked hash
-    store.r.hset("unacked", "tag-1", b"[" + raw + b', "", "' + QUEUE.encode() + b'"]')
+    raw = store.raw.rpop(QUEUE)  # a consumer fetched it: kombu keeps it in its unacked hash
+    store.raw.hset("unacked", "tag-1", b"[" + raw + b', "", "' + QUEUE.encode() + b'"]')
     submit(store, settings, celery_app, "fetched")
-    assert store.r.llen(QUEUE) == 0
+    assert store.raw.llen(QUEUE) == 0
 
 
 def test_a_request_that_began_is_never_republished_by_a_resubmit(store, settings, celery_app):
     orphan(store, "begun")
     assert store.begin("begun", 0, "w@h", 7, time.time(), 3).action == "run"
-    store.r.srem("vigil:inflight:7", "begun")  # even with no holder recorded
+    store.raw.srem("vigil:inflight:7", "begun")  # even with no holder recorded
     submit(store, settings, celery_app, "begun")
-    assert store.r.llen(QUEUE) == 0
+    assert store.raw.llen(QUEUE) == 0
 
 
 def test_the_periodic_audit_publishes_an_orphan_nobody_resubmits_and_nothing_else(

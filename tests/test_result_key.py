@@ -43,12 +43,12 @@ def test_a_won_finish_writes_celerys_result_key_as_celery_would(store, celery_ap
     assert celery_app.AsyncResult("r1").get(timeout=5) == RESULT
 
     backend.store_result("celery-wrote-this", RESULT, states.SUCCESS)
-    ours = json.loads(store.r.get(rk.key))
-    celerys = json.loads(store.r.get(backend.get_key_for_task("celery-wrote-this")))
+    ours = json.loads(store.raw.get(rk.key))
+    celerys = json.loads(store.raw.get(backend.get_key_for_task("celery-wrote-this")))
     assert ours.pop("task_id") == "r1" and celerys.pop("task_id") == "celery-wrote-this"
     assert ours.pop("date_done") and celerys.pop("date_done")
     assert ours == celerys
-    assert 0 < store.r.ttl(rk.key) <= backend.expires
+    assert 0 < store.raw.ttl(rk.key) <= backend.expires
 
 
 def test_a_lost_or_failed_finish_leaves_the_result_key_to_celery(store, celery_app):
@@ -62,13 +62,13 @@ def test_a_lost_or_failed_finish_leaves_the_result_key_to_celery(store, celery_a
     rk = result_key_for(backend, "r1")
     won, stored = end_request(store, "r1", result={"text": "late"}, instance=12, result_key=rk)
     assert not won and not rk.written and stored.result == RESULT
-    assert store.r.get(rk.key) is None
+    assert store.raw.get(rk.key) is None
 
     create(store, "r2")
     rk = result_key_for(backend, "r2")
     won, _ = end_request(store, "r2", error=TerminalError.of("deadline_exceeded", "late"),
                          result_key=rk)
-    assert won and not rk.written and store.r.get(rk.key) is None
+    assert won and not rk.written and store.raw.get(rk.key) is None
 
 
 def test_only_celerys_redis_backend_gets_its_key_written_by_a_finish(celery_app):

@@ -15,6 +15,7 @@ from app.redis_url import redacted_url
 from app.requests.models import get_registry
 from app.settings import load_settings
 from app.state.health import HealthLedger
+from app.state.registry import WorkerRegistry
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis
@@ -28,8 +29,8 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     s = load_settings(redis_url=redis_db1_url)
     reg = get_registry()
     for inst, name in ((1, "ok@h"), (2, "sick@h")):
-        Heartbeat(client, inst, name, 10, lambda: {"pools": "tiny-llama", "in_flight": 0,
-                                                   "model": "tiny-llama"}).beat()
+        Heartbeat(WorkerRegistry(client), inst, name, 10,
+                  lambda: {"pools": "tiny-llama", "in_flight": 0, "model": "tiny-llama"}).beat()
     ledger = HealthLedger(client, window=3600, threshold=3)
     for i in range(3):
         ledger.failure(2, 1000.0 + i, "stall: no progress")
@@ -43,7 +44,7 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     client.lpush("vigil.pool.tiny-llama.job.eval-3", json.dumps({"headers": {"id": "old-one"}}))
     client.lpush("vigil.pool.tiny-llama", "m1")
     client.rpush("vigil.pool.unserved-model", "m3")
-    snap = collect(client, s, reg, now=1100.0)
+    snap = collect(store, s, reg, now=1100.0)
     by_name = {w["name"]: w for w in snap["workers"]}
     assert by_name["ok@h"]["state"] == "HEALTHY"
     assert by_name["sick@h"]["state"] == "QUARANTINED" and by_name["sick@h"]["streak"] == 3

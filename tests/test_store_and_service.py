@@ -46,7 +46,7 @@ def test_begin_claims_once_and_counts_attempts(store):
     assert b.action == "run" and b.attempts == 1
     rec = store.get("r1")
     assert rec["status"] == "RUNNING" and rec["instance"] == "11"
-    assert store.r.sismember(keys.inflight(11), "r1")
+    assert store.raw.sismember(keys.inflight(11), "r1")
 
 
 def test_a_terminal_record_answers_a_duplicate_delivery_with_the_stored_outcome(store):
@@ -57,8 +57,8 @@ def test_a_terminal_record_answers_a_duplicate_delivery_with_the_stored_outcome(
     b = store.begin("r1", 0, "w2", 22, time.time(), 3)
     assert b.action == "done" and b.outcome.result == {"text": "x"}
     assert store.stats()["duplicate_deliveries"] == 1
-    assert not store.r.sismember(keys.inflight(11), "r1")
-    assert 0 < store.r.ttl(keys.request("r1")) <= store.result_ttl
+    assert not store.raw.sismember(keys.inflight(11), "r1")
+    assert 0 < store.raw.ttl(keys.request("r1")) <= store.result_ttl
 
 
 def test_the_first_result_wins_and_later_writers_are_counted(store):
@@ -210,7 +210,7 @@ def test_a_retry_avoids_the_worker_it_failed_on_while_another_healthy_one_serves
         serve(a, "avoid-a", 1, KW)
     rec = a.store.get("avoid-a")
     assert (rec["status"], rec["attempts"]) == ("PENDING", "1")
-    assert not a.store.r.sismember(keys.inflight(a.instance_id), "avoid-a")
+    assert not a.store.raw.sismember(keys.inflight(a.instance_id), "avoid-a")
     assert serve(b, "avoid-a", 1, KW)["attempts"] == 2
     assert [h["instance"] for h in a.store.history("avoid-a")] == [str(a.instance_id),
                                                                     str(b.instance_id)]

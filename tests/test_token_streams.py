@@ -51,7 +51,7 @@ def test_only_the_running_claim_appends_and_only_where_the_stream_ends(store):
     written (once, even when sent again), a gap is refused (off sequence), another claim is
     fenced, and after the finish nothing is written at all."""
     token = running(store, "r1")
-    ts = TokenStreams(store.r)
+    ts = TokenStreams(store.raw)
     first = chunk("r1", token, 0, [1, 2], "ab", prompt_ids=[7, 8])
     assert ts.append_many([first]) == [APPENDED]
     assert ts.append_many([first]) == [APPENDED]  # a pipeline sent again: not written twice
@@ -66,7 +66,7 @@ def test_only_the_running_claim_appends_and_only_where_the_stream_ends(store):
     assert ts.append_many([chunk("r1", token, 3, [4], "d")]) == [FENCED]
     entries = ts.entries("r1")
     assert entries[-1].end == "SUCCEEDED" and len(entries) == 3
-    assert 0 < store.r.ttl(keys.stream("r1")) <= store.result_ttl
+    assert 0 < store.raw.ttl(keys.stream("r1")) <= store.result_ttl
 
 
 @pytest.mark.redis
@@ -74,7 +74,7 @@ def test_a_new_claim_learns_where_the_stream_ends_from_begin(store):
     """The next attempt's begin says how many tokens the stream holds (its resume point), and
     only its own claim writes from there on."""
     token = running(store, "b1")
-    ts = TokenStreams(store.r)
+    ts = TokenStreams(store.raw)
     ts.append_many([chunk("b1", token, 0, [1, 2, 3], "abc", prompt_ids=[5])])
     assert store.requeue("b1", 11, 1)
     b = store.begin("b1", 1, "w2", 22, time.time(), 3)
@@ -87,23 +87,23 @@ def test_a_new_claim_learns_where_the_stream_ends_from_begin(store):
 def test_a_request_that_never_streamed_gets_no_stream_at_its_finish(store):
     running(store, "r2")
     store.finish("r2", 11, time.time(), result={"text": "x"})
-    assert not store.r.exists(keys.stream("r2"))
+    assert not store.raw.exists(keys.stream("r2"))
 
 
 @pytest.mark.redis
 def test_the_deadline_sweep_ends_a_stream_too(store):
     token = running(store, "r3")
-    TokenStreams(store.r).append_many([chunk("r3", token, 0, [1], "a", prompt_ids=[5])])
+    TokenStreams(store.raw).append_many([chunk("r3", token, 0, [1], "a", prompt_ids=[5])])
     store.finish_failed_many(["r3"], "deadline_exceeded: late", "TerminalError", time.time())
-    assert TokenStreams(store.r).entries("r3")[-1].end == "FAILED"
-    assert store.r.ttl(keys.stream("r3")) > 0
+    assert TokenStreams(store.raw).entries("r3")[-1].end == "FAILED"
+    assert store.raw.ttl(keys.stream("r3")) > 0
 
 
 @pytest.mark.redis
 def test_a_restarted_stream_begins_again_at_token_0(store):
     """A refused resume's first chunk resets the stream: the checkpoint starts there."""
     token = running(store, "r4")
-    ts = TokenStreams(store.r)
+    ts = TokenStreams(store.raw)
     ts.append_many([chunk("r4", token, 0, [1, 2], "ab", prompt_ids=[5])])
     reset = chunk("r4", token, 0, [9], "z", reset=True, prompt_ids=[5], generation=1)
     assert ts.append_many([reset]) == [APPENDED]
@@ -119,9 +119,9 @@ def test_the_appends_survive_a_lost_script_cache(store):
     """Redis restarted (SCRIPT FLUSH stands in for its empty script cache): the next flush
     loads the script again instead of failing."""
     token = running(store, "r5")
-    ts = TokenStreams(store.r)
+    ts = TokenStreams(store.raw)
     ts.append_many([chunk("r5", token, 0, [1], "a", prompt_ids=[5])])
-    store.r.script_flush()
+    store.raw.script_flush()
     assert ts.append_many([chunk("r5", token, 1, [2], "b")]) == [APPENDED]
 
 
@@ -163,7 +163,7 @@ def open_tap(sink, store, rid, prompt=(1,)):
 def test_one_flush_writes_every_request_in_one_round_trip(store, monkeypatch):
     """Given 20 running requests with unwritten tokens, a flush writes a chunk for each, and
     sends to Redis once (one pipeline: one round trip for all of them)."""
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
     taps = [open_tap(sink, store, f"f{i}", (1, 2, 3)) for i in range(20)]
     for t in taps:
         t.add([10, 11], "xy")
@@ -174,13 +174,13 @@ def test_one_flush_writes_every_request_in_one_round_trip(store, monkeypatch):
     assert sink.flush(force=True) == 20
     assert trips.sends == 1
     for i in range(20):
-        cp = TokenStreams(store.r).checkpoint(f"f{i}")
+        cp = TokenStreams(store.raw).checkpoint(f"f{i}")
         assert cp.token_ids == [10, 11, 12] and cp.text == "xyz" and cp.prompt_ids == [1, 2, 3]
 
 
 @pytest.mark.redis
 def test_a_chunk_is_due_by_size_or_by_time_whichever_first(store):
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=4)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=4)
     tap = open_tap(sink, store, "d1")
     tap.add([5, 6], "ab")
     assert tap.take_chunk(time.monotonic(), 0.2, 4) is None  # 2 tokens, just now
@@ -194,7 +194,7 @@ def test_a_chunk_is_due_by_size_or_by_time_whichever_first(store):
 @pytest.mark.redis
 def test_one_chunk_of_a_tap_is_in_flight_at_a_time(store):
     """A hand-back's flush and the flusher thread never send the same tokens twice."""
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
     tap = open_tap(sink, store, "i1")
     tap.add([5, 6], "ab")
     c = tap.take_chunk(0, 0.2, 64, force=True)
@@ -208,7 +208,7 @@ def test_one_chunk_of_a_tap_is_in_flight_at_a_time(store):
 
 @pytest.mark.redis
 def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
     tap = open_tap(sink, store, "p1")
     tap.add([5, 6], "ab", [1, 1])
     c = tap.take_chunk(0, 0.2, 64, force=True)
@@ -224,7 +224,7 @@ def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
 def test_a_reply_from_before_a_restart_is_ignored(store):
     """A chunk of the old run in flight while the tap restarts its stream: its reply must not
     make the new run's tokens follow the old ones."""
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
     tap = open_tap(sink, store, "g1")
     tap.add([5, 6], "ab")
     old = tap.take_chunk(0, 0.2, 64, force=True)
@@ -239,7 +239,7 @@ def test_a_reply_from_before_a_restart_is_ignored(store):
 
 @pytest.mark.redis
 def test_a_fenced_tap_writes_nothing_more(store):
-    sink = StreamSink(TokenStreams(store.r), flush_ms=200, chunk_tokens=64)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
     running(store, "x1")
     tap = sink.open("x1", "not-the-running-claim", 1, "tiny-llama", None)
     tap.set_prompt([1])
@@ -253,7 +253,7 @@ def test_a_fenced_tap_writes_nothing_more(store):
 def test_every_flush_interval_writes_all_that_is_pending(store):
     """Tokens that came just after a write go at the next interval, not the one after; an early
     wake (a full chunk) writes only what is due."""
-    sink = StreamSink(TokenStreams(store.r), flush_ms=300, chunk_tokens=4)
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=300, chunk_tokens=4)
     small, full = open_tap(sink, store, "t1"), open_tap(sink, store, "t2")
     small.add([5], "a")
     full.add([5, 6, 7, 8], "abcd")
@@ -265,7 +265,7 @@ def test_every_flush_interval_writes_all_that_is_pending(store):
 
 @pytest.mark.redis
 def test_the_flusher_thread_writes_on_its_own(store):
-    sink = StreamSink(TokenStreams(store.r), flush_ms=20, chunk_tokens=64).start()
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=20, chunk_tokens=64).start()
     try:
         tap = open_tap(sink, store, "t3")
         tap.add([5, 6, 7], "abc")
@@ -298,7 +298,7 @@ def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store)
     """A refusal is written by the time its attempt closes, even if the run streamed nothing:
     a reader must not take the old tokens for the start of the new result."""
     token = running(store, "z1")
-    ts = TokenStreams(store.r)
+    ts = TokenStreams(store.raw)
     ts.append_many([chunk("z1", token, 0, [1, 2], "ab", prompt_ids=[5])])
     store.requeue("z1", 11, 1)
     b = store.begin("z1", 1, "w2", 22, time.time(), 3)

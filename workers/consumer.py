@@ -14,8 +14,9 @@ queue as the worker stops, so the next worker to take it dies too: one raw `LPUS
   `invalid_request: malformed message: ...`, so a waiting `r.get()` raises it. Anything
   Celery's own handling still raises for one message is treated the same way; connection errors
   are not (Celery reconnects).
-- `guard_transport` makes kombu's Redis channel drop a queue entry that is not a kombu message
-  envelope at all (not JSON, not a mapping) instead of raising out of the event loop.
+- Vigil's kombu channel (app/state/transport.py, the one place kombu's channel is changed) drops
+  a queue entry that is not a kombu message envelope at all (not JSON, not a mapping) instead of
+  raising out of the event loop.
 
 Content types other than JSON never reach the task: Celery refuses them (accept_content) and
 drops the message unexecuted (`Received invalid task message: Refusing to deserialize untrusted
@@ -25,9 +26,7 @@ from __future__ import annotations
 
 import logging
 
-import redis
 from celery.worker.consumer import Consumer
-from kombu.transport import redis as kredis
 from vine import promise
 
 from app.errors import INVALID_REQUEST, RequestError
@@ -92,9 +91,6 @@ def _end_request(request_id: str, why: str) -> None:
 class VigilConsumer(Consumer):
     """Celery's consumer with the message guard in front of its task handler (module doc)."""
 
-    def __init__(self, *args, **kwargs):
-        guard_transport()
-        super().__init__(*args, **kwargs)
 
     def create_task_handler(self, promise=promise):
         """Celery's handler, behind `malformed` and a drop of what it still cannot handle."""
@@ -126,53 +122,3 @@ class VigilConsumer(Consumer):
                 _end_request(rid, why)
             except Exception as e:  # Redis gone: nothing waits on a raw push but its sender
                 log.warning("could not record the end of %.80r: %s", rid, e)
-
-
-def guard_transport() -> None:
-    """Make kombu's Redis channel drop a queue entry that is not a message envelope (not JSON,
-    not a mapping) with an ERROR log, instead of raising out of the worker's event loop. The
-    entry was already popped (BRPOP) and never became a message, so nothing is lost but it.
-    Idempotent."""
-    original = kredis.Channel._brpop_read
-    if getattr(original, "vigil_guarded", False):
-        return
-
-    def _brpop_read(self, **options):
-        try:
-            return original(self, **options)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            # Raised decoding the envelope or building the Message from it; the consumer guard
-            # above handles everything that got as far as a message.
-            log.error("dropped a queue entry that is not a kombu message: %s: %s",
-                      type(exc).__name__, str(exc)[:200])
-            return True
-
-    _brpop_read.vigil_guarded = True
-    kredis.Channel._brpop_read = _brpop_read
-    guard_detached_channels(kredis)
-
-
-def guard_detached_channels(kredis) -> None:
-    """Make a kombu Redis channel whose connection is already closed raise a connection error,
-    which kombu and Celery handle, instead of AttributeError, which stops the worker.
-
-    On a Redis restart Celery closes the lost connection (its transport's `client` becomes
-    None), but the channel is still asked for a client twice: by its close, to restore its
-    unacked messages, and by every task that finishes afterwards, to ack its message. Both went
-    through `_connparams` to `None.hostname`, and the AttributeError escaped as an
-    "Unrecoverable error": the worker exited (measured, Celery 5.7 / kombu 5.7, in
-    tests/test_redis_restart_e2e.py). Now the restore and the ack fail like any write to a lost
-    connection: the messages stay in kombu's unacked hash, a copy of a request still running is
-    dropped as busy when it comes back (app/state/lua.py BEGIN), and what the worker no longer
-    holds it hands back when Redis returns (WorkerRuntime.reclaim_orphans). Idempotent."""
-    original = kredis.Channel._connparams
-    if getattr(original, "vigil_guarded", False):
-        return
-
-    def _connparams(self, asynchronous=False):
-        if self.connection.client is None:
-            raise redis.ConnectionError("the broker connection of this channel was closed")
-        return original(self, asynchronous=asynchronous)
-
-    _connparams.vigil_guarded = True
-    kredis.Channel._connparams = _connparams

@@ -20,7 +20,6 @@ from typing import Callable
 import redis
 
 from app.errors import TransientError, WorkerFatalError
-from app.state.conn import server_run_id
 from app.state.registry import WorkerRegistry
 
 log = logging.getLogger("vigil.heartbeat")
@@ -30,15 +29,14 @@ MIN_GAP_S = 0.2
 class Heartbeat:
     """Publishes `fields()` for one worker instance until stopped."""
 
-    def __init__(self, client: redis.Redis, instance_id: int, name: str, interval: float,
+    def __init__(self, registry: WorkerRegistry, instance_id: int, name: str, interval: float,
                  fields: Callable[[], dict], clock: Callable[[], float] = time.time,
                  on_redis_back: Callable[[], None] | None = None,
                  after_beat: Callable[[], None] | None = None):
         """`on_redis_back` runs (in its own thread) after a write succeeds following a failed
         one, or when Redis' run_id changed since the last write: Redis was away or restarted.
         `after_beat` runs on the heartbeat thread after every write (its errors are logged)."""
-        self.r = client
-        self.registry = WorkerRegistry(client)
+        self.registry = registry
         self.instance_id = instance_id
         self.name = name
         self.interval = interval
@@ -115,7 +113,7 @@ class Heartbeat:
             log.warning("after the heartbeat: %s", e)
 
     def _watch_redis(self) -> None:
-        run_id = server_run_id(self.r)
+        run_id = self.registry.server_run_id()
         restarted = self._run_id is not None and run_id != self._run_id
         back = self._failed or restarted
         self._run_id, self._failed = run_id, False

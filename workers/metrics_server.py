@@ -21,8 +21,6 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from app.metrics import REGISTRY
-from app.state import broker
-from app.state.queues import pool_queues
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -107,8 +105,8 @@ class WorkerCollector:
     def _redis_state(self):
         rt = self.rt
         try:
-            queues = [(p, q) for p in rt.registry.names() for q in pool_queues(rt.client, p)]
-            depths = broker.depths(rt.client, [q for _, q in queues])
+            queues = [(p, q) for p in rt.registry.names() for q in rt.store.pool_queues(p)]
+            depths = rt.store.broker.depths([q for _, q in queues])
             held = rt.store.held_count(rt.instance_id)
         except Exception as e:  # a scrape must still return the local metrics
             log.warning("metrics: cannot read queue depths from Redis: %s", e)

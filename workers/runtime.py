@@ -116,7 +116,7 @@ class WorkerRuntime:
                               canary_spec=self.canary_spec, leave=self.held.leave),
             on_change=lambda: self.heartbeat.poke(), canary_timeout=settings.request_timeout,
             max_canary_failures=settings.max_canary_failures)
-        self.heartbeat = Heartbeat(self.client, self.instance_id, name,
+        self.heartbeat = Heartbeat(WorkerRegistry(self.client), self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields,
                                    on_redis_back=self.held.reclaim_orphans,
                                    after_beat=self.held.abort_ended)

@@ -31,7 +31,6 @@ from app.fleet.batches import (CANCELLED, CANCELLING, COMPLETED, EXPIRED, FAILED
                                IN_PROGRESS, MAX_LISTED_ERRORS, READ_CHUNK, VALIDATING)
 from app.requests import batch_file as fmt
 from app.settings import VigilSettings
-from app.state import jobs as job_state
 from app.state.batches import BatchStore
 from app.state.store import RequestStore
 
@@ -93,7 +92,7 @@ class BatchDriver:
                 return self._end_early(b, now, EXPIRED, BATCH_EXPIRED,
                                        f"batch {batch_id} expired: its completion window "
                                        f"({b['completion_window']}) ran out")
-            job_state.touch(self.store.r, b["job"], now)  # its lease: beat is polling it
+            self.store.jobs.touch(b["job"], now)  # its lease: beat is polling it
             self._collect(b, now)
             self._submit_more(b, now)
             b = self.bs.get(batch_id) or b

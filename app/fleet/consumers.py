@@ -15,7 +15,7 @@ from typing import Callable
 from app import metrics
 from app.fleet.timed_lock import timed_lock
 from app.state.health import QUARANTINED, RESTARTING, HealthLedger
-from app.state.queues import is_pool_queue, pool_queues
+from app.state.queues import is_pool_queue
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.housekeeping")
@@ -80,7 +80,7 @@ def ensure_job_consumers(store: RequestStore, pools: list[str], active_queues: A
         added = 0
         workers = store.workers.entries()
         for pool in pools:
-            wanted = pool_queues(store.r, pool)
+            wanted = store.pool_queues(pool)
             if len(wanted) == 1:
                 continue  # no job queues: the pool's own queue is on every worker's -Q
             for name in [w.name for w in workers if w.name and pool in w.pools

@@ -37,8 +37,8 @@ def move_foreign_messages(store: RequestStore, queues: list[str],
     moved = 0
     for queue in queues:
         for key in broker.queue_lists(queue):
-            for raw in store._call(broker.messages_of_task, store.r, key, GENERATE, limit=limit):
-                if store._call(broker.move_message, store.r, key, HOUSEKEEPING_QUEUE, raw):
+            for raw in store.broker.messages_of_task(key, GENERATE, limit=limit):
+                if store.broker.move_message(key, HOUSEKEEPING_QUEUE, raw):
                     moved += 1
     if moved:
         log.warning("moved %d vigil.generate message(s) sent without a Vigil queue from %s to "

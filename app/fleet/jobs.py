@@ -36,8 +36,6 @@ from app.errors import JOB_DELETED, TerminalError, TransientError
 from app.fleet.outcomes import Backend, end_request
 from app.requests.models import get_registry
 from app.settings import get_settings
-from app.state import broker
-from app.state import jobs as job_state
 from app.state.queues import DEFAULT_JOB, job_queue_name
 from app.state.store import RequestStore
 
@@ -62,15 +60,14 @@ def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Ba
     messages) in `pools`, and tell their workers to stop consuming them. Under the job's lock;
     returns how many requests it failed, or -1 when another process is ending the job right
     now."""
-    client = store.r
     with store.locked(JOB_LOCK.format(name), lock_ttl_s) as held:
         if not held:
             return -1
         failed = 0
-        job_state.tombstone(client, name, now, reason, tombstone_s)
+        store.jobs.tombstone(name, now, reason, tombstone_s)
         err = TerminalError.of(code, reason)
         while True:
-            ids = job_state.open_request_ids(client, name, CHUNK)
+            ids = store.jobs.open_request_ids(name, CHUNK)
             if not ids:
                 break
             if abort is not None:
@@ -84,12 +81,12 @@ def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Ba
                 except TransientError as e:
                     log.warning("ending job %s stopped early: %s", name, e)
                     return failed
-                job_state.forget_request(client, name, rid)  # a record that expired meanwhile
+                store.jobs.forget_request(name, rid)  # a record that expired meanwhile
                 failed += won
         for pool in pools:
-            if job_state.leave_pool(client, pool, name):
+            if store.jobs.leave_pool(pool, name):
                 names = store.workers.serving(pool)
-                broker.delete_queue(client, job_queue_name(pool, name))
+                store.broker.delete_queue(job_queue_name(pool, name))
                 try:
                     cancel(job_queue_name(pool, name), names)
                 except Exception as e:  # the queue is empty and gone; a consumer is harmless
@@ -107,7 +104,7 @@ def expire_jobs(store, now: float, default_lease_s: float, end: Callable[[str, s
         if not held:
             return 0
         ended = 0
-        for name, last in job_state.lapsed_jobs(store.r, now, default_lease_s):
+        for name, last in store.jobs.lapsed(now, default_lease_s):
             if name == DEFAULT_JOB:
                 continue
             if end(name, f"job {name!r} abandoned: no submit or poll for "

@@ -35,8 +35,7 @@ import logging
 import time
 from typing import Callable
 
-from app.state import broker, keys
-from app.state.queues import pool_queues
+from app.state import keys
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.message_audit")
@@ -54,9 +53,9 @@ Republish = Callable[[str, dict, int], None]
 
 def queued_ids(store: RequestStore, pools: list[str] | None = None) -> set[str]:
     """Request ids with a message waiting in a queue of `pools` (every pool queue if None)."""
-    queues = (broker.all_pool_queues(store.r) if pools is None
-              else [q for p in pools for q in pool_queues(store.r, p)])
-    return store._call(broker.queued_ids, store.r, queues)
+    queues = (store.broker.all_pool_queues() if pools is None
+              else [q for p in pools for q in store.pool_queues(p)])
+    return store.broker.queued_ids(queues)
 
 
 def republish_lost(store: RequestStore, now: float, republish: Republish, *,

@@ -27,10 +27,7 @@ import logging
 from typing import Callable
 
 from app.requests.models import ModelRegistry
-from app.state import broker
-from app.state import jobs as job_state
 from app.state.health import HEALTHY, SUSPECT
-from app.state.queues import pool_queues
 from app.state.registry import WorkerEntry
 
 log = logging.getLogger("vigil.reconcile")
@@ -63,19 +60,19 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
     # its consumer is up, an add_consumer sent to it is lost.
     workers = [w for w in store.workers.entries()
                if w.live(now, live_window) and w.has_pinged and w.name]
-    waiting = {p: sum(broker.depths(store.r, pool_queues(store.r, p)))
+    waiting = {p: sum(store.broker.depths(store.pool_queues(p)))
                for p in registry.names()}
     done: dict = {"assigned": [], "unserved": {}, "released": []}
     for pool in registry.names():
         if len(done["assigned"]) >= concurrency:
             break
         if not waiting[pool]:
-            job_state.clear_unserved(store.r, pool)
+            store.jobs.clear_unserved(pool)
             continue
         serving = [w for w in workers if pool in w.pools and w.health_state in (HEALTHY, SUSPECT)]
-        want = job_state.replicas_wanted(store.r, pool)
+        want = store.jobs.replicas_wanted(pool)
         if len(serving) >= want:
-            job_state.clear_unserved(store.r, pool)
+            store.jobs.clear_unserved(pool)
             continue
         candidates = [w for w in workers if pool not in w.pools and w.health_state == HEALTHY
                       and fits(w, registry, pool)]
@@ -85,22 +82,22 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                       f"{need_bytes(registry, pool) / GiB:.1f} GiB free, the most any worker "
                       f"reports is {best / GiB:.1f} GiB" if workers else
                       f"pool {pool}: no live worker at all")
-            job_state.set_unserved(store.r, pool, reason, now)
+            store.jobs.set_unserved(pool, reason, now)
             done["unserved"][pool] = reason
             continue
         for w in sorted(candidates, key=lambda w: (sum(waiting.get(p, 0) for p in w.pools),
                                                    w.in_flight, w.name))[:want - len(serving)]:
-            for q in pool_queues(store.r, pool):
+            for q in store.pool_queues(pool):
                 control(w.name, q, True)
             w.pools.append(pool)
             done["assigned"].append((pool, w.name))
             log.warning("reconcile: pool %s had %d waiting and no worker; assigned %s",
                         pool, waiting[pool], w.name)
-        job_state.clear_unserved(store.r, pool)
+        store.jobs.clear_unserved(pool)
     for w in workers:  # lent workers go back when their borrowed pool is idle
         for pool in [p for p in w.pools if p not in w.configured_pools]:
             if not waiting.get(pool) and w.model != pool:
-                for q in pool_queues(store.r, pool):
+                for q in store.pool_queues(pool):
                     control(w.name, q, False)
                 done["released"].append((pool, w.name))
     return done

@@ -9,27 +9,21 @@ from __future__ import annotations
 
 import time
 
-import redis
-
 from app.redis_url import redacted_url
 from app.requests.models import ModelRegistry
 from app.settings import VigilSettings
-from app.state import broker
-from app.state.health import HEALTHY, SUSPECT, HealthLedger
-from app.state.jobs import list_jobs, unserved_reason
-from app.state.queues import pool_queues
-from app.state.registry import WorkerRegistry
+from app.state.health import HEALTHY, SUSPECT
 from app.state.store import RequestStore
 
 
-def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistry,
+def collect(store: RequestStore, settings: VigilSettings, registry: ModelRegistry,
             now: float | None = None) -> dict:
-    """A snapshot of workers and pools (plain data, JSON-ready)."""
+    """A snapshot of workers and pools (plain data, JSON-ready), read through `store`."""
     now = time.time() if now is None else now
-    ledger = HealthLedger(client, window=settings.failure_window,
-                          threshold=settings.failure_threshold)
+    ledger = store.health_ledger(window=settings.failure_window,
+                                 threshold=settings.failure_threshold)
     workers = []
-    for e in WorkerRegistry(client).entries():
+    for e in store.workers.entries():
         h = ledger.read(e.instance)
         workers.append({
             "name": e.name or "?", "instance_id": e.instance, "state": h.state,
@@ -44,11 +38,11 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
     for name in registry.names():
         serving = [w for w in workers if w["live"] and name in w["pools"]]
         healthy = [w for w in serving if w["state"] in (HEALTHY, SUSPECT)]
-        queues = pool_queues(client, name)
-        pending = sum(broker.depths(client, queues))
-        oldest = oldest_waiting_age(client, queues, now)
+        queues = store.pool_queues(name)
+        pending = sum(store.broker.depths(queues))
+        oldest = oldest_waiting_age(store, queues, now)
         running = sum(w["in_flight"] for w in serving if w["model"] == name)
-        why = unserved_reason(client, name)
+        why = store.jobs.unserved_reason(name)
         if not serving:
             why = why or "no live worker serves it"
         elif not healthy:
@@ -57,14 +51,13 @@ def collect(client: redis.Redis, settings: VigilSettings, registry: ModelRegistr
                       "oldest_waiting_s": oldest,
                       "workers": [w["name"] for w in healthy], "why_unserved": why})
     return {"redis": redacted_url(settings.redis_url), "at": now, "workers": workers,
-            "pools": pools, "jobs": list_jobs(client)}
+            "pools": pools, "jobs": store.jobs.list()}
 
 
-def oldest_waiting_age(client: redis.Redis, queues: list[str], now: float) -> float | None:
+def oldest_waiting_age(store: RequestStore, queues: list[str], now: float) -> float | None:
     """Seconds the oldest message waiting in `queues` has waited since its request was
     submitted (kombu pushes on the left and pops on the right: the oldest is at index -1);
     None when nothing waits."""
-    store = RequestStore(client, 1)
-    ages = [now - c for c in map(store.created_at, broker.next_ids(client, queues))
+    ages = [now - c for c in map(store.created_at, store.broker.next_ids(queues))
             if c is not None]
     return round(max(ages), 1) if ages else None

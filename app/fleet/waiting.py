@@ -18,13 +18,11 @@ import datetime as dt
 import time
 from typing import Any
 
-import redis
-
 from app.errors import error_from_record
 from app.fleet.snapshot import collect
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
-from app.state import broker, keys
+from app.state import keys
 from app.state.conn import connect
 from app.state.health import QUARANTINED, RESTARTING
 from app.state.queues import DEFAULT_JOB, job_queue_name
@@ -54,7 +52,7 @@ def error_code(message: str) -> str:
     return error_from_record("", message).code if message else ""
 
 
-def why_waiting(request_id: str, *, client: redis.Redis | None = None,
+def why_waiting(request_id: str, *, store: RequestStore | None = None,
                 settings: VigilSettings | None = None, registry: ModelRegistry | None = None,
                 now: float | None = None) -> dict[str, Any] | None:
     """Why a request has no outcome yet, as plain JSON-ready data; None when it has ended or has
@@ -65,26 +63,26 @@ def why_waiting(request_id: str, *, client: redis.Redis | None = None,
     delivered; None when not found within SCAN_LIMIT or running), "held_by" (worker names whose
     in-flight set holds it), "worker" and "running_since" (RUNNING only), "attempts",
     "max_attempts", "last_error", "deadline_at", "pool_workers" (healthy live workers serving
-    the pool), "why_unserved"}. Defaults: this process's settings, registry and Redis client.
+    the pool), "why_unserved"}. Defaults: this process's settings, registry and store.
     Costs a few Redis round trips per worker and pool plus a bounded queue scan: fine for a
     person or a poll every few seconds, not for a tight loop over thousands of requests.
     """
-    if client is None:
-        client = shared_store().r if settings is None else connect(settings)
+    if store is None:
+        store = (shared_store() if settings is None
+                 else RequestStore(connect(settings), settings.result_ttl))
     settings = settings or get_settings()
     registry = registry or get_registry()
-    store = RequestStore(client, settings.result_ttl)
     rec = store.get(request_id)
     if rec is None or rec.get("status") in keys.TERMINAL:
         return None
-    return waiting_for(request_id, rec, client, settings, registry,
+    return waiting_for(request_id, rec, store, settings, registry,
                     time.time() if now is None else now)
 
 
-def waiting_for(request_id: str, rec: dict, client: redis.Redis, settings: VigilSettings,
+def waiting_for(request_id: str, rec: dict, store: RequestStore, settings: VigilSettings,
              registry: ModelRegistry, now: float) -> dict[str, Any]:
     """Why the open request `rec` waits (why_waiting's dict), from one fleet snapshot."""
-    snap = collect(client, settings, registry, now)
+    snap = collect(store, settings, registry, now)
     pool = rec.get("pool") or rec.get("model", "")
     queue = job_queue_name(pool, rec.get("job") or DEFAULT_JOB)
     status = rec.get("status", keys.PENDING)
@@ -125,7 +123,7 @@ def waiting_for(request_id: str, rec: dict, client: redis.Redis, settings: Vigil
                            "(VIGIL_MODELS_FILE differs?)")
         elif pool_state["why_unserved"]:
             reasons.append(f"pool {pool}: {pool_state['why_unserved']}")
-        held = set(RequestStore(client, settings.result_ttl).holders(request_id, list(by_instance)))
+        held = set(store.holders(request_id, list(by_instance)))
         holders = [w for w in snap["workers"] if w["instance_id"] in held]
         out["held_by"] = [w["name"] for w in holders]
         if last_error:
@@ -141,7 +139,7 @@ def waiting_for(request_id: str, rec: dict, client: redis.Redis, settings: Vigil
             else:
                 reasons.append(f"its message is with worker {w['name']} (received, not begun: "
                                "a retry's countdown, or waiting for a free task thread)")
-        position, length = broker.position(client, queue, request_id, limit=SCAN_LIMIT)
+        position, length = store.broker.position(queue, request_id, limit=SCAN_LIMIT)
         out.update(queue_length=length, position=position)
         if position is not None:
             reasons.append(f"position ~{position} of {length} in queue {queue}")

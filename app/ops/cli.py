@@ -40,7 +40,6 @@ from app.ops.status import run_status
 from app.requests.engine_defaults import worker_concurrency
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
-from app.state import jobs as job_state
 from app.state.batches import BatchStore
 from app.state.conn import connect, preflight
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues, pool_queue
@@ -269,13 +268,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_job(args: argparse.Namespace) -> int:
-    client = connect(get_settings())
+    store = RequestStore(connect(get_settings()), get_settings().result_ttl)
     try:
         if args.job_cmd == "create":
-            job_state.create_job(client, args.name, replicas=args.replicas, lease_s=args.lease)
+            store.jobs.create(args.name, replicas=args.replicas, lease_s=args.lease)
             print(f"job {args.name} ready")
         elif args.job_cmd == "list":
-            rows = job_state.list_jobs(client)
+            rows = store.jobs.list()
             if args.json:
                 print(json.dumps(rows))
             else:
@@ -283,7 +282,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
                     print(f"{r['name']:<32} pending {r['pending']:>7}  replicas {r['replicas']}"
                           f"  last active {time.time() - r['last_active']:.0f} s ago")
         else:
-            n = jobs.delete_job(_store(client), shared_app().vigil_ports, args.name,
+            n = jobs.delete_job(store, shared_app().vigil_ports, args.name,
                                 f"job {args.name!r} was deleted")
             if n < 0:
                 print(f"vigil job: job {args.name} is being ended by someone else",
@@ -294,10 +293,6 @@ def _cmd_job(args: argparse.Namespace) -> int:
         print(f"vigil job: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def _store(client):
-    return RequestStore(client, get_settings().result_ttl)
 
 
 def _cmd_model(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
         out["error"] = {"kind": rec.get("error_kind", ""), "code": error_code(message),
                         "message": message}
     else:
-        out["waiting"] = waiting_for(request_id, rec, client, settings, registry, now)
+        out["waiting"] = waiting_for(request_id, rec, store, settings, registry, now)
         cp = TokenStreams(client).checkpoint(request_id) if out["tokens_so_far"] else None
         if cp is not None:
             out["resumed_at"] = cp.resumed_at

@@ -18,11 +18,13 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from app.errors import TransientError
 from app.fleet.snapshot import collect
 from app.redis_url import redacted_url
 from app.requests.models import get_registry
 from app.settings import get_settings
 from app.state.conn import connect
+from app.state.store import RequestStore
 
 GiB = 1 << 30
 
@@ -102,21 +104,22 @@ def run_status(as_json: bool = False, watch: float | None = None, wide: bool = F
     """Print the fleet once (or every `watch` seconds; `wide`: every column); 0 on success, 1 if
     Redis is unreachable."""
     s = get_settings()
-    client = connect(s)
+    store = RequestStore(connect(s), s.result_ttl)
     reg = get_registry()
     console = Console()
     try:
         if as_json:
-            print(json.dumps(collect(client, s, reg)))
+            print(json.dumps(collect(store, s, reg)))
             return 0
         if not watch:
-            console.print(render(collect(client, s, reg), wide))
+            console.print(render(collect(store, s, reg), wide))
             return 0
-        with Live(render(collect(client, s, reg), wide), console=console, auto_refresh=False) as live:
+        with Live(render(collect(store, s, reg), wide), console=console,
+                  auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(render(collect(client, s, reg), wide), refresh=True)
-    except redis.RedisError as e:
+                live.update(render(collect(store, s, reg), wide), refresh=True)
+    except (redis.RedisError, TransientError) as e:  # the store's calls raise TransientError
         console.print(f"[red]cannot reach Redis at {redacted_url(s.redis_url)}: "
                       f"{type(e).__name__}[/]")
         return 1

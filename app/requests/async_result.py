@@ -171,8 +171,7 @@ class VigilAsyncResult(AsyncResult):
 
 def _socket_timeout(streams) -> float:
     """The read timeout of the streams' Redis client (a blocking read must end before it)."""
-    kwargs = getattr(getattr(streams.r, "connection_pool", None), "connection_kwargs", {})
-    return float(kwargs.get("socket_timeout") or 2 * STREAM_BLOCK_S)
+    return streams.socket_timeout(2 * STREAM_BLOCK_S)
 
 
 def _renew_lease(store: RequestStore, job: str) -> None:
@@ -184,7 +183,7 @@ def _renew_lease(store: RequestStore, job: str) -> None:
         if now - _touched.get(job, -LEASE_TOUCH_S) < LEASE_TOUCH_S:
             return
         _touched[job] = now
-    store.touch_job(job)
+    store.jobs.touch(job)
 
 
 class _Cursor:

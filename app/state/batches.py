@@ -16,35 +16,11 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls, decoded
+from app.state.lua import BATCH_RECORD
 
 # Lines are written and read in chunks of this many (one round trip each).
 CHUNK = 1000
 
-# Record each finished line once: HSETNX on the line number in the `done` hash decides; the
-# winner appends the output line, counts it and drops the line from the in-flight hash.
-# KEYS: batch, done, out, err, inflight. ARGV: n1, kind1 ('o'|'e'), line1, request_id1, ...
-# Returns how many lines this call recorded (a line already recorded is skipped: a tick that
-# ran twice, or a reply lost and the script run again, records nothing twice).
-_RECORD = """
-local recorded = 0
-for i = 1, #ARGV, 4 do
-  local n, kind, line, rid = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  if redis.call('HSETNX', KEYS[2], n, kind) == 1 then
-    if kind == 'o' then
-      redis.call('RPUSH', KEYS[3], line)
-      redis.call('HINCRBY', KEYS[1], 'completed', 1)
-      redis.call('HINCRBY', KEYS[1], 'output_bytes', string.len(line))
-    else
-      redis.call('RPUSH', KEYS[4], line)
-      redis.call('HINCRBY', KEYS[1], 'failed', 1)
-      redis.call('HINCRBY', KEYS[1], 'error_bytes', string.len(line))
-    end
-    recorded = recorded + 1
-  end
-  if rid ~= '' then redis.call('HDEL', KEYS[5], rid) end
-end
-return recorded
-"""
 
 
 class BatchStore:
@@ -53,7 +29,7 @@ class BatchStore:
     def __init__(self, client: redis.Redis, calls: Calls | None = None):
         self.r = client
         self._call = calls or Calls(client)
-        self._record = client.register_script(_RECORD)
+        self._record = client.register_script(BATCH_RECORD)
 
     # -- files -----------------------------------------------------------------------------
     def put_file(self, file_id: str, meta: dict, lines: list[bytes], ttl_s: float) -> None:

@@ -15,7 +15,6 @@ import json
 
 import redis
 
-from app.state.lua import MOVE_MESSAGE
 from app.state.queues import POOL_QUEUE_GLOB
 
 # kombu's Redis transport: messages delivered and not yet acked.
@@ -70,12 +69,6 @@ def messages_of_task(client: redis.Redis, list_key: str, task: str, *, limit: in
             break
         start += chunk
     return found
-
-
-def move_message(client: redis.Redis, src: str, dst: str, raw: bytes) -> bool:
-    """Move one message, byte for byte, from list `src` to queue `dst` in one step (Lua:
-    MOVE_MESSAGE); False when it was no longer in `src` (a consumer or another scan took it)."""
-    return bool(client.register_script(MOVE_MESSAGE)(keys=[src, dst], args=[raw]))
 
 
 def depths(client: redis.Redis, queues: list[str]) -> list[int]:

@@ -27,6 +27,7 @@ import redis
 
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.state import keys
+from app.state.lua import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
 
 HEALTHY = "HEALTHY"
 SUSPECT = "SUSPECT"
@@ -37,63 +38,8 @@ STATES = (HEALTHY, SUSPECT, QUARANTINED, RESTARTING)
 # crash); the reaper and a clean stop delete it.
 LEDGER_TTL_S = 7 * 86400
 
-# KEYS[1] ledger. ARGV: now, reason, window, threshold, ttl.
-# -> {state, streak, became_quarantined (0/1)}
-_FAILURE = """
-local now = tonumber(ARGV[1])
-local raw = redis.call('HGET', KEYS[1], 'failures')
-local kept = {}
-if raw then
-  for _, t in ipairs(cjson.decode(raw)) do
-    if t > now - tonumber(ARGV[3]) then kept[#kept + 1] = t end
-  end
-end
-kept[#kept + 1] = now
-while #kept > 64 do table.remove(kept, 1) end
-local state = redis.call('HGET', KEYS[1], 'state') or 'HEALTHY'
-local became = 0
-if state == 'HEALTHY' or state == 'SUSPECT' then
-  if #kept >= tonumber(ARGV[4]) then
-    state = 'QUARANTINED'
-    became = 1
-    redis.call('HINCRBY', KEYS[1], 'quarantines', 1)
-  else
-    state = 'SUSPECT'
-  end
-end
-redis.call('HSET', KEYS[1], 'state', state, 'failures', cjson.encode(kept), 'streak', #kept,
-           'last_failure_at', ARGV[1], 'last_failure_reason', ARGV[2], 'updated_at', ARGV[1])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
-return {state, #kept, became}
-"""
 
-# KEYS[1] ledger. ARGV: now, ttl. A completed generation: the streak is over. Only in HEALTHY or
-# SUSPECT: a quarantined worker returns through its canary alone. -> state
-_SUCCESS = """
-local state = redis.call('HGET', KEYS[1], 'state') or 'HEALTHY'
-if state == 'HEALTHY' or state == 'SUSPECT' then
-  state = 'HEALTHY'
-  redis.call('HSET', KEYS[1], 'state', state, 'failures', '[]', 'streak', 0,
-             'last_success_at', ARGV[1], 'updated_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
-end
-return state
-"""
 
-# KEYS[1] ledger. ARGV: now, ok (1/0), reason, ttl. -> {state, canary_failures}
-_CANARY = """
-if ARGV[2] == '1' then
-  redis.call('HSET', KEYS[1], 'state', 'HEALTHY', 'failures', '[]', 'streak', 0,
-             'canary_failures', 0, 'last_success_at', ARGV[1], 'updated_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-  return {'HEALTHY', 0}
-end
-local n = redis.call('HINCRBY', KEYS[1], 'canary_failures', 1)
-redis.call('HSET', KEYS[1], 'state', 'QUARANTINED', 'last_failure_at', ARGV[1],
-           'last_failure_reason', ARGV[3], 'updated_at', ARGV[1])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-return {'QUARANTINED', n}
-"""
 
 
 @dataclass(frozen=True)
@@ -117,9 +63,9 @@ class HealthLedger:
         self.r = client
         self.window = window
         self.threshold = threshold
-        self._failure = client.register_script(_FAILURE)
-        self._success = client.register_script(_SUCCESS)
-        self._canary = client.register_script(_CANARY)
+        self._failure = client.register_script(HEALTH_FAILURE)
+        self._success = client.register_script(HEALTH_SUCCESS)
+        self._canary = client.register_script(HEALTH_CANARY)
 
     def _call(self, fn, *a, **kw):
         try:

@@ -15,18 +15,10 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls, decoded
+from app.state.conn import server_run_id
 from app.state.health import HEALTHY
+from app.state.lua import DROP_WORKER_IF_UNCHANGED
 
-# KEYS[1] vigil:workers, KEYS[2] the entry, KEYS[3] its in-flight set, KEYS[4] its ledger.
-# ARGV: instance, the last_seen the caller read. Drops the worker only if its last_seen is still
-# that one: a heartbeat (or a finish) that landed since means it is alive. -> 1 dropped, 0 kept.
-_DROP_IF_UNCHANGED = """
-local seen = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if seen and tonumber(seen) ~= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-redis.call('ZREM', KEYS[1], ARGV[1])
-return 1
-"""
 
 
 def _split(text: str) -> list[str]:
@@ -92,6 +84,12 @@ class WorkerRegistry:
     def __init__(self, client: redis.Redis, calls: Calls | None = None):
         self.r = client
         self._call = calls or Calls(client)
+        self._drop_script = None  # registered on the first drop (the reaper's)
+
+    def server_run_id(self) -> str:
+        """The running Redis server's run_id (a new one at every start): how the heartbeat sees
+        a restart. TransientError(redis_unavailable) when Redis cannot be reached."""
+        return self._call(server_run_id, self.r)
 
     # -- the one reader ------------------------------------------------------------------------
     def entries(self) -> list[WorkerEntry]:
@@ -166,10 +164,15 @@ class WorkerRegistry:
         `last_seen` is still `last_seen`, atomically; False when a heartbeat landed since (it is
         alive: it keeps all three)."""
         return bool(self._call(
-            self.r.register_script(_DROP_IF_UNCHANGED),
+            self._drop_if_unchanged(),
             keys=[keys.WORKERS, keys.worker(instance), keys.inflight(instance),
                   keys.health(instance)],
             args=[str(instance), repr(float(last_seen))]))
+
+    def _drop_if_unchanged(self):
+        if self._drop_script is None:
+            self._drop_script = self.r.register_script(DROP_WORKER_IF_UNCHANGED)
+        return self._drop_script
 
     def drop(self, instance: int | str) -> None:
         """Remove a worker instance: its entry, its in-flight set and its health ledger (a clean

@@ -36,4 +36,16 @@ def set_and_publish_many(client: redis.Redis, items: list[tuple[bytes | str, byt
     args: list = [int(expires_s or 0)]
     for key, value in items:
         args += [key, value]
-    return int(client.register_script(SET_AND_PUBLISH_MANY)(keys=[], args=args))
+    return int(_set_and_publish_many(client)(keys=[], args=args, client=client))
+
+
+_script: "redis.commands.core.Script | None" = None
+
+
+def _set_and_publish_many(client: redis.Redis):
+    """SET_AND_PUBLISH_MANY, registered once per process (its SHA computed once) and run on
+    whichever client the caller passes."""
+    global _script
+    if _script is None:
+        _script = client.register_script(SET_AND_PUBLISH_MANY)
+    return _script

@@ -16,11 +16,14 @@ import redis
 
 from app.settings import get_settings
 from app.state import broker, jobs, keys
+from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect, server_run
+from app.state.health import HealthLedger
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
+from app.state.views import BrokerView, JobsView
 from app.state.results import ResultKey
 
 # RequestStore.create outcomes
@@ -83,12 +86,15 @@ class RequestStore:
                  clock=time.monotonic, sleep=time.sleep):
         """`outage_grace` > 0 (workers): a call that cannot reach Redis is retried with backoff
         for up to that many seconds (a Redis restart, a failover) before it raises."""
-        self.r = client
+        self._r = client
         self.result_ttl = result_ttl
         self.outage_grace = outage_grace
         self._call = Calls(client, outage_grace, clock=clock, sleep=sleep)
-        # Who is alive (registry entries), under the same outage policy.
+        # Who is alive (registry entries), kombu's queues and the job records: views under the
+        # same outage policy (app/state/views.py).
         self.workers = WorkerRegistry(client, self._call)
+        self.broker = BrokerView(client, self._call)
+        self.jobs = JobsView(client, self._call)
         self._create = client.register_script(CREATE)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)
@@ -126,8 +132,8 @@ class RequestStore:
     def delete(self, request_id: str) -> None:
         """Remove a record and its place in its job's and pool's pending sets (used to roll
         back a submit whose publish failed: the backpressure slot is given back)."""
-        job, pool = self._call(self.r.hmget, keys.request(request_id), "job", "pool")
-        pipe = self.r.pipeline(transaction=True)
+        job, pool = self._call(self._r.hmget, keys.request(request_id), "job", "pool")
+        pipe = self._r.pipeline(transaction=True)
         pipe.delete(keys.request(request_id))
         pipe.zrem(keys.DEADLINES, request_id)
         if job:
@@ -139,18 +145,33 @@ class RequestStore:
     def past_deadline(self, now: float, limit: int = 100) -> list[str]:
         """Up to `limit` ids of non-terminal requests whose deadline is before `now`, oldest
         deadline first (the index holds only non-terminal requests)."""
-        ids = self._call(self.r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
+        ids = self._call(self._r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
         return [i.decode() for i in ids]
+
+    @property
+    def raw(self) -> redis.Redis:
+        """The Redis client itself, for tests and benches that look at Redis directly (a
+        witness outside the code it checks). Product code outside app/state/ never uses it: it
+        goes through this store's methods and views (tests/test_layers.py)."""
+        return self._r
+
+    def health_ledger(self, *, window: float, threshold: int) -> HealthLedger:
+        """The health ledger (app/state/health.py) on this store's client."""
+        return HealthLedger(self._r, window=window, threshold=threshold)
+
+    def batches(self) -> BatchStore:
+        """The batch objects (app/state/batches.py) on this store's client."""
+        return BatchStore(self._r)
 
     def pool_queues(self, pool: str) -> list[str]:
         """Every queue of `pool`: its own, then one per job that has requests there (sorted)."""
-        return self._call(pool_queues, self.r, pool)
+        return self._call(pool_queues, self._r, pool)
 
     def hold(self, request_id: str, instance: int | str) -> None:
         """Note that this worker instance holds a request's message (received, not yet begun),
         so the reaper finds it if the worker dies before running it. A worker's consumer notes
         it as it takes the message (`delivery_holder`); this is the same write on its own."""
-        self._call(self.r.sadd, keys.inflight(instance), request_id)
+        self._call(self._r.sadd, keys.inflight(instance), request_id)
 
     @staticmethod
     def delivery_holder(instance: int | str, task: str) -> Callable[[dict], tuple[str, str] | None]:
@@ -180,11 +201,11 @@ class RequestStore:
 
     def inflight_ids(self, instance: int | str) -> list[str]:
         """A worker instance's in-flight request ids (bounded by its concurrency)."""
-        return [r.decode() for r in self._call(self.r.smembers, keys.inflight(instance))]
+        return [r.decode() for r in self._call(self._r.smembers, keys.inflight(instance))]
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         """Take the named lock for `ttl_s` unless someone else holds it."""
-        return bool(self._call(self.r.set, keys.lock(name), owner, nx=True, px=int(ttl_s * 1000)))
+        return bool(self._call(self._r.set, keys.lock(name), owner, nx=True, px=int(ttl_s * 1000)))
 
     def unlock(self, name: str, owner: str) -> None:
         """Release the named lock if `owner` still holds it."""
@@ -294,7 +315,7 @@ class RequestStore:
 
     def get(self, request_id: str) -> dict[str, str] | None:
         """The record as a str->str dict, or None if there is none."""
-        raw = self._call(self.r.hgetall, keys.request(request_id))
+        raw = self._call(self._r.hgetall, keys.request(request_id))
         if not raw:
             return None
         return {k.decode(): v.decode() for k, v in raw.items()}
@@ -308,7 +329,7 @@ class RequestStore:
         Times carry cjson's 14 significant digits (0.1 ms for current Unix times). [] when the
         request has no record or was never begun. An attempt that ended unobserved (its copy
         superseded by another worker's, or its result losing to an earlier one) stays open."""
-        raw = self._call(self.r.hget, keys.request(request_id), "history")
+        raw = self._call(self._r.hget, keys.request(request_id), "history")
         if not raw:
             return []
         parsed = json.loads(raw)
@@ -316,12 +337,12 @@ class RequestStore:
 
     def stats(self) -> dict[str, int]:
         """Fleet counters (duplicate_results, duplicate_deliveries, stale_deliveries)."""
-        raw = self._call(self.r.hgetall, keys.STATS)
+        raw = self._call(self._r.hgetall, keys.STATS)
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def pool_of(self, request_id: str) -> str:
         """A record's pool ('' when it has none)."""
-        pool = self._call(self.r.hget, keys.request(request_id), "pool")
+        pool = self._call(self._r.hget, keys.request(request_id), "pool")
         return pool.decode() if pool else ""
 
     def ended(self, request_ids: list[str]) -> dict[str, Outcome | None]:
@@ -344,9 +365,9 @@ class RequestStore:
         """Ids of every open (not yet ended) request, or of those in `pools`: from the deadline
         index, or the pools' pending sets (sorted)."""
         if pools is None:
-            return [m.decode() for m in self._call(self.r.zrange, keys.DEADLINES, 0, -1)]
+            return [m.decode() for m in self._call(self._r.zrange, keys.DEADLINES, 0, -1)]
         return sorted({m.decode() for p in pools
-                       for m in self._call(self.r.smembers, keys.pool_requests(p))})
+                       for m in self._call(self._r.smembers, keys.pool_requests(p))})
 
     def message_missing(self, request_id: str, queue: str, limit: int = 10_000) -> bool:
         """True when no worker holds the request and its message is neither in `queue` (read
@@ -355,16 +376,16 @@ class RequestStore:
         was not among the entries read (then nobody can tell cheaply)."""
         if request_id in self.held_ids():
             return False
-        pos, length = self._call(broker.position, self.r, queue, request_id, limit=limit)
+        pos, length = self._call(broker.position, self._r, queue, request_id, limit=limit)
         if pos is not None or length > limit:
             return False
-        return request_id not in self._call(broker.queued_ids, self.r, [], unacked=True)
+        return request_id not in self._call(broker.queued_ids, self._r, [], unacked=True)
 
     def held_ids(self) -> set[str]:
         """Every request id some worker instance's in-flight set holds (SCAN over the sets)."""
         held: set[str] = set()
-        for key in self.r.scan_iter(match=keys.inflight("*"), count=1000):
-            held.update(m.decode() for m in self._call(self.r.smembers, key))
+        for key in self._r.scan_iter(match=keys.inflight("*"), count=1000):
+            held.update(m.decode() for m in self._call(self._r.smembers, key))
         return held
 
     def holders(self, request_id: str, instances: list[str]) -> list[str]:
@@ -378,38 +399,34 @@ class RequestStore:
 
     def held_count(self, instance: int | str) -> int:
         """How many requests a worker instance holds."""
-        return int(self._call(self.r.scard, keys.inflight(instance)))
+        return int(self._call(self._r.scard, keys.inflight(instance)))
 
     def redis_run(self) -> tuple[str, float]:
         """The running Redis server's run_id and when it started (app/state/conn.py)."""
-        return self._call(server_run, self.r)
+        return self._call(server_run, self._r)
 
     def audited_run_id(self) -> str | None:
         """The Redis run_id the last complete restart audit covered (None before the first)."""
-        seen = self._call(self.r.get, keys.REDIS_RUN_ID)
+        seen = self._call(self._r.get, keys.REDIS_RUN_ID)
         return seen.decode() if seen is not None else None
 
     def mark_audited(self, run_id: str) -> None:
         """Record that the restart audit for Redis run `run_id` is complete."""
-        self._call(self.r.set, keys.REDIS_RUN_ID, run_id)
+        self._call(self._r.set, keys.REDIS_RUN_ID, run_id)
 
     def created_at(self, request_id: str) -> float | None:
         """When the request was submitted (None without a record)."""
-        created = self._call(self.r.hget, keys.request(request_id), "created_at")
+        created = self._call(self._r.hget, keys.request(request_id), "created_at")
         return float(created) if created else None
 
     def look(self, request_id: str) -> tuple[str | None, str, Outcome | None]:
         """(status, job, stored outcome) in one round trip: status None without a record, the
         outcome None until the request has ended."""
         status, result, kind, err, job = self._call(
-            self.r.hmget, keys.request(request_id), "status", "result", "error_kind", "error",
+            self._r.hmget, keys.request(request_id), "status", "result", "error_kind", "error",
             "job")
         if status is None:
             return None, "", None
         outcome = (Outcome.from_reply(status, result, kind, err)
                    if status.decode() in keys.TERMINAL else None)
         return status.decode(), job.decode() if job else "", outcome
-
-    def touch_job(self, name: str) -> None:
-        """Renew a live job's lease (app/state/jobs.py `touch`)."""
-        self._call(jobs.touch, self.r, name)

@@ -172,6 +172,12 @@ class TokenStreams:
         raw = self._call(self.r.xrange, keys.stream(request_id), start, "+", count)
         return [parse_entry(i, f) for i, f in raw]
 
+    def socket_timeout(self, default: float) -> float:
+        """The read timeout of this client's connections (`default` when it has none): a
+        blocking read of the stream must end before it."""
+        kwargs = getattr(self.r.connection_pool, "connection_kwargs", {})
+        return float(kwargs.get("socket_timeout") or default)
+
     def wait(self, request_id: str, after: str, block_ms: int) -> list[Entry]:
         """Entries after `after` ("0-0": from the start), blocking up to `block_ms` for the next
         ones; [] when none came."""

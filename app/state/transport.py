@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Callable
 
+import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
@@ -243,6 +244,38 @@ class _SharedClient:
     def _vigil_scripts(self):
         """(note a delivery, ack a delivery) on the shared client (app/state/lua.py)."""
         return self._vigil_client_and_scripts()[1:]
+
+    def _brpop_read(self, **options):
+        """kombu's read of one BRPOP reply, except that a queue entry that is not a message
+        envelope (not JSON, not a mapping) is dropped with an ERROR log instead of raising out
+        of the worker's event loop. The entry was already popped and never became a message, so
+        nothing is lost but it; the consumer's guard (workers/consumer.py) handles everything
+        that got as far as a message."""
+        try:
+            return super()._brpop_read(**options)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.error("dropped a queue entry that is not a kombu message: %s: %s",
+                      type(exc).__name__, str(exc)[:200])
+            return True
+
+    def _connparams(self, asynchronous=False):
+        """kombu's, except that a channel whose connection is already closed raises a
+        connection error, which kombu and Celery handle, instead of AttributeError, which stops
+        the worker.
+
+        On a Redis restart Celery closes the lost connection (its transport's `client` becomes
+        None), but the channel is still asked for a client twice: by its close, to restore its
+        unacked messages, and by every task that finishes afterwards, to ack its message. Both
+        went through `_connparams` to `None.hostname`, and the AttributeError escaped as an
+        "Unrecoverable error": the worker exited (measured, Celery 5.7 / kombu 5.7, in
+        tests/test_redis_restart_e2e.py). Now the restore and the ack fail like any write to a
+        lost connection: the messages stay in kombu's unacked hash, a copy of a request still
+        running is dropped as busy when it comes back (app/state/lua.py BEGIN), and what the
+        worker no longer holds it hands back when Redis returns (workers/held.py
+        `reclaim_orphans`)."""
+        if self.connection.client is None:
+            raise redis.ConnectionError("the broker connection of this channel was closed")
+        return super()._connparams(asynchronous=asynchronous)
 
     def basic_consume(self, queue, no_ack, callback, consumer_tag, **kwargs):
         """kombu's, with each held message taken off `arriving()` once the consumer's callback
