@@ -358,7 +358,8 @@ def test_a_request_rerun_max_runs_times_in_one_worker_goes_back_to_the_queue():
     """The bound on re-runs inside one worker (MAX_RUNS, 8): a suspect that has run that often
     is not run again here; its verdict sends it back to the queue (engine_restarting, attempt
     + 1), where VIGIL_MAX_ATTEMPTS bounds it."""
-    from workers.engine.suspects import MAX_RUNS, Ticket, runnable
+    from workers.engine.suspects import MAX_RUNS, runnable
+    from workers.engine.ticket import Ticket
 
     t = Ticket(req("x"), "x-1")
     t.runs = MAX_RUNS - 1

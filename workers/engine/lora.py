@@ -24,7 +24,7 @@ from collections import OrderedDict
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from workers.engine.lora_gate import check_adapter_files, engine_cause, invalid
-from workers.engine.suspects import Ticket
+from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
 BASE_LANE = "base"

@@ -22,40 +22,16 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 from app.errors import ENGINE_RESTARTING, POISON_REQUEST, RequestError, TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from workers.engine.ticket import Ticket
 
 SINGLES_BELOW = 8  # a group this small is split into single requests at once
 POISON_STRIKES = 2  # deaths alone before a request is convicted
 MAX_RUNS = 8  # runs of one request in one worker before it goes back to the queue instead
 CANARY_TIMEOUT_S = 120.0
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One request's passage through the engine host, kept across engine restarts."""
-
-    req: GenerateRequest
-    rid: str
-    runs: int = 0
-    solo_deaths: int = 0
-    last: str = ""  # outcome of the last run: ok / error / died / cancelled
-    in_recovery: bool = False  # owned by the recovery plan (not a fresh suspect)
-    granted: object = None  # the engine the recovery handed this ticket for its next run
-    verdict: BaseException | None = None  # what to raise instead of running again
-    gone: bool = False  # the caller gave up (timeout, drain): never run it again
-    adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
-    adapter_engine: object = None  # the engine whose adapter use count holds this ticket
-    timeout: float = float("inf")  # the longest one run may take inside the engine
-    tap: object = None  # the request's token stream tap (workers/streaming.py), if streamed
-    extra: dict = field(default_factory=dict)
-
-    def engine_request_id(self) -> str:
-        """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""
-        return self.rid if self.runs <= 1 else f"{self.rid}.r{self.runs}"
 
 
 def split_suspects(group: list[Ticket]) -> list[list[Ticket]]:

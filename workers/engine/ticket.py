@@ -1,0 +1,31 @@
+"""The in-flight request: one request's passage through the engine host, kept across engine
+restarts (its runs, its outcome, the engine the recovery granted it, its verdict)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.requests.schemas import GenerateRequest
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's passage through the engine host, kept across engine restarts."""
+
+    req: GenerateRequest
+    rid: str
+    runs: int = 0
+    solo_deaths: int = 0
+    last: str = ""  # outcome of the last run: ok / error / died / cancelled
+    in_recovery: bool = False  # owned by the recovery plan (not a fresh suspect)
+    granted: object = None  # the engine the recovery handed this ticket for its next run
+    verdict: BaseException | None = None  # what to raise instead of running again
+    gone: bool = False  # the caller gave up (timeout, drain): never run it again
+    adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
+    adapter_engine: object = None  # the engine whose adapter use count holds this ticket
+    timeout: float = float("inf")  # the longest one run may take inside the engine
+    tap: object = None  # the request's token stream tap (workers/streaming.py), if streamed
+    extra: dict = field(default_factory=dict)
+
+    def engine_request_id(self) -> str:
+        """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""
+        return self.rid if self.runs <= 1 else f"{self.rid}.r{self.runs}"
