@@ -64,7 +64,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="vigil-gpu-smoke-"))
     configure_vllm_logging(tmp / "cache", "WARNING")  # before vLLM is imported: as a worker
     from app.local.tiny_model import build_tiny_llama
-    from workers.engine.host import EngineHost
+    from workers.engine.host import EngineHost, HostEvents
     from workers.engine.kinds import engine_factory
     from workers.engine.memory import plan_memory, probe_memory, worker_device
     from workers.engine.vllm import engine_core_pids, engine_env_defaults
@@ -80,9 +80,11 @@ def main() -> int:
                      engine_args={"enforce_eager": True, "max_model_len": 512, "seed": 0,
                                   **({"gpu_memory_utilization": 0.3} if device[0] == "cuda"
                                      else {})})
-    host = EngineHost(engine_factory("vllm"), idle_cleanup=0,
-                      planner=lambda s: plan_memory(s, probe_memory(*device), headroom)
-                      ).start()
+    class Sized(HostEvents):  # every start sized to the card's free memory, as a worker's
+        def plan_memory(self, s):
+            return plan_memory(s, probe_memory(*device), headroom)
+
+    host = EngineHost(engine_factory("vllm"), idle_cleanup=0, events=Sized()).start()
     out: dict = {}
     try:
         ask = GenerateRequest(model="gpu-check", prompt="the quick brown fox", max_tokens=16,
@@ -110,7 +112,7 @@ def main() -> int:
         out["killed"] = len(killed)
         out["recovered_s"] = round(time.monotonic() - t1, 1)
         out["long_tokens"] = len(result.token_ids)
-        out["restarts"] = host.restarts
+        out["restarts"] = host.stats.restarts
     finally:
         host.shutdown(60)
     ok = (out.get("base_tokens") == 16 and out.get("lora_tokens") == 16

@@ -333,15 +333,54 @@ def wait_until(cond, timeout: float = 10.0) -> None:
     wait_for(cond, timeout, 0.01, "the condition")
 
 
+def callback_events(*, on_change=None, on_fatal=None, on_failure=None, on_success=None,
+                    served_elsewhere=None, planner=None):
+    """The engine host's events (workers/engine/host_state.py HostEvents) from plain callables,
+    for unit tests: each one given replaces that event's harmless default."""
+    from workers.engine.host import HostEvents
+
+    class Events(HostEvents):
+        def changed(self):
+            if on_change is not None:
+                on_change()
+
+        def fatal(self, err):
+            if on_fatal is not None:
+                on_fatal(err)
+
+        def failure(self, reason):
+            if on_failure is not None:
+                on_failure(reason)
+
+        def success(self):
+            if on_success is not None:
+                on_success()
+
+        def served_elsewhere(self, model):
+            return served_elsewhere(model) if served_elsewhere is not None else False
+
+        def plan_memory(self, spec):
+            return planner(spec) if planner is not None else None
+
+    return Events()
+
+
+EVENT_KWARGS = ("on_change", "on_fatal", "on_failure", "on_success", "served_elsewhere",
+                "planner")
+
+
 @pytest.fixture()
 def make_host():
-    """Build engine hosts from a fake engine factory (unit tier); shut them all down after."""
+    """Build engine hosts from a fake engine factory (unit tier); shut them all down after.
+    Callables named as EVENT_KWARGS become the host's events (`callback_events`)."""
     from workers.engine.host import EngineHost
 
     hosts = []
 
     def _make(factory, **kw):
-        h = EngineHost(factory, idle_cleanup=kw.pop("idle_cleanup", 0), **kw).start()
+        events = callback_events(**{k: kw.pop(k) for k in EVENT_KWARGS if k in kw})
+        h = EngineHost(factory, idle_cleanup=kw.pop("idle_cleanup", 0), events=events,
+                       **kw).start()
         hosts.append(h)
         return h
 

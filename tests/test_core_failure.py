@@ -241,7 +241,7 @@ def test_a_cuda_fault_makes_the_worker_leave_without_suspects_or_restarts(make_h
     with pytest.raises(WorkerFatalError, match="^cuda_context_lost: the engine died of a CUDA"):
         host.generate(req(), ModelSpec(name="m"), "r1", 5)
     wait_until(lambda: fatal)
-    assert len(built) == 1 and host.restarts == 0 and host.canaries == 0
+    assert len(built) == 1 and host.stats.restarts == 0 and host.stats.canaries == 0
 
 
 def test_an_out_of_memory_death_fails_its_requests_allocation_failed_and_counts(make_host):
@@ -250,7 +250,7 @@ def test_an_out_of_memory_death_fails_its_requests_allocation_failed_and_counts(
     host = make_host(lambda spec, plan=None: CoreDeath(oom, built))
     with pytest.raises(TransientError, match="^allocation_failed: "):
         host.generate(req(), ModelSpec(name="m"), "r1", 5)
-    assert host.snapshot()["death_streak"] == 1 and host.canaries == 0  # no suspects re-run
+    assert host.snapshot()["death_streak"] == 1 and host.stats.canaries == 0  # no suspects re-run
 
 
 def test_a_death_enginecore_explains_with_no_cuda_fault_is_judged_by_the_suspects(make_host):

@@ -94,8 +94,8 @@ def test_many_concurrent_requests_share_one_engine_load_and_are_in_flight_togeth
         wait_until(lambda: f.engines and f.engines[0].in_flight == 32)
         f.gate.set()
         outs = [x.result() for x in futs]
-    assert len(outs) == 32 and len(f.builds()) == 1 and host.loads == 1
-    assert host.peak_in_flight == 32 and f.engines[0].peak == 32
+    assert len(outs) == 32 and len(f.builds()) == 1 and host.stats.loads == 1
+    assert host.stats.peak_in_flight == 32 and f.engines[0].peak == 32
 
 
 def test_a_model_switch_waits_for_in_flight_requests_then_evicts(make_host):
@@ -111,7 +111,7 @@ def test_a_model_switch_waits_for_in_flight_requests_then_evicts(make_host):
         assert all(x.result().text == "model-a" for x in a_futs)
         assert b_fut.result().text == "model-b"
     assert f.log == [("build", "model-a"), ("shutdown", "model-a"), ("build", "model-b")]
-    assert host.evictions == 1
+    assert host.stats.evictions == 1
 
 
 def test_a_failed_load_fails_every_waiting_request_once_not_one_load_each(make_host):
@@ -139,9 +139,9 @@ def test_an_idle_engine_is_freed_after_idle_cleanup(make_host):
     assert host.snapshot()["engine_state"] == "ready"
     now[0] += 0.5
     wait_until(lambda: host.snapshot()["engine_state"] == "empty")
-    assert ("shutdown", "model-a") in f.log and host.evictions == 1
+    assert ("shutdown", "model-a") in f.log and host.stats.evictions == 1
     host.generate(req(), A, "r2", 5)  # comes back on demand
-    assert host.loads == 2
+    assert host.stats.loads == 2
 
 
 def test_a_request_that_times_out_is_aborted_in_the_engine_and_reported_wedged(make_host):
@@ -162,8 +162,8 @@ def test_a_request_whose_engine_died_is_rerun_on_a_rebuilt_engine(make_host):
     first = []
     f.on_build = lambda: first.append(1) or setattr(f, "fail_runs_with", None)
     assert host.generate(req(), A, "r1", 5).text == "model-a"
-    assert host.loads == 2 and len(f.builds()) == 2
-    assert host.restarts == 1 and host.evictions == 0 and host.canaries == 1
+    assert host.stats.loads == 2 and len(f.builds()) == 2
+    assert host.stats.restarts == 1 and host.stats.evictions == 0 and host.stats.canaries == 1
 
 
 def test_a_switch_whose_requester_gave_up_does_not_block_the_current_model(make_host):

@@ -115,7 +115,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(make_
     for e in outs[12:]:
         assert isinstance(e, RequestError) and e.code == "lora_adapter_invalid"
         assert "LoRA rank 16 is greater than max_lora_rank 8" in str(e)
-    assert h.restarts == 0 and len(w.engines) == 1 and h.snapshot()["lora_refused"] >= 1
+    assert h.stats.restarts == 0 and len(w.engines) == 1 and h.snapshot()["lora_refused"] >= 1
     assert w.adds.count("good") == 1  # one checked load, shared by its six requests
 
 

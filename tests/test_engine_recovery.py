@@ -114,7 +114,7 @@ def test_an_external_death_costs_one_restart_and_no_request():
             w.gate.set()
             outs = [f.result() for f in futs]
         assert [o.text for o in outs] == [f"p{i}" for i in range(16)]
-        assert host.restarts == 1 and host.canaries == 1 and host.loads == 2
+        assert host.stats.restarts == 1 and host.stats.canaries == 1 and host.stats.loads == 2
         assert w.engines[1].peak == 16  # re-run together, batched
         assert host.snapshot()["death_streak"] == 0
     finally:
@@ -142,8 +142,8 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(make_host):
     poison = outs.pop(17)
     assert isinstance(poison, RequestError) and poison.code == "poison_request"
     assert [o.text for o in outs] == [f"innocent {i}" for i in range(32)]
-    assert host.poisoned == 1
-    assert host.restarts == 5  # batch, all together, its group of 6, alone, alone again
+    assert host.stats.poisoned == 1
+    assert host.stats.restarts == 5  # batch, all together, its group of 6, alone, alone again
     assert host.snapshot()["death_streak"] == 0 and host.snapshot()["recovering"] == 0
     # Innocents in groups that did not hold the poison ran batched, not one by one.
     assert max(e.peak for e in w.engines[2:]) == 6
@@ -157,7 +157,7 @@ def test_an_innocent_killed_once_while_alone_is_not_convicted(make_host):
     w.kill_on_run = {"r0": 1, "r0.r2": 1}
     host = make_host(w)
     out = host.generate(req("unlucky"), A, "r0", 30)
-    assert out.text == "unlucky" and host.poisoned == 0 and host.restarts == 2
+    assert out.text == "unlucky" and host.stats.poisoned == 0 and host.stats.restarts == 2
 
 
 def test_an_engine_that_dies_on_every_start_makes_the_worker_leave(make_host):
@@ -184,7 +184,7 @@ def test_an_engine_that_dies_on_every_start_makes_the_worker_leave(make_host):
             e.dead = True  # every restart is dead on arrival
         return e
 
-    host._factory = dying_factory
+    host._slot.factory = dying_factory
     with ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(4)]
         wait_until(lambda: calls)
@@ -194,7 +194,7 @@ def test_an_engine_that_dies_on_every_start_makes_the_worker_leave(make_host):
         for f in futs:
             with pytest.raises(WorkerFatalError, match="^repeated_engine_death: "):
                 f.result()
-    assert len(calls) == 1 and host.canaries == 2 and host.restarts == 2
+    assert len(calls) == 1 and host.stats.canaries == 2 and host.stats.restarts == 2
     with pytest.raises(WorkerFatalError):
         host.generate(req("late"), A, "late", 5)
 
@@ -218,7 +218,7 @@ def test_a_lost_cuda_context_makes_the_worker_leave_at_once(make_host):
     with pytest.raises(WorkerFatalError, match="^cuda_context_lost: "):
         host.generate(req("x"), A, "r", 5)
     wait_until(lambda: calls)
-    assert calls[0].code == "cuda_context_lost" and host.restarts == 0
+    assert calls[0].code == "cuda_context_lost" and host.stats.restarts == 0
 
 
 def test_a_suspect_that_gives_up_waiting_is_dropped_and_the_rest_finish(make_host):
@@ -244,7 +244,7 @@ def test_a_suspect_that_gives_up_waiting_is_dropped_and_the_rest_finish(make_hos
             e.run = gated
         return e
 
-    host._factory = factory
+    host._slot.factory = factory
     with ThreadPoolExecutor(4) as pool:
         patient = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(3)]
         impatient = pool.submit(host.generate, req("impatient"), A, "imp", 1.0)
@@ -271,7 +271,7 @@ def test_drain_during_recovery_hands_parked_suspects_back(make_host):
             hold.wait(10)  # a slow restart
         return orig(spec, plan)
 
-    host._factory = factory
+    host._slot.factory = factory
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(host.generate, req(f"p{i}"), A, f"r{i}", 30) for i in range(3)]
         wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 3)
@@ -320,7 +320,7 @@ def test_sibling_failures_in_one_batch_each_keep_their_own_error(make_host):
         with pytest.raises(TransientError, match="^allocation_failed: "):
             futs[1].result()
         assert futs[2].result().text == "fine"
-    assert host.loads == 1 and host.restarts == 0
+    assert host.stats.loads == 1 and host.stats.restarts == 0
 
 
 def test_split_suspects_makes_singles_of_small_groups_and_sqrt_groups_of_large_ones():
@@ -351,7 +351,7 @@ def test_engines_dead_on_arrival_count_as_deaths_and_make_the_worker_leave(make_
     host = make_host(World(die_on_start=True), on_fatal=calls.append, death_limit=3)
     with pytest.raises(WorkerFatalError, match="^repeated_engine_death: "):
         host.generate(req("x"), A, "r", 10)
-    assert len(calls) == 1 and host.loads == 3
+    assert len(calls) == 1 and host.stats.loads == 3
 
 
 def test_a_request_rerun_max_runs_times_in_one_worker_goes_back_to_the_queue():

@@ -128,7 +128,7 @@ def test_pause_hands_requests_back_and_the_quarantine_restart_runs_a_canary(make
     w.release.set()  # the fresh engine answers
     ok, why = host.restart_with_canary(A, timeout=10)
     assert ok and why == "" and w.engines[0].killed and len(w.engines) == 2
-    assert host.restarts == 1
+    assert host.stats.restarts == 1
     host.resume()
     assert host.generate(req(), A, "after", 5).text == "done"
 

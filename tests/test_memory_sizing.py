@@ -9,6 +9,7 @@ from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
 from workers.engine.host import EngineHost
 from workers.engine.memory import GiB, MemoryProbe, plan_memory, probe_memory, worker_device
+from tests.conftest import callback_events
 
 SPEC = ModelSpec(name="m", memory_gib=2.0, kv_cache_gib=1.0, kv_cache_floor_gib=0.25)
 
@@ -119,8 +120,8 @@ def test_the_host_sizes_each_start_and_shares_a_memory_pressure_refusal():
 
     from app.requests.schemas import GenerateRequest
 
-    host = EngineHost(Engine, idle_cleanup=0,
-                      planner=lambda s: plan_memory(s, cpu(free[0]))).start()
+    host = EngineHost(Engine, idle_cleanup=0, events=callback_events(
+        planner=lambda s: plan_memory(s, cpu(free[0])))).start()
     try:
         r = GenerateRequest(model="m", prompt="hi")
         with pytest.raises(TransientError, match="^memory_pressure: "):

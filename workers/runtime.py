@@ -27,7 +27,7 @@ from app.state.queues import pool_of
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
-from workers.engine.host import EngineHost
+from workers.engine.host import EngineHost, HostEvents
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MiB, MemoryPlan, plan_memory, probe_memory, worker_device
 from workers.engine.vllm import engine_env_defaults
@@ -83,15 +83,10 @@ class WorkerRuntime:
         witness = Witness(settings.witness_dir) if settings.witness_dir else None
         self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness),
                                idle_cleanup=settings.idle_cleanup,
-                               on_change=self._engine_changed,
-                               planner=self.plan_memory if engine in MODEL_ENGINES else None,
+                               events=WorkerEvents(self, sizes_memory=engine in MODEL_ENGINES),
                                death_limit=settings.engine_death_limit,
-                               on_fatal=lambda err: self.held.leave(err),
                                stall_timeout=settings.stall_after,
-                               engine_start_timeout=settings.engine_start_timeout,
-                               on_failure=lambda reason: self.health.failure(reason),
-                               on_success=lambda: self.health.success(),
-                               served_elsewhere=self.served_elsewhere)
+                               engine_start_timeout=settings.engine_start_timeout)
         # Token streams (workers/streaming.py), for the engines that stream (the real one).
         self.streams: StreamSink | None = None
         if settings.stream_flush_ms > 0 and engine in MODEL_ENGINES:
@@ -235,6 +230,35 @@ class WorkerRuntime:
             self.streams.stop()
         if self.guard is not None:
             self.guard.close()
+
+
+class WorkerEvents(HostEvents):
+    """What the engine host tells and asks this worker (workers/engine/host_state.py): a change
+    pokes the heartbeat and the orphan guard, the fatal end hands the held requests back and
+    leaves, traffic's failures and successes go to the health ledger, a start is sized to free
+    memory (model engines only)."""
+
+    def __init__(self, rt: "WorkerRuntime", *, sizes_memory: bool):
+        self._rt = rt
+        self._sizes_memory = sizes_memory
+
+    def changed(self) -> None:
+        self._rt._engine_changed()
+
+    def fatal(self, err: WorkerFatalError) -> None:
+        self._rt.held.leave(err)
+
+    def failure(self, reason: str) -> None:
+        self._rt.health.failure(reason)
+
+    def success(self) -> None:
+        self._rt.health.success()
+
+    def served_elsewhere(self, model: str) -> bool:
+        return self._rt.served_elsewhere(model)
+
+    def plan_memory(self, spec: ModelSpec) -> MemoryPlan | None:
+        return self._rt.plan_memory(spec) if self._sizes_memory else None
 
 
 def install(rt: WorkerRuntime) -> WorkerRuntime:
