@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.cpu_meter import GET_TIMEOUT_S, _tail
 
 MODEL = "tiny-llama"
-# Words the tiny model's tokenizer was trained on (app/local/tiny_model.py): ~1 token per word.
+# Words the tiny model's tokenizer was trained on (app/requests/model_files.py): ~1 token per word.
 WORDS = ("the a one two red blue green small large quick slow cat dog bird fish tree river "
          "mountain city house road car train ship sun moon star cloud rain snow wind fire water "
          "stone gold book page word song voice light dark day night morning evening year time "

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         # vLLM logs to stdout too: the figures go on a line of their own, last.
         print(json.dumps(measure_layout(a.child, a.requests, a.tokens)), flush=True)
         return 0
-    from app.local.tiny_model import ensure_model_files
+    from app.requests.model_files import ensure_model_files
     from app.requests.models import get_registry
 
     ensure_model_files(get_registry().get(MODEL))  # builds tiny-llama on first use

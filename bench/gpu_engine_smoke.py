@@ -63,7 +63,7 @@ def main() -> int:
     headroom = int(sys.argv[1])
     tmp = Path(tempfile.mkdtemp(prefix="vigil-gpu-smoke-"))
     configure_vllm_logging(tmp / "cache", "WARNING")  # before vLLM is imported: as a worker
-    from app.local.tiny_model import build_tiny_llama
+    from app.requests.model_files import build_tiny_llama
     from workers.engine.host import EngineHost, HostEvents
     from workers.engine.kinds import engine_factory
     from workers.engine.memory import plan_memory, probe_memory, worker_device

@@ -17,7 +17,7 @@ continuation equals the original's remaining tokens, and where the first differe
 last line is `ratio R` = identical resumes / identical reruns (1: resuming costs no identity the
 engine keeps across runs).
 
-Not part of `make test`. tiny-llama's weights are random (app/local/tiny_model.py), so its next
+Not part of `make test`. tiny-llama's weights are random (app/requests/model_files.py), so its next
 token is often a near-tie: expect more flips than a trained model shows.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--cuts", default="0.25,0.5,0.75", help="fractions of --tokens to resume at")
     a = p.parse_args(argv)
     os.environ.setdefault("VIGIL_CACHE_DIR", tempfile.mkdtemp(prefix="vigil-resume-"))
-    from app.local.tiny_model import ensure_model_files
+    from app.requests.model_files import ensure_model_files
     from app.requests.models import get_registry
     from workers.engine.vllm import engine_env_defaults
 

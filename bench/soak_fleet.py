@@ -75,7 +75,7 @@ class Fleet:
     def build_model(self) -> None:
         """Build the tiny model's weights if they are not there yet (once, here: two workers
         building it at once would race)."""
-        from app.local.tiny_model import is_built
+        from app.requests.model_files import is_built
         from app.requests.models import get_registry
 
         path = get_registry().get(MODEL).path

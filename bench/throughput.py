@@ -336,7 +336,7 @@ class Bench:
         summary: list[str] = []
         try:
             self.redis.start()
-            from app.local.tiny_model import is_built
+            from app.requests.model_files import is_built
             from app.requests.models import get_registry
 
             path = get_registry().get(MODEL).path

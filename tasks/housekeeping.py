@@ -17,7 +17,7 @@ from app.fleet.message_audit import audit_after_restart, audit_orphans
 from app.fleet.outcomes import end_requests_failed
 from app.fleet.reaper import reap_workers
 from app.fleet.reconcile import reconcile_pools
-from app.local.tiny_model import build_if_local
+from app.requests.model_files import build_if_local
 from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
 from app.requests.publish import republisher

@@ -236,7 +236,7 @@ def save_tokenizer(path: Path, template: str | None) -> str:
 
 
 def registry(tmp_path) -> ModelRegistry:
-    from app.local.tiny_model import CHAT_TEMPLATE
+    from app.requests.model_files import CHAT_TEMPLATE
 
     return ModelRegistry([
         ModelSpec(name="templated", path=save_tokenizer(tmp_path / "t", CHAT_TEMPLATE)),

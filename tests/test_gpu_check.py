@@ -113,7 +113,7 @@ def test_the_smokes_adapter_is_peft_shaped_and_passes_vigils_gate(tmp_path):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from app.local.tiny_model import build_tiny_llama
+    from app.requests.model_files import build_tiny_llama
     from app.requests.adapters import AdapterRef
     from bench.gpu_engine_smoke import build_adapter
     from workers.engine.lora_gate import check_adapter_files, shape_mismatch
@@ -132,7 +132,7 @@ def test_the_smokes_adapter_is_peft_shaped_and_passes_vigils_gate(tmp_path):
 def test_the_tiny_builder_takes_a_width_and_keeps_four_heads(tmp_path, hidden):
     import json
 
-    from app.local.tiny_model import build_tiny_llama
+    from app.requests.model_files import build_tiny_llama
 
     cfg = json.loads((build_tiny_llama(tmp_path / "m", hidden_size=hidden) / "config.json")
                      .read_text())

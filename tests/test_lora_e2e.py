@@ -24,7 +24,7 @@ def adapters():
     """Adapters under VIGIL_ADAPTER_ROOTS: two good ones, rank 16 (above the engine's 8), and
     one made for a model with another hidden size."""
     from app.local.tiny_adapter import build_tiny_adapter
-    from app.local.tiny_model import ensure_tiny_llama
+    from app.requests.model_files import ensure_tiny_llama
 
     base = ensure_tiny_llama(get_registry().get("tiny-llama").path)
     return {

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_housekeeper, start_process,
                                 start_worker, stop_process, vigil_env, wait_for)
-from app.local.tiny_model import ensure_model_files
+from app.requests.model_files import ensure_model_files
 from app.requests.models import TINY_LLAMA, get_registry
 from app.state.registry import WorkerRegistry
 

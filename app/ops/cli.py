@@ -31,7 +31,7 @@ from app.devices import (DEVICE_ORDER, Card, GpuSpecError, NvmlMissing, cuda_ver
 from app.errors import VigilError
 from app.fleet import jobs
 from app.local.demo import run_demo
-from app.local.tiny_model import build_tiny_llama
+from app.requests.model_files import build_tiny_llama
 from app.ops import batch_cli
 from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
 from app.ops.batch_run import run_command

@@ -20,7 +20,7 @@ class ChatTemplates:
     """Renders chat messages for the models of `registry`; callable as `render_chat` in
     app/requests/batch_file.py. A model whose tokenizer cannot be loaded, or that has no chat template,
     fails every chat line for it with the same RequestError(invalid_request), found once.
-    `build_local(spec)` builds a locally built model's files first (app/local/tiny_model.py)."""
+    `build_local(spec)` builds a locally built model's files first (app/requests/model_files.py)."""
 
     def __init__(self, registry: ModelRegistry,
                  build_local: Callable[[ModelSpec], object] = lambda spec: None):

@@ -27,7 +27,7 @@ from app.settings import SettingsError, VigilSettings, get_settings
 from app.state.queues import pool_queue
 
 TINY_LLAMA = "tiny-llama"
-# The built-in model's recipe (app/local/tiny_model.py builds it): bump TINY_VERSION when the
+# The built-in model's recipe (app/requests/model_files.py builds it): bump TINY_VERSION when the
 # recipe changes, so cached builds are rebuilt.
 TINY_VERSION = 1
 TINY_VOCAB_SIZE = 2048

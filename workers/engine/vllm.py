@@ -12,7 +12,7 @@ import os
 import psutil
 
 from app.errors import INVALID_MODEL_CONFIG, RequestError
-from app.local.tiny_model import ensure_model_files
+from app.requests.model_files import ensure_model_files
 from app.requests.adapters import AdapterRef
 from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec

@@ -1,4 +1,8 @@
-"""Build `tiny-llama`: a Llama-architecture model with random weights and a locally trained tokenizer.
+"""A registry entry's weights: the check that they are there (`ensure_model_files`, run by the
+engine before it starts), and the local recipe an entry may name as its `builder`.
+
+The one recipe, `tiny-llama`: a Llama-architecture model with random weights and a locally
+trained tokenizer.
 
 No download happens: the tokenizer is a byte-level BPE trained on generated text, the weights are
 random with a fixed seed, so two builds of the same version produce the same files. The shape
