@@ -23,6 +23,7 @@ from app.requests.adapters import files_fingerprint
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
 from app.requests.schemas import parse_request
+from app.request_ids import attempt_id
 from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
 from app.retry_policy import Attempted, End, decide, exhausted, rule_for
 from app.settings import VigilSettings
@@ -158,7 +159,7 @@ def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
             tap.refuse_resume("the stream holds no tokens to continue")
     ok = False
     try:
-        out = rt.host.generate(req, spec, f"{request_id}-{b.attempts}",
+        out = rt.host.generate(req, spec, attempt_id(request_id, b.attempts),
                                rt.settings.request_timeout, adapter, tap=tap)
         ok = True
         return out

@@ -30,6 +30,7 @@ from typing import Any, Callable, Coroutine
 
 from app.errors import (ALLOCATION_FAILED, ENGINE_ERROR, ENGINE_RESTARTING, WEDGED, TransientError,
                         VigilError)
+from app.request_ids import request_id_of
 
 log = logging.getLogger("vigil.engine")
 
@@ -177,13 +178,13 @@ class LoopBridge:
     def request_ids(self) -> set[str]:
         """The Vigil request ids of every request on the loop now (in the engine or waiting)."""
         with self._lock:
-            return {rid.rsplit("-", 1)[0] for rid in self._futures.values()}
+            return {request_id_of(rid) for rid in self._futures.values()}
 
     def cancel_requests(self, request_ids: set[str]) -> int:
         """Cancel the requests of these Vigil request ids (engine ids are `<id>-<attempt>`);
         their callers get `Aborted`. Returns how many it found."""
         with self._lock:
-            hits = [f for f, rid in self._futures.items() if rid.rsplit("-", 1)[0] in request_ids]
+            hits = [f for f, rid in self._futures.items() if request_id_of(rid) in request_ids]
             for f in hits:
                 self._why[f] = (ABORTED, "aborted")
         for f in hits:

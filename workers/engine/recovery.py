@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 from app.errors import REPEATED_ENGINE_DEATH, VigilError, WorkerFatalError
+from app.request_ids import canary_id
 from app.requests.models import ModelSpec
 from workers.engine.host_state import HostState
 from workers.engine.slot import EngineSlot
@@ -180,7 +181,7 @@ class Recovery:
         st.stats.canaries += 1
         try:
             await asyncio.wait_for(engine.run(canary_request(spec),
-                                              f"vigil-canary-{st.stats.canaries}"),
+                                              canary_id(st.stats.canaries)),
                                    min(timeout, CANARY_TIMEOUT_S))
         except asyncio.CancelledError:
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.request_ids import run_id
 from app.requests.schemas import GenerateRequest
 
 
@@ -28,4 +29,4 @@ class Ticket:
 
     def engine_request_id(self) -> str:
         """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""
-        return self.rid if self.runs <= 1 else f"{self.rid}.r{self.runs}"
+        return run_id(self.rid, self.runs)

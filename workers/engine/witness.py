@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from app.request_ids import parse_engine_id
+
 
 class Witness:
     """Appends finished generations to this process's witness file (one line each, flushed)."""
@@ -43,10 +45,9 @@ def read_witness(directory: Path) -> dict[str, list[dict]]:
             if not line.strip():
                 continue
             entry = json.loads(line)
-            rid, _, tail = entry["engine_request_id"].rpartition("-")
-            attempt, _, run = tail.partition(".r")
+            eid = parse_engine_id(entry["engine_request_id"])
             resumed = entry.get("resumed_from", 0)
-            out.setdefault(rid, []).append({"attempt": int(attempt), "run": int(run or 1),
+            out.setdefault(eid.request_id, []).append({"attempt": eid.attempt, "run": eid.run,
                                             "tokens": entry["tokens"], "resumed_from": resumed,
                                             "total": entry["tokens"] + resumed, "at": entry["at"]})
     return out
