@@ -16,6 +16,7 @@ from kombu.utils.objects import cached_property
 
 from app.celery_ports import CeleryPorts
 from app.fleet import waiting
+from app.housekeeping_schedule import schedule
 from app.requests.models import ModelRegistry, get_registry
 from app.result_backend import backend_url
 from app.retry_policy import SUBMIT_PUBLISH_RETRY
@@ -25,8 +26,6 @@ from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
 from app.state.transport import transport_for
-from app.task_names import (BATCH_TICK, DEADLINE_SWEEP, FOREIGN_QUEUES, HEALTH_TICK, JOB_LEASES,
-                             MESSAGE_AUDIT, REAP_WORKERS, RECONCILE)
 
 # The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
 APP_NAME = "vigil"
@@ -75,30 +74,11 @@ class VigilCelery(Celery):
 
 
 def _beat_schedule(s: VigilSettings) -> dict:
-    # Beat's own settings decide the timing; the reap timeout and registration grace travel with
-    # the task so the worker that runs it reaps by the same rule beat was configured with.
-    sched = {DEADLINE_SWEEP: (s.deadline_sweep_interval, DEADLINE_SWEEP, {})}
-    if s.worker_reap_timeout > 0:  # reap_timeout/4: a dead worker is found within 1.25 timeouts
-        sched[REAP_WORKERS] = (s.worker_reap_timeout / 4, REAP_WORKERS,
-                                       {"reap_timeout": s.worker_reap_timeout,
-                                        "registration_grace": s.worker_registration_grace})
-    # Quarantined workers must really stop consuming: the worker cancels its own consumers,
-    # and this tick does it from outside when the worker could not.
-    sched[HEALTH_TICK] = (s.health_tick_interval, HEALTH_TICK, {})
-    # Jobs: repair lost job-queue announcements; end jobs whose lease lapsed (app/fleet/jobs.py).
-    sched[RECONCILE] = (s.reconcile_interval, RECONCILE, {})
-    sched[JOB_LEASES] = (s.deadline_sweep_interval, JOB_LEASES, {})
-    # Open requests whose message is nowhere (a producer that died between record and publish).
-    sched[MESSAGE_AUDIT] = (s.message_audit_interval, MESSAGE_AUDIT, {})
-    # Batch objects: validate, submit the next lines, record results, end (app/fleet/batches.py).
-    sched[BATCH_TICK] = (s.batch_tick_interval, BATCH_TICK, {})
-    # vigil.generate sent to another app's default queue (no `queue=`): moved to be forwarded.
-    if s.foreign_queue_names:
-        sched[FOREIGN_QUEUES] = (s.foreign_queue_scan_interval, FOREIGN_QUEUES,
-                                         {})
-    return {name: {"task": task, "schedule": every, "kwargs": kwargs,
-                   "options": {"queue": HOUSEKEEPING_QUEUE, "expires": every}}
-            for name, (every, task, kwargs) in sched.items()}
+    """Beat's schedule (app/housekeeping_schedule.py), each run sent to vigil.housekeeping and
+    expiring before the next one so a backlog of them never piles up."""
+    return {t.task: {"task": t.task, "schedule": t.every, "kwargs": t.kwargs,
+                     "options": {"queue": HOUSEKEEPING_QUEUE, "expires": t.every}}
+            for t in schedule(s)}
 
 
 def celery_config(s: VigilSettings, reg: ModelRegistry) -> dict:

@@ -2,6 +2,7 @@
 ports (app/celery_ports.py: result backend, control bus, publish) as its collaborators."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -30,6 +31,34 @@ from app.task_names import (BATCH_TICK, DEADLINE_SWEEP, FOREIGN_QUEUES, HEALTH_T
 
 log = logging.getLogger("vigil.housekeeping")
 
+
+def housekeeping(name: str):
+    """Declare a beat task: on vigil.housekeeping, acked late, no result kept, and no task
+    events (a tick every 2 s would bury the requests in Flower's task list; the runs are in
+    `vigil status` instead). Each run, failed or not, is recorded (vigil:housekeeping) so that
+    `vigil status` and a batch's status can tell when beat's promises stopped being kept
+    (app/fleet/housekeeping_runs.py)."""
+    def declare(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            started, error = time.time(), ""
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                try:
+                    shared_store().housekeeping.note_run(name, time.time(),
+                                                         time.time() - started, error)
+                except Exception as e:  # Redis away: the run itself said so already
+                    log.warning("could not record the run of %s: %s", name, e)
+
+        return app.task(name=name, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
+                        acks_late=True, send_events=False)(run)
+
+    return declare
+
 # Beat's own lock around a whole reconcile pass (the job-queue repair has its own).
 POOL_RECONCILE_LOCK = "pool_reconcile"
 # One batch tick at a time: two would submit the same lines (harmless: the ids are fixed) and
@@ -38,8 +67,7 @@ BATCH_TICK_LOCK = "batch_tick"
 BATCH_TICK_LOCK_S = 300.0
 
 
-@app.task(name=DEADLINE_SWEEP, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
-          acks_late=True)
+@housekeeping(DEADLINE_SWEEP)
 def deadline_sweep() -> int:
     """Fail every request past its deadline (deadline_exceeded); returns how many. First, if
     Redis restarted since the last look, publish again the open requests whose message the
@@ -49,8 +77,7 @@ def deadline_sweep() -> int:
     return sweep_deadlines(store, time.time(), ports.backend)
 
 
-@app.task(name=REAP_WORKERS, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
-          acks_late=True)
+@housekeeping(REAP_WORKERS)
 def reap(reap_timeout: float | None = None, registration_grace: float | None = None) -> int:
     """Requeue the in-flight requests of workers silent for `reap_timeout`, or for
     `registration_grace` if they never became ready (beat's settings; this worker's
@@ -74,7 +101,7 @@ def _add(name: str, queue: str) -> None:
     ports_of(app).bus.add_consumer(queue, [name])
 
 
-@app.task(name=HEALTH_TICK, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@housekeeping(HEALTH_TICK)
 def health_tick() -> int:
     """Stop quarantined workers that still consume (app/fleet/consumers.py)."""
     s = get_settings()
@@ -84,7 +111,7 @@ def health_tick() -> int:
                                _cancel)
 
 
-@app.task(name=RECONCILE, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@housekeeping(RECONCILE)
 def reconcile() -> dict:
     """Give unserved pools a worker (app/fleet/reconcile.py) and make every worker of a pool
     consume all of its job queues; returns what it did."""
@@ -101,7 +128,7 @@ def reconcile() -> dict:
     return done
 
 
-@app.task(name=JOB_LEASES, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@housekeeping(JOB_LEASES)
 def job_leases() -> int:
     """End jobs whose lease lapsed (abandoned): their open requests fail job_deleted."""
     now = time.time()
@@ -110,8 +137,7 @@ def job_leases() -> int:
                        lambda name, reason: delete_job(store, ports_of(app), name, reason, now))
 
 
-@app.task(name=FOREIGN_QUEUES, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
-          acks_late=True)
+@housekeeping(FOREIGN_QUEUES)
 def foreign_queues() -> int:
     """Move vigil.generate messages sent to other Celery apps' queues (VIGIL_FOREIGN_QUEUES:
     Celery's default, `celery`) to vigil.housekeeping, to be validated and forwarded to their
@@ -119,8 +145,7 @@ def foreign_queues() -> int:
     return move_foreign_messages(shared_store(), get_settings().foreign_queue_names)
 
 
-@app.task(name=MESSAGE_AUDIT, queue=HOUSEKEEPING_QUEUE, ignore_result=True,
-          acks_late=True)
+@housekeeping(MESSAGE_AUDIT)
 def message_audit() -> int | None:
     """Publish again the open requests no queue, worker or unacked entry holds (a producer
     that stopped between record and message; app/fleet/message_audit.py); returns how many."""
@@ -137,7 +162,7 @@ def _render_chat(model: str, messages: list) -> list[int]:
     return _chat(model, messages)
 
 
-@app.task(name=BATCH_TICK, queue=HOUSEKEEPING_QUEUE, ignore_result=True, acks_late=True)
+@housekeeping(BATCH_TICK)
 def batch_tick() -> dict:
     """Advance every live batch one step (app/fleet/batch_tick.py): validate, submit the next
     lines, record what ended, end it; returns {batch id: status}."""

@@ -197,3 +197,29 @@ def test_submit_refuses_an_endpoint_not_served_before_storing_anything(runner, t
     assert runner.run(job="j") == 1
     [e] = runner.err()
     assert e["custom_id"] == "a" and "not supported" in e["error"]["message"]
+
+
+def test_the_command_says_when_the_batch_tick_is_overdue_and_when_it_runs_again(
+        runner, tmp_path, monkeypatch, capsys):
+    """Given a batch whose tick (beat's) stopped running, when `vigil batch FILE` follows it,
+    then it says once that the batch does not move and why, and says so again when the tick
+    runs again; the batch then completes as usual."""
+    write(tmp_path / "in.jsonl", [line("a"), line("b")])
+    overdue = {"state": "overdue", "every_s": 2.0, "warning": "vigil.batch_tick last ran 60 s "
+               "ago but should run every 2 s: beat is down or stuck"}
+    ok = {"state": "ok", "every_s": 2.0, "warning": ""}
+    states = iter([overdue, overdue, overdue])
+    monkeypatch.setattr(batches, "tick_status", lambda bs, s, now: next(states, ok))
+    waits = []
+
+    def between():  # the fleet is idle while the tick is overdue, then works
+        waits.append(1)
+        if len(waits) > 3:
+            runner.work()
+
+    runner.between = between
+    assert runner.run() == 0
+    err = capsys.readouterr().err
+    assert err.count("does not move: vigil.batch_tick last ran 60 s ago") == 1
+    assert "the batch tick runs again" in err
+    assert [o["custom_id"] for o in runner.out()] == ["a", "b"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +17,11 @@ import psutil
 import pytest
 import requests
 
+from app import app
 from app.local.embedded import free_port, start_process, stop_process, vigil_env, wait_for
+from app.state.queues import HOUSEKEEPING_QUEUE
+from app.state.store import shared_store
+from app.task_names import DEADLINE_SWEEP, MESSAGE_AUDIT
 from tasks.inference import generate
 
 pytestmark = pytest.mark.worker
@@ -150,3 +155,27 @@ def test_a_request_waiting_in_the_worker_shows_its_model_and_job_but_not_its_pro
     assert "flower-wait" in entry["request"]["kwargs"] and "tiny-llama" in entry["request"]["kwargs"]
     assert prompt not in json.dumps(view)
     assert r.get(timeout=120)["worker"] == WORKER  # it still runs when its countdown ends
+
+
+def test_housekeeping_ticks_stay_out_of_flowers_task_list(flower, warm_worker):
+    """Given Flower watching the warm worker, which also runs vigil.housekeeping, when beat's
+    tasks run there beside a request, then Flower lists the request and none of the ticks (a
+    tick every 2 s would bury the requests in its task list and counts), while each tick's run
+    is recorded where `vigil status` reads it."""
+    wait_for(lambda: _events_enabled(warm_worker), 60, 0.5, "Flower to enable task events")
+    t0 = time.time()
+    ticks = [app.send_task(name, queue=HOUSEKEEPING_QUEUE) for name in
+             (DEADLINE_SWEEP, MESSAGE_AUDIT)]
+    r = generate.delay(model="tiny-llama", prompt="after the ticks", max_tokens=4,
+                       job="flower-ticks")
+    assert r.get(timeout=120)["worker"] == WORKER
+    wait_for(lambda: flower.task(r.id), 60, 0.5, "Flower to see the request")
+    runs = wait_for(lambda: (x := shared_store().housekeeping.runs()) and all(
+        x.get(n, {}).get("at", 0) >= t0 for n in (DEADLINE_SWEEP, MESSAGE_AUDIT)) and x, 60,
+        0.5, "the ticks to run")
+    assert runs[DEADLINE_SWEEP]["error"] == ""
+    listed = flower.get("/api/tasks?limit=1000").json()
+    assert r.id in listed
+    assert not any(t.id in listed for t in ticks)
+    assert not any(v.get("name", "").startswith("vigil.") and v.get("name") != "vigil.generate"
+                   for v in listed.values())

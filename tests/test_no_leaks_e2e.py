@@ -38,14 +38,15 @@ print("all", len(outs), "done")
 # declarations of its queues). Registries of live things, each entry removed when its thing
 # ends: vigil:workers with each live worker's vigil:worker:{i} and vigil:health:{i}; vigil:jobs
 # with each live job's vigil:job:{name} (the `default` job is always live) and the pools' job
-# sets vigil:pooljobs:{pool} naming live jobs only; vigil:stats, a fixed set of counters; and
-# vigil:redis_run_id, the one key saying which Redis run the restart audit last covered.
+# sets vigil:pooljobs:{pool} naming live jobs only; vigil:stats, a fixed set of counters;
+# vigil:redis_run_id, the one key saying which Redis run the restart audit last covered; and
+# vigil:housekeeping, one field per beat task (its last run).
 CONFIG_PREFIXES = ("_kombu.binding",)
 
 
 def registry_keys(r) -> set[str]:
     """The keys the registries of live workers and jobs account for right now."""
-    out = {keys.STATS, keys.REDIS_RUN_ID}
+    out = {keys.STATS, keys.REDIS_RUN_ID, keys.HOUSEKEEPING_RUNS}
     workers = {i.decode() for i in r.zrange(keys.WORKERS, 0, -1)}
     if workers:
         out.add(keys.WORKERS)

@@ -49,9 +49,9 @@ def publish(app, rid):
 
 
 def worker(client, instance, name, pools="tiny-llama"):
-    Heartbeat(WorkerRegistry(client), instance, name, 10, lambda: {"pools": pools, "in_flight": 0,
-                                                   "model": "tiny-llama",
-                                                   "engine_state": "ready"}).beat()
+    Heartbeat(WorkerRegistry(client), instance, name, 10,
+              lambda: {"pools": pools, "in_flight": 0, "model": "tiny-llama",
+                       "engine_state": "ready"}).beat()
 
 
 def view(store, settings, rid, **kw):
@@ -74,6 +74,21 @@ def test_a_queued_request_with_no_worker_says_so_and_gives_its_place_in_the_queu
     assert w["reasons"] == ["pool tiny-llama: no live worker serves it",
                             f"position ~6 of 8 in queue {QUEUE}"]
     assert w["summary"] == "; ".join(w["reasons"]) and w["held_by"] == []
+
+
+def test_a_get_that_times_out_says_why_the_request_waits(store, settings, celery_app):
+    """Given a queued request whose pool no worker serves, when `r.get(timeout=...)` gives up,
+    then Celery's TimeoutError says so (the wait's summary), not only that time ran out."""
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+    app = create_app(settings)
+    create(store, "r-timeout")
+    publish(celery_app, "r-timeout")
+    with pytest.raises(CeleryTimeoutError) as ei:
+        app.AsyncResult("r-timeout").get(timeout=0.3)
+    msg = str(ei.value)
+    assert msg.startswith("request r-timeout did not end within 0.3 s: ")
+    assert "pool tiny-llama: no live worker serves it" in msg and "position ~1 of 1" in msg
 
 
 def test_every_worker_of_the_pool_quarantined_is_the_reason(store, settings, celery_app):

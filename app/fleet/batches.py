@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Iterator
 
 from app.errors import INVALID_REQUEST, RequestError
+from app.fleet.housekeeping_runs import batch_tick_state
+from app.housekeeping_schedule import schedule
 from app.requests import batch_file as fmt
 from app.settings import VigilSettings
 from app.state.batches import BatchStore
@@ -228,6 +230,22 @@ def get_batch(bs: BatchStore, batch_id: str) -> dict:
     if b is None:
         raise no_batch(batch_id)
     return batch_object(b)
+
+
+def tick_status(bs: BatchStore, settings: VigilSettings, now: float) -> dict:
+    """When the batch tick, which advances every batch, last ran, and whether it is overdue
+    (app/fleet/housekeeping_runs.py): without beat no batch moves, and nothing else says so."""
+    return batch_tick_state(bs.housekeeping.runs(), schedule(settings), now)
+
+
+def with_tick(obj: dict, tick: dict) -> dict:
+    """A Batch object with the batch tick's state (`vigil_batch_tick`: last_run_at, age_s,
+    every_s, state ok | overdue | never, warning) for a batch that has not ended; an ended one
+    no longer needs the tick."""
+    if obj["status"] in ENDED:
+        return obj
+    keep = ("last_run_at", "age_s", "every_s", "state", "warning")
+    return {**obj, "vigil_batch_tick": {k: tick[k] for k in keep}}
 
 
 def batch_object(b: dict) -> dict:

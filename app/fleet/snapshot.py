@@ -1,5 +1,6 @@
 """The fleet as Redis sees it, as plain JSON-ready data: workers (health state, streak, in
-flight, memory), pools (waiting, oldest wait, running, who serves them, why not) and jobs.
+flight, memory), pools (waiting, oldest wait, running, who serves them, why not), jobs, and
+when each housekeeping task last ran (app/fleet/housekeeping_runs.py).
 
 `vigil status` renders it (app/ops/status.py); the explanation of a waiting request reads it
 (app/fleet/waiting.py). Read-only: it reads the registry entries, health ledgers and queue
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from app.fleet.housekeeping_runs import housekeeping_view
+from app.housekeeping_schedule import schedule
 from app.redis_url import redacted_url
 from app.requests.models import ModelRegistry
 from app.settings import VigilSettings
@@ -51,7 +54,9 @@ def collect(store: RequestStore, settings: VigilSettings, registry: ModelRegistr
                       "oldest_waiting_s": oldest,
                       "workers": [w["name"] for w in healthy], "why_unserved": why})
     return {"redis": redacted_url(settings.redis_url), "at": now, "workers": workers,
-            "pools": pools, "jobs": store.jobs.list()}
+            "pools": pools, "jobs": store.jobs.list(),
+            "housekeeping": housekeeping_view(store.housekeeping.runs(), schedule(settings),
+                                              now)}
 
 
 def oldest_waiting_age(store: RequestStore, queues: list[str], now: float) -> float | None:

@@ -171,12 +171,15 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
     def list_batches(limit: int = 20, after: str | None = None) -> dict:
         limit = max(1, min(limit, MAX_LIST))
         ids = bs.batch_ids(limit + 1, after)
-        rows = [batches.batch_object(b) for b in map(bs.get, ids[:limit]) if b]
+        tick = batches.tick_status(bs, settings, clock())
+        rows = [batches.with_tick(batches.batch_object(b), tick)
+                for b in map(bs.get, ids[:limit]) if b]
         return _page(rows, len(ids) > limit)
 
     @api.get("/v1/batches/{batch_id}")
     def retrieve(batch_id: str) -> dict:
-        return batches.get_batch(bs, batch_id)
+        return batches.with_tick(batches.get_batch(bs, batch_id),
+                                 batches.tick_status(bs, settings, clock()))
 
     @api.post("/v1/batches/{batch_id}/cancel")
     def cancel(batch_id: str) -> dict:

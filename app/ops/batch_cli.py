@@ -129,7 +129,8 @@ def first_url(data: bytes) -> str:
 def _status(bs: BatchStore, args: argparse.Namespace) -> int:
     if args.watch:
         return _watch(bs, args.id)
-    b = batches.get_batch(bs, args.id)
+    b = batches.with_tick(batches.get_batch(bs, args.id),
+                          batches.tick_status(bs, get_settings(), time.time()))
     print(json.dumps(b, indent=2) if args.json else summary(b))
     return 0
 
@@ -151,6 +152,13 @@ def summary(b: dict) -> str:
         lines.append(f"  metadata        {json.dumps(b['metadata'])}")
     for e in (b["errors"] or {}).get("data", []):
         lines.append(f"  error: {e['message']}")
+    tick = b.get("vigil_batch_tick")
+    if tick:
+        last = "never" if tick["age_s"] is None else f"{tick['age_s']:.0f} s ago"
+        lines.append(f"  batch tick      last ran {last} (every {tick['every_s']:g} s)")
+        if tick["warning"]:
+            lines.append(f"  warning: {tick['warning']}; this batch does not move until it "
+                         "runs")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from rich.text import Text
 
 from app.errors import RequestError, TransientError
 from app.fleet import batches
+from app.fleet.housekeeping_runs import NEVER, OVERDUE_INTERVALS, OVERDUE_SLACK_S
 from app.ops.batch_cli import first_url
 from app.requests import batch_file as batch
 from app.settings import VigilSettings, get_settings
@@ -36,8 +37,6 @@ from app.state.conn import connect
 
 DEFAULT_WINDOW = 512
 POLL_INTERVAL_S = 1.0
-# A batch still `validating` this long after the command started: no batch tick ran. Said once.
-NO_TICK_HINT_S = 30.0
 
 
 class BatchUsageError(Exception):
@@ -151,11 +150,14 @@ def find_or_submit(bs: BatchStore, data: bytes, name: str, job: str, window: int
 def follow(bs: BatchStore, batch_id: str, files: _Files,
            on_progress: Callable[[Tally], None] = lambda t: None,
            poll_interval: float = POLL_INTERVAL_S, sleep=time.sleep, clock=time.monotonic,
-           say: Callable[[str], None] = lambda m: None) -> dict:
+           say: Callable[[str], None] = lambda m: None,
+           tick: Callable[[], dict] | None = None) -> dict:
     """Write the batch's results to `files` as they are recorded until it ends; returns its
-    final Batch object. Raises TransientError when Redis cannot be reached."""
-    started = clock()
-    hinted = False
+    final Batch object. With `tick` (the batch tick's state, app/fleet/batches.py
+    `tick_status`), say when the batch tick that advances the batch has never run or is
+    overdue (a tick that never ran, once it had time to: a fleet may have just started), and
+    when it runs again. Raises TransientError when Redis cannot be reached."""
+    started, warned = clock(), ""
     while True:
         b = batches.get_batch(bs, batch_id)
         files.catch_up(bs, batch_id)
@@ -164,11 +166,16 @@ def follow(bs: BatchStore, batch_id: str, files: _Files,
         if b["status"] in batches.ENDED:
             files.catch_up(bs, batch_id)
             return b
-        if b["status"] == batches.VALIDATING and not hinted and \
-                clock() - started > NO_TICK_HINT_S:
-            say(f"batch {batch_id} is still validating after {NO_TICK_HINT_S:.0f} s: is beat "
-                "running, and the housekeeper (or a worker) that runs its batch tick?")
-            hinted = True
+        state = tick() if tick is not None else None
+        if state is not None and state["state"] == NEVER and clock() - started < \
+                OVERDUE_INTERVALS * state["every_s"] + OVERDUE_SLACK_S:
+            state = None  # not yet: the first tick may still come
+        if state is not None and state["state"] != warned:
+            if state["warning"]:
+                say(f"batch {batch_id} does not move: {state['warning']}")
+            elif warned:
+                say("the batch tick runs again")
+            warned = state["state"] if state["warning"] else ""
         sleep(poll_interval)
 
 
@@ -214,7 +221,8 @@ def run_file(store: Callable[[], BatchStore], settings: VigilSettings, src: str 
         say(f"{'submitted' if new else 'following'} batch {batch_id} (job {job})")
         files.start()
         with _progress(job, quiet) as on_progress:
-            b = follow(bs, batch_id, files, on_progress, sleep=sleep, say=say)
+            b = follow(bs, batch_id, files, on_progress, sleep=sleep, say=say,
+                       tick=lambda: batches.tick_status(bs, settings, time.time()))
     except BatchUsageError as e:
         say(str(e))
         return 2

@@ -97,7 +97,20 @@ def render(snap: dict, wide: bool = False):
     for j in snap.get("jobs", []):
         jt.add_row(j["name"], str(j["pending"]), str(j["replicas"]),
                    f"{snap['at'] - j['last_active']:.0f} s ago")
-    return Group(wt, pt, jt)
+    ht = _table("housekeeping")
+    ht.add_column("task", no_wrap=True)
+    for col in ("every", "last run", "state"):
+        ht.add_column(col, no_wrap=True, justify="right")
+    warnings = []
+    for h in snap.get("housekeeping", []):
+        last = "never" if h["age_s"] is None else f"{h['age_s']:.0f} s ago"
+        state = h["state"] if h["state"] == "ok" else f"[red]{h['state']}[/]"
+        if h["error"]:
+            state += " [yellow](failed)[/]"
+        ht.add_row(h["task"].removeprefix("vigil."), f"{h['every_s']:g} s", last, state)
+        if h["warning"]:
+            warnings.append(f"[red]! {h['warning']}[/]")
+    return Group(wt, pt, jt, ht, *warnings)
 
 
 def run_status(as_json: bool = False, watch: float | None = None, wide: bool = False) -> int:

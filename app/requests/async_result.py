@@ -60,7 +60,9 @@ class VigilAsyncResult(AsyncResult):
     def get(self, timeout=None, propagate=True, interval=0.5, **kwargs):
         """Celery's `get` (same arguments), which also ends when Vigil's record ends: returns
         the result, or raises (propagate) / returns the request's VigilError; raises
-        TerminalError `request_lost` when Redis has no record of the request."""
+        TerminalError `request_lost` when Redis has no record of the request, and Celery's
+        TimeoutError after `timeout` seconds, its message saying where the request waits and
+        why (`info`'s summary: no worker serves its pool, its position in the queue, ...)."""
         # Celery's on_interval hook fires only once (a vine promise), so wait in slices and
         # look at the record between them.
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -72,7 +74,7 @@ class VigilAsyncResult(AsyncResult):
                                    **kwargs)
             except CeleryTimeoutError:
                 if left is not None and left <= RECORD_CHECK_S:
-                    raise
+                    raise self._timed_out(timeout) from None
             ended = self._ended_record()
             if ended is None:
                 continue
@@ -82,6 +84,18 @@ class VigilAsyncResult(AsyncResult):
             if propagate:
                 raise err
             return err
+
+    def _timed_out(self, timeout: float) -> CeleryTimeoutError:
+        """Celery's TimeoutError for a `get` that waited `timeout` s, saying why it waits."""
+        why = None
+        why_waiting = getattr(self.app, "vigil_why_waiting", None)
+        if why_waiting is not None:
+            try:
+                why = why_waiting(self.id)
+            except Exception:  # Redis away too: the plain timeout is all there is to say
+                why = None
+        detail = f": {why['summary']}" if why and why.get("summary") else ""
+        return CeleryTimeoutError(f"request {self.id} did not end within {timeout:g} s{detail}")
 
     def stream(self, after: int = 0, timeout: float | None = None):
         """The request's tokens as they are generated (docs/api.md, "Token streams"): yields

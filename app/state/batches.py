@@ -17,6 +17,7 @@ import redis
 from app.state import keys
 from app.state.calls import Calls, decoded
 from app.state.lua import BATCH_RECORD
+from app.state.views import HousekeepingView
 
 # Lines are written and read in chunks of this many (one round trip each).
 CHUNK = 1000
@@ -30,6 +31,8 @@ class BatchStore:
         self.r = client
         self._call = calls or Calls(client)
         self._record = client.register_script(BATCH_RECORD)
+        # When the batch tick (and every other housekeeping task) last ran.
+        self.housekeeping = HousekeepingView(client, self._call)
 
     # -- files -----------------------------------------------------------------------------
     def put_file(self, file_id: str, meta: dict, lines: list[bytes], ttl_s: float) -> None:

@@ -17,6 +17,9 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | duplicate_deliveries, stale_deliveries   |
 | vigil:redis_run_id          | str  | none (one key)              | the Redis run_id of the last complete    |
 |                             |      |                             | restart audit (fleet/message_audit.py)   |
+| vigil:housekeeping          | hash | none (one key, a field per  | task name -> JSON {at, took, error} of   |
+|                             |      | housekeeping task)          | its last run (tasks/housekeeping.py);    |
+|                             |      |                             | read by `vigil status`, batch status     |
 | vigil:deadlines             | zset | none                        | request id -> deadline_at, non-terminal  |
 |                             |      |                             | requests only (create adds, finish drops)|
 |                             |      |                             | read by the deadline sweep               |
@@ -89,6 +92,7 @@ WORKERS = PREFIX + "workers"
 STATS = PREFIX + "stats"
 DEADLINES = PREFIX + "deadlines"
 REDIS_RUN_ID = PREFIX + "redis_run_id"
+HOUSEKEEPING_RUNS = PREFIX + "housekeeping"
 
 PENDING = "PENDING"
 RUNNING = "RUNNING"

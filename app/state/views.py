@@ -1,18 +1,19 @@
-"""Views on the request store: kombu's queues and the job records, read and written through the
-store's one client under its one outage policy (app/state/calls.py).
+"""Views on the request store: kombu's queues, the job records and the housekeeping runs, read and
+written through the store's one client under its one outage policy (app/state/calls.py).
 
 Code outside app/state/ never holds a Redis client: it asks a `RequestStore` (app/state/store.py)
-and these views (`store.broker`, `store.jobs`), so every read and write of Redis rides out an
+and these views (`store.broker`, `store.jobs`, `store.housekeeping`), so every read and write of Redis rides out an
 outage the same way and fails the same way (TransientError(redis_unavailable)).
 tests/test_layers.py fails on a `.r.` or `._call` outside app/state/.
 """
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import redis
 
-from app.state import broker, jobs
+from app.state import broker, jobs, keys
 from app.state.lua import MOVE_MESSAGE
 
 
@@ -114,3 +115,26 @@ class JobsView:
     def clear_unserved(self, pool: str) -> None:
         """Forget a pool's unserved reason (it is served, or has nothing waiting)."""
         self._call(jobs.clear_unserved, self._client, pool)
+
+
+class HousekeepingView:
+    """When each housekeeping task last ran (vigil:housekeeping), through the store."""
+
+    def __init__(self, client: redis.Redis, call: Callable):
+        self._client, self._call = client, call
+
+    def note_run(self, task: str, at: float, took: float, error: str = "") -> None:
+        """Record the last run of housekeeping task `task`: when it ended, how long it took,
+        and its error if it failed (empty when it succeeded)."""
+        self._call(self._client.hset, keys.HOUSEKEEPING_RUNS, task,
+                   json.dumps({"at": at, "took": round(took, 3), "error": error[:300]}))
+
+    def runs(self) -> dict[str, dict]:
+        """task name -> {at, took, error} of its last run (`note_run`)."""
+        out = {}
+        for k, v in self._call(self._client.hgetall, keys.HOUSEKEEPING_RUNS).items():
+            try:
+                out[k.decode()] = json.loads(v)
+            except ValueError:
+                continue
+        return out
