@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import threading
 
+from billiard.common import TERM_SIGNAME
 from celery import Celery
+from celery.app.control import Control
+
 from kombu import Queue
 from kombu.utils.objects import cached_property
 
 from app.celery_ports import CeleryPorts
+from app.control import ControlBus
 from app.fleet import waiting
+from app.fleet.cancel import cancel_requests
 from app.housekeeping_schedule import schedule
 from app.requests.models import ModelRegistry, get_registry
 from app.result_backend import backend_url
@@ -31,11 +36,31 @@ from app.state.transport import transport_for
 APP_NAME = "vigil"
 
 
+class VigilControl(Control):
+    """Celery's control bus, except that a revoke cancels Vigil's requests first
+    (app/fleet/cancel.py): each open one ends `cancelled`, once, and is aborted in its engine,
+    also when no worker is there to hear Celery's own revoke. `terminate=True` is taken as a
+    plain revoke: the abort already stops the generation, and the threads pool cannot kill one
+    task (Celery's terminate would fail in the worker); no signal is sent, the worker and its
+    other requests carry on."""
+
+    def revoke(self, task_id, destination=None, terminate=False, signal=TERM_SIGNAME, **kwargs):
+        """Cancel the Vigil requests among `task_id` (one id or a list), then revoke them as
+        Celery does (without terminate)."""
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        if ids and isinstance(self.app, VigilCelery):
+            cancel_requests(self.app.vigil_store, ids, backend=self.app.backend,
+                            bus=ControlBus(self))
+        return super().revoke(task_id, destination=destination, terminate=False,
+                              signal=signal, **kwargs)
+
+
 class VigilCelery(Celery):
     """Celery, except that the results it hands out (`generate.delay(...)`, `app.AsyncResult(id)`)
     are VigilAsyncResult: `info` of an unfinished request says where it waits and why
     (`vigil_why_waiting`, app/fleet/waiting.py)."""
 
+    control_cls = "app.celery_app:VigilControl"
     # What create_app built this app from (results read Vigil's state through them).
     vigil_settings: VigilSettings | None = None
     vigil_registry: ModelRegistry | None = None

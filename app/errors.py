@@ -21,7 +21,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed, engine_start_failed      |
 | TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
-|                  |                                            | attempts_exhausted, batch_cancelled,    |
+|                  |                                            | attempts_exhausted, cancelled,          |
+|                  |                                            | batch_cancelled,                        |
 |                  |                                            | batch_expired, request_lost             |
 |                  |                                            | (raised by `r.get()`: Redis has no      |
 |                  |                                            | record of the request)                  |
@@ -66,6 +67,9 @@ ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 # A batch's line that had not ended when its batch was cancelled, or when its completion window
 # ran out (app/fleet/batch_tick.py).
 BATCH_CANCELLED = "batch_cancelled"
+# Its submitter (or an operator) cancelled it: `revoke()`, `vigil request cancel` (app/fleet/
+# cancel.py).
+CANCELLED = "cancelled"
 BATCH_EXPIRED = "batch_expired"
 # Raised by `r.get()` only: Redis has no record of the request any more (lost by a Redis crash
 # inside the AOF fsync window, or expired after VIGIL_RESULT_TTL). Submitting it again is safe.

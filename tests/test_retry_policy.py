@@ -44,6 +44,7 @@ TABLE = {
     "deadline_exceeded": (TerminalError, False, None, None, None),
     "job_deleted": (TerminalError, False, None, None, None),
     "attempts_exhausted": (TerminalError, False, None, None, None),
+    "cancelled": (TerminalError, False, None, None, None),
     "batch_cancelled": (TerminalError, False, None, None, None),
     "batch_expired": (TerminalError, False, None, None, None),
     "request_lost": (TerminalError, False, None, None, None),

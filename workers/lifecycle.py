@@ -13,11 +13,13 @@ import threading
 from celery.app import trace as celery_trace
 from celery.signals import (task_revoked, worker_init, worker_ready, worker_shutdown,
                             worker_shutting_down)
+from celery.worker import control as celery_control
 from celery.worker.control import control_command
 
 from app.celery_app import APP_NAME
 from app.celery_ports import ports_of
-from app.errors import DEADLINE_EXCEEDED, TerminalError
+from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
+from app.fleet.cancel import cancel_requests
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
 from app.settings import get_settings
@@ -108,6 +110,26 @@ def _consume_job_queues(consumer, rt) -> None:
         log.warning("could not consume the job queues of %s: %s", rt.pools, e)
 
 
+@control_command(name="revoke", variadic="task_id", signature="[id1 [id2 [... [idN]]]]")
+def revoke(state, task_id, terminate=False, signal=None, **kwargs):
+    """Celery's revoke (whoever sent it: Vigil's app, a plain Celery app, Flower), with Vigil's
+    requests among the ids cancelled first (app/fleet/cancel.py): ended `cancelled` once and
+    aborted in this worker's engine now. `terminate` is taken as a plain revoke: the threads
+    pool cannot kill one task (Celery's terminate raises there), and the abort already stopped
+    the generation; the worker and its other requests carry on."""
+    ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+    rt = runtime.installed()
+    try:
+        if ids:
+            store = rt.store if rt is not None else shared_store()
+            cancel_requests(store, ids, backend=state.app.backend, bus=None)
+    except Exception as e:  # the record stays open: the sender's own cancel may have ended it
+        log.warning("revoke: could not end %s cancelled: %s", ids, e)
+    if rt is not None and ids:
+        rt.host.abort_requests(set(ids))
+    return celery_control.revoke(state, task_id, terminate=False, signal=signal, **kwargs)
+
+
 @control_command(args=[("request_ids", list)], signature="<request_id> ...")
 def vigil_abort(state, request_ids=None, **_):
     """Abort these requests if this worker is running them: they ended elsewhere (their job was
@@ -119,13 +141,15 @@ def vigil_abort(state, request_ids=None, **_):
 
 @task_revoked.connect
 def _on_task_revoked(sender=None, request=None, expired=False, **_):
-    """Celery dropped an expired message (past deadline + grace) without running it. Give the
-    request its typed end: record FAILED and the backend's REVOKED replaced by the same
-    deadline_exceeded error, so `r.get()` raises a Vigil error, not TaskRevokedError."""
-    if not expired or getattr(sender, "name", "") != GENERATE or request is None:
+    """Celery dropped a message without running it: expired (past deadline + grace), or
+    revoked (cancelled). Give the request its typed end: record FAILED (deadline_exceeded, or
+    cancelled when the cancel did not end it already) and the backend's REVOKED replaced by the
+    stored outcome, so `r.get()` raises a Vigil error, not TaskRevokedError."""
+    if getattr(sender, "name", "") != GENERATE or request is None:
         return
-    err = TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
-                           "could run it (message expired)")
+    err = (TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
+                            "could run it (message expired)") if expired else
+           TerminalError.of(CANCELLED, "revoked before a worker ran it"))
     # Celery stored REVOKED: the backend gets the stored outcome whoever wrote it.
     if housekeeper():  # a misrouted message: no runtime here, the sweeper's identity
         end_request(shared_store(), request.id, error=err, backend=sender.backend,

@@ -30,6 +30,7 @@ from app.devices import (DEVICE_ORDER, Card, GpuSpecError, NvmlMissing, cuda_ver
                          read_cards, version_problem, visible_devices, visible_entries)
 from app.errors import VigilError
 from app.fleet import jobs
+from app.fleet.cancel import ENDED_NOW, cancel_requests
 from app.local.demo import run_demo
 from app.requests.model_files import build_tiny_llama
 from app.ops import batch_cli
@@ -327,10 +328,36 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
+    if args.id[0] == "cancel" and len(args.id) > 1:
+        return _cancel_requests(args.id[1:], args.json)
+    if len(args.id) > 1:
+        print("vigil request: give one request id (or `cancel ID [ID ...]`)", file=sys.stderr)
+        return 2
+    rid = args.id[0]
     if args.follow:
         # The results' app: its AsyncResult reads the token stream.
-        return follow_request(shared_app(), args.id, after=args.after, timeout=args.timeout)
-    return run_request(args.id, as_json=args.json, show_text=args.show_text)
+        return follow_request(shared_app(), rid, after=args.after, timeout=args.timeout)
+    return run_request(rid, as_json=args.json, show_text=args.show_text)
+
+
+def _cancel_requests(ids: list[str], as_json: bool) -> int:
+    """`vigil request cancel ID ...`: each open request ends `cancelled` and stops in its engine
+    (app/fleet/cancel.py); prints what happened to each. 0 when every one was cancelled now, 1
+    when some had already ended or are unknown (nothing was changed for those)."""
+    app = shared_app()
+    try:
+        done = cancel_requests(app.vigil_store, ids, backend=app.backend,
+                               bus=app.vigil_ports.bus, reason="cancelled by an operator "
+                               "(vigil request cancel)")
+    except VigilError as e:
+        print(f"vigil request: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(done))
+    else:
+        for rid, what in done.items():
+            print(f"{rid}: {what}")
+    return 0 if all(what == ENDED_NOW for what in done.values()) else 1
 
 
 def _gpu_spec(text: str) -> tuple[int, ...]:
@@ -433,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("request", help="one request: status, attempts, result or error, and "
                        "while it waits, why")
-    r.add_argument("id", help="the request id (= the Celery task id)")
+    r.add_argument("id", nargs="+", metavar="ID",
+                   help="the request id (= the Celery task id); `cancel ID [ID ...]` cancels "
+                   "requests: each open one ends `cancelled` and stops in its engine")
     r.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     r.add_argument("--show-text", action="store_true",
                    help="include the generated text and token ids (user data)")

@@ -19,6 +19,7 @@ import threading
 import time
 
 from celery import states
+from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
@@ -72,6 +73,16 @@ class VigilAsyncResult(AsyncResult):
             try:
                 return super().get(timeout=piece, propagate=propagate, interval=interval,
                                    **kwargs)
+            except TaskRevokedError:
+                # Celery stores REVOKED for a message it dropped (a cancel, an expired message)
+                # before Vigil's hook replaces it with the stored outcome: answer with that.
+                ended = self._ended_record()
+                if ended is None or ended.status == "SUCCEEDED":
+                    raise
+                err = error_from_record(ended.error_kind, ended.error)
+                if propagate:
+                    raise err from None
+                return err
             except CeleryTimeoutError:
                 if left is not None and left <= RECORD_CHECK_S:
                     raise self._timed_out(timeout) from None

@@ -1,0 +1,103 @@
+"""Worker tier: cancel stops the GPU. On the shared warm worker (the real vLLM CPU engine), a
+long greedy generation is revoked while it runs: it ends `cancelled` at once, its tokens so far
+stay in its stream, and vLLM stops making tokens for it (the engine's own output count, read
+from the worker's heartbeat, stops short of max_tokens; the witness saw no finished
+generation). The abort comes from the cancel's broadcast, not from the worker's next
+heartbeat. `revoke(terminate=True)` leaves the worker process serving."""
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+import uuid
+
+import pytest
+
+from app.errors import TerminalError
+from app.local.embedded import wait_for
+from app.state.store import shared_store
+from tasks.inference import generate
+from tests.conftest import WITNESS_DIR
+from workers.engine.witness import read_witness
+
+pytestmark = pytest.mark.worker
+MAX_TOKENS = 480  # tiny-llama's context is 512: the longest generation a short prompt allows
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+
+def outputs(worker) -> tuple[int, int]:
+    """(vLLM's request outputs so far, requests in flight) from the worker's heartbeat."""
+    e = worker.entry() or {}
+    return int(e.get("engine_step_outputs") or 0), int(e.get("in_flight") or 0)
+
+
+def settled(worker) -> int:
+    """vLLM's output count once the engine is idle and two heartbeats agree on it."""
+    seen = []
+
+    def still():
+        out, busy = outputs(worker)
+        seen.append(out)
+        return not busy and len(seen) >= 3 and seen[-1] == seen[-3]
+    wait_for(still, 30, 0.5, "the engine to go idle")
+    return seen[-1]
+
+
+def streamed(rid: str) -> int:
+    return int((shared_store().get(rid) or {}).get("streamed") or 0)
+
+
+def ended_at(worker, rid: str) -> float | None:
+    """When the worker logged the task's end (Celery's failure line), unix seconds."""
+    for line in worker.log.read_text().splitlines():
+        if rid in line and "TerminalError" in line and (m := LOG_TIME.match(line)):
+            return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
+
+
+def long_request(job: str):
+    return generate.delay(model="tiny-llama", prompt="count to a thousand", max_tokens=MAX_TOKENS,
+                          temperature=0.0, ignore_eos=True, job=job)
+
+
+def test_a_running_request_revoked_stops_in_the_engine_and_ends_cancelled(warm_worker):
+    """Given a 480-token greedy generation running on the warm worker, when its submitter calls
+    `r.revoke()` after its first tokens are streamed, then `r.get()` raises `cancelled`, the
+    stream keeps the tokens made before, vLLM stops making tokens for it well short of 480,
+    the witness records no finished generation, and the abort was the cancel's broadcast
+    (within a second, before the worker's heartbeat could have found it ended)."""
+    before = settled(warm_worker)
+    job = f"cancel-{uuid.uuid4().hex[:8]}"
+    r = long_request(job)
+    wait_for(lambda: streamed(r.id) >= 16, 120, 0.05, "the first tokens in the stream")
+    log_from = len(warm_worker.log.read_text())
+    t0 = time.time()
+    r.revoke()
+    with pytest.raises(TerminalError, match="^cancelled: "):
+        r.get(timeout=30)
+    made = settled(warm_worker) - before
+    kept = streamed(r.id)
+    assert 16 <= kept < MAX_TOKENS
+    assert made < 0.8 * MAX_TOKENS, f"vLLM made {made} outputs for a cancelled request"
+    assert not any(g for g in read_witness(WITNESS_DIR).get(r.id, []))
+    at = wait_for(lambda: ended_at(warm_worker, r.id), 30, 0.2, "the worker's end line")
+    latency = at - t0
+    print(f"cancel: the task ended {latency * 1000:.0f} ms after revoke(); vLLM made {made} "
+          f"outputs, {kept} tokens streamed")
+    assert latency < 1.0
+    # The heartbeat's own sweep (workers/held.py abort_ended) never had to stop it.
+    assert "that ended elsewhere" not in warm_worker.log.read_text()[log_from:]
+
+
+def test_terminate_true_aborts_the_request_and_the_worker_keeps_serving(warm_worker):
+    """`revoke(terminate=True)` cancels like a revoke (the threads pool cannot kill one task):
+    the request ends `cancelled`, the worker process lives and the next request succeeds."""
+    pid = warm_worker.proc.pid
+    r = long_request(f"terminate-{uuid.uuid4().hex[:8]}")
+    wait_for(lambda: streamed(r.id) >= 8, 120, 0.05, "the first tokens in the stream")
+    r.revoke(terminate=True)
+    with pytest.raises(TerminalError, match="^cancelled: "):
+        r.get(timeout=30)
+    assert warm_worker.proc.poll() is None and warm_worker.proc.pid == pid
+    ok = generate.delay(model="tiny-llama", prompt="still here", max_tokens=4).get(timeout=120)
+    assert ok["completion_tokens"] == 4 or ok["finish_reason"] == "stop"
