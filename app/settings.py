@@ -108,6 +108,13 @@ DEFAULT_STREAM_CHUNK_TOKENS = 64
 DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
+# Task threads (engine slots) of a worker kept for interactive requests: lower tiers may hold
+# at most concurrency - this many of a worker's messages at once (app/state/intake.py), so an
+# interactive request arriving at a worker full of bulk work starts at once.
+DEFAULT_INTERACTIVE_SLOTS = 8
+# Bulk work's floor: with a backlog in every tier, lower tiers still get at least this share of
+# a worker's intake (every 1/floor-th pop takes the lowest tier first); 0: strict priority.
+DEFAULT_BULK_FLOOR = 0.1
 # How long a request waits for memory when no engine can start for memory pressure (a co-tenant
 # holding the card), from the squeeze's first refusal: five minutes outlast a co-tenant's batch
 # job step, while a card that stays full fails the request well before its deadline.
@@ -229,6 +236,12 @@ class VigilSettings(BaseSettings):
     stall_timeout: float = Field(DEFAULT_STALL_TIMEOUT_S, ge=0, description="0 disables the "
                                  "engine-progress watchdog.")
     max_canary_failures: int = Field(DEFAULT_MAX_CANARY_FAILURES, ge=1, le=100)
+    interactive_slots: int = Field(DEFAULT_INTERACTIVE_SLOTS, ge=0, le=4096, description="A "
+                                   "worker's task threads kept free of default and bulk "
+                                   "requests, for interactive ones (0: none kept).")
+    bulk_floor: float = Field(DEFAULT_BULK_FLOOR, ge=0.0, le=1.0, description="The least share "
+                              "of a worker's intake that lower tiers get while interactive "
+                              "requests wait too (0: strict priority).")
     memory_pressure_window: float = Field(DEFAULT_MEMORY_PRESSURE_WINDOW_S, gt=0)
     health_tick_interval: float = Field(DEFAULT_HEALTH_TICK_S, gt=0)
     job_lease: float | None = Field(None, gt=0, description="A job with no submit or poll for "

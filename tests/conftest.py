@@ -267,6 +267,14 @@ def start_batch_beat(redis_server, tmp: Path, **env):
                          tmp / "batch-beat.log")
 
 
+def queued(client, queue: str) -> int:
+    """Messages waiting in `queue`, every priority list of it (a request's tier picks the list:
+    app/requests/tiers.py)."""
+    from app.state import broker
+
+    return broker.depths(client, [queue])[0]
+
+
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:
     """True once every request of `results` has left the queue and is held by one of the worker
     `instances` (or has ended). Fault tests kill only then: a message a consumer popped in the
@@ -276,7 +284,7 @@ def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny
     would blur what the test measures."""
     from app.state import keys
 
-    if store.raw.llen(queue):
+    if queued(store.raw, queue):
         return False
     held = set().union(*(store.raw.smembers(keys.inflight(i)) for i in instances))
     return all(r.id.encode() in held or store.get(r.id)["status"] in ("SUCCEEDED", "FAILED")

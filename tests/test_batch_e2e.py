@@ -19,7 +19,7 @@ from app.ops.cli import main
 from app.requests import batch_file as batch
 from app.requests.models import TINY_MAX_POSITIONS, get_registry
 from app.state.store import RequestStore
-from tests.conftest import UNSERVED_MODEL, start_batch_beat
+from tests.conftest import UNSERVED_MODEL, queued, start_batch_beat
 
 pytestmark = pytest.mark.worker
 
@@ -199,4 +199,4 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
     after = store.stats()
     for counter in ("duplicate_deliveries", "stale_deliveries", "duplicate_results"):
         assert after.get(counter, 0) == stats_before.get(counter, 0), counter
-    assert store.raw.llen("vigil.pool.tiny-llama") == 0
+    assert queued(store.raw, "vigil.pool.tiny-llama") == 0

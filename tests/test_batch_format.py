@@ -95,13 +95,14 @@ def test_a_completion_line_becomes_generate_kwargs_that_pass_the_schema():
     kind, kw = to_req(obj)
     assert cid == "q1" and kind == "completion"
     assert kw == {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
-                  "top_p": 0.5, "seed": 3, "stop": ["."], "ignore_eos": True, "job": "job-1"}
+                  "top_p": 0.5, "seed": 3, "stop": ["."], "ignore_eos": True, "job": "job-1",
+                  "priority": "bulk"}
     parse_request(kw)
 
 
 def test_nulls_mean_the_default_and_token_prompts_are_token_ids():
     assert to_req(line(prompt=[5, 6], seed=None, stop=None, temperature=None))[1] == {
-        "model": "tiny-llama", "prompt_token_ids": [5, 6], "job": "job-1"}
+        "model": "tiny-llama", "prompt_token_ids": [5, 6], "job": "job-1", "priority": "bulk"}
     assert to_req(line(prompt=["one prompt"]))[1]["prompt"] == "one prompt"
 
 
@@ -118,7 +119,7 @@ def test_a_chat_line_is_rendered_by_the_models_template():
     ]), render)
     assert kind == "chat"
     assert kw == {"model": "tiny-llama", "prompt_token_ids": [4, 9, 5], "max_tokens": 5,
-                  "job": "job-1"}
+                  "job": "job-1", "priority": "bulk"}
     assert seen == [("tiny-llama", [{"role": "system", "content": "be brief"},
                                     {"role": "user", "content": "a\nb"}])]
 

@@ -10,7 +10,7 @@ from app.ops.cli import main
 from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import UNSERVED_MODEL
+from tests.conftest import UNSERVED_MODEL, queued
 
 pytestmark = pytest.mark.worker
 
@@ -58,7 +58,7 @@ def test_deleting_a_job_ends_its_waiting_requests_with_job_deleted(warm_worker, 
     submit to the job is refused with job_deleted."""
     rs = [generate.delay(model=UNSERVED_MODEL, prompt=f"x{i}", job="doomed-e2e")
           for i in range(5)]
-    wait_for(lambda: store.raw.llen(queue_name(UNSERVED_MODEL, "doomed-e2e")) == 5, 30,
+    wait_for(lambda: queued(store.raw, queue_name(UNSERVED_MODEL, "doomed-e2e")) == 5, 30,
              what="the job's requests to be queued")
     assert main(["job", "delete", "doomed-e2e"]) == 0
     for r in rs:

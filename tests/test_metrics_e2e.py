@@ -14,7 +14,7 @@ from app.errors import RequestError
 from app.local.embedded import free_port, wait_for
 from app.state.queues import pool_queue
 from tasks.inference import generate
-from tests.conftest import DRILL_MODEL, RunningWorker
+from tests.conftest import DRILL_MODEL, RunningWorker, queued
 
 pytestmark = pytest.mark.worker
 
@@ -45,7 +45,7 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         w.wait_engine()
         client = redis_server.client()
         # Whatever an earlier test left in this pool's queue is served before the baseline.
-        wait_for(lambda: client.llen(pool_queue(DRILL_MODEL)) == 0
+        wait_for(lambda: queued(client, pool_queue(DRILL_MODEL)) == 0
                  and int(w.entry()["in_flight"]) == 0, 120, 0.2, "an idle worker")
         before = scrape(port)
         ok = [generate.delay(model=DRILL_MODEL, prompt=f"count {i}", max_tokens=4,

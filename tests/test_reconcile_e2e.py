@@ -13,7 +13,7 @@ from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.housekeeping import deadline_sweep, reconcile
 from tasks.inference import generate
-from tests.conftest import HUGE_MODEL, ROOMY_MODEL, RunningWorker
+from tests.conftest import HUGE_MODEL, ROOMY_MODEL, RunningWorker, queued
 
 pytestmark = pytest.mark.worker
 
@@ -34,7 +34,7 @@ def test_a_pool_nobody_serves_gets_a_worker_within_one_reconcile_pass(
         rs = [generate.delay(model=ROOMY_MODEL, prompt=f"room {i}", max_tokens=8)
               for i in range(4)]
         big = generate.delay(model=HUGE_MODEL, prompt="too big", deadline_s=3)
-        wait_for(lambda: store.raw.llen(queue_name(ROOMY_MODEL, "default")) == 4, 30,
+        wait_for(lambda: queued(store.raw, queue_name(ROOMY_MODEL, "default")) == 4, 30,
                  what="the requests to wait in their queue")
         done = reconcile()
         # (other pools may get a worker too: earlier tests leave messages in unserved queues)

@@ -14,12 +14,13 @@ from app.local.embedded import free_port, vigil_env
 from app.requests.models import get_registry
 from app.state.queues import declared_queues
 from tasks.inference import generate
+from tests.conftest import queued
 
 pytestmark = pytest.mark.redis
 
 
 def queue_state(r):
-    return ({q: r.llen(q) for q in declared_queues(get_registry().names())},
+    return ({q: queued(r, q) for q in declared_queues(get_registry().names())},
             sorted(r.scan_iter("vigil:req:*")))
 
 

@@ -10,6 +10,7 @@ from app.errors import RequestError
 from app.local.embedded import wait_for
 from app.state.store import RequestStore
 from tasks.inference import generate
+from tests.conftest import queued
 
 pytestmark = pytest.mark.worker
 
@@ -208,7 +209,7 @@ def test_hostile_raw_and_pickled_messages_end_typed_and_the_worker_keeps_serving
              in warm_worker.log.read_text(), 30, what="the pickle's refusal in the worker log")
     assert "not a kombu message" in warm_worker.log.read_text()
     assert store.get(pickled_id) is None and app.AsyncResult(pickled_id).state == "PENDING"
-    assert r.llen(q) == 0 and warm_worker.proc.poll() is None
+    assert queued(r, q) == 0 and warm_worker.proc.poll() is None
     after = fresh_entry(warm_worker)
     assert (after["engine_loads"], after["engine_restarts"]) == (before["engine_loads"],
                                                                  before["engine_restarts"])

@@ -22,7 +22,9 @@ from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
 from app.fleet.cancel import cancel_requests
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
+from app.requests.tiers import intake_limits_for
 from app.settings import get_settings
+from app.state.intake import limit_intake
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
 from app.state.transport import hold_deliveries
@@ -64,6 +66,10 @@ def _on_worker_init(sender=None, **_):
         return
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker",
                                                ports=ports_of(sender.app)).start())
+    # Interactive work first, within the slots kept for it, bulk work above its floor
+    # (app/state/intake.py), over this worker's real number of task threads.
+    threads = getattr(sender, "concurrency", None) or s.worker_concurrency
+    limit_intake(intake_limits_for(threads, s.interactive_slots, s.bulk_floor))
     # Each generate message this worker's consumer takes is recorded as held by this instance in
     # the same write as kombu's note of the delivery (app/state/transport.py), so if the worker
     # dies before a thread begins it, the reaper still finds it (otherwise only Redis'

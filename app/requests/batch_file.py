@@ -20,6 +20,7 @@ from pathlib import Path
 
 from app.errors import INVALID_REQUEST, RequestError
 from app.requests.schemas import JOB_PATTERN
+from app.requests.tiers import BULK
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -93,6 +94,7 @@ def to_request(obj: dict, lineno: int, job: str, render_chat: RenderChat,
     values themselves (types, bounds) are checked later by `generate.apply_async`."""
     kind, body, model, kwargs = _shape(obj, lineno)
     kwargs["job"] = job
+    kwargs["priority"] = BULK  # nobody waits on a batch's line: interactive work goes first
     if kind == CHAT:
         ids = render_chat(model, normalize_messages(body, lineno))
         kwargs["prompt_token_ids"] = ids

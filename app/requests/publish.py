@@ -8,7 +8,8 @@ worker or found without a message (app/fleet/handback.py, app/fleet/message_audi
 - the request id as its task id, on every dispatch;
 - `retries` = the dispatch number, which the worker reads to tell a current copy from a stale
   one;
-- the queue of its pool and job (app/state/queues.py);
+- the queue of its pool and job (app/state/queues.py), at its tier's broker priority
+  (app/requests/tiers.py);
 - Celery `expires` at the request's deadline + EXPIRES_GRACE_S: a backstop behind the deadline
   sweep (the worker that receives it later drops it unexecuted and ends the request
   `deadline_exceeded`);
@@ -25,6 +26,7 @@ import json
 from typing import Any, Callable
 
 from app.control import ControlBus
+from app.requests.tiers import broker_priority
 from app.retry_policy import OutagePolicy
 from app.settings import get_settings
 from app.state.queues import DEFAULT_JOB, job_queue, job_queue_name
@@ -62,6 +64,8 @@ def publish(request_id: str, kwargs: dict, *, model: object, job: object,
         options.setdefault("queue", job_queue(pool, str(job)))
     if deadline_at is not None:
         options.setdefault("expires", expires_at(deadline_at))
+    # Its tier's broker priority: a worker pops interactive messages first (app/state/intake.py).
+    options.setdefault("priority", broker_priority(kwargs.get("priority")))
     if dispatch:
         options["retries"] = dispatch
         options.setdefault("retry_policy", OutagePolicy.of(get_settings()).kombu())

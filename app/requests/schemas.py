@@ -42,6 +42,8 @@ class GenerateRequest(BaseModel):
     # (app/requests/adapters.py).
     lora: str | None = Field(None, min_length=1, max_length=4096)
     job: str = Field("default", pattern=JOB_PATTERN)
+    # Its tier (app/requests/tiers.py): interactive work is taken ahead of default and bulk.
+    priority: Literal["interactive", "default", "bulk"] = "default"
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     schema_version: Literal[1] = SCHEMA_VERSION
 

@@ -37,6 +37,7 @@ from app.requests.adapters import AdapterRef, resolve_adapter
 from app.requests.models import ModelRegistry, ModelSpec
 from app.requests.publish import Send, announce_queue, publish
 from app.requests.schemas import GenerateRequest, parse_request
+from app.requests.tiers import tier_of_celery_priority
 from app.settings import VigilSettings
 from app.state.keys import PENDING
 from app.state.queues import job_queue_name
@@ -56,6 +57,8 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
     for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
     TransientError(redis_unavailable)."""
     send = send or ports.send
+    if "priority" in options:  # Celery's own priority= picks the tier the request does not name
+        kwargs = with_celery_priority(kwargs, options.pop("priority"))
     req, spec = admit(kwargs, settings, registry)
     request_id = task_id or str(uuid.uuid4())
     now = time.time()
@@ -101,6 +104,19 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
             raise TransientError.of(REDIS_UNAVAILABLE,
                                     f"could not publish the request: {e}") from None
         raise
+
+
+def with_celery_priority(kwargs: object, priority: object) -> object:
+    """`kwargs` with the tier that Celery's `priority=` option picks (app/requests/tiers.py),
+    unless the request names its own `priority`; RequestError(invalid_request) for a priority
+    that is not an int 0-9."""
+    if priority is None or not isinstance(kwargs, dict) or "priority" in kwargs:
+        return kwargs
+    if type(priority) is not int or not 0 <= priority <= 9:
+        raise RequestError.of(INVALID_REQUEST, f"priority={priority!r}: Celery's priority is an "
+                              "int 0-9 (0 first), or name the tier: priority='interactive', "
+                              "'default' or 'bulk'")
+    return {**kwargs, "priority": tier_of_celery_priority(priority)}
 
 
 def _never_published(store: RequestStore, request_id: str, record: dict, pool: str,

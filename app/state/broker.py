@@ -4,8 +4,11 @@ app/requests/publish.py); it reads the lists to explain a wait, count a backlog 
 message, and deletes a deleted job's queue.
 
 kombu's Redis transport LPUSHes each message (a JSON envelope whose `headers.id` is the task id,
-here the request id) onto the list named after the queue, and workers BRPOP it, so the next
-message delivered is the rightmost element. A message fetched by a consumer and not yet acked
+here the request id) onto one of the queue's lists, by its priority: the list named after the
+queue for priority step 0, `<queue>\x06\x16<step>` for steps 3, 6 and 9 (Vigil's tiers:
+app/requests/tiers.py); workers BRPOP the lowest step first, so the next message delivered is
+the rightmost element of the first non-empty list. Every reader here reads all of a queue's
+lists, in that order. A message fetched by a consumer and not yet acked
 sits in the hash `unacked` (delivery tag -> [message, exchange, routing key]). Functions raise
 redis' own errors.
 """
@@ -71,27 +74,47 @@ def messages_of_task(client: redis.Redis, list_key: str, task: str, *, limit: in
     return found
 
 
+def base_queue(list_key: str) -> str:
+    """The queue a list belongs to (a priority sub-list's queue, or the list itself)."""
+    return list_key.split(PRIORITY_SEP, 1)[0]
+
+
 def depths(client: redis.Redis, queues: list[str]) -> list[int]:
-    """The number of messages waiting in each of `queues` (one pipelined round trip)."""
+    """The number of messages waiting in each of `queues`, every priority list of each (one
+    pipelined round trip)."""
     if not queues:
         return []
     pipe = client.pipeline(transaction=False)
+    per = len(queue_lists(""))
     for q in queues:
-        pipe.llen(q)
-    return [int(n) for n in pipe.execute()]
+        for key in queue_lists(q):
+            pipe.llen(key)
+    n = [int(x) for x in pipe.execute()]
+    return [sum(n[i:i + per]) for i in range(0, len(n), per)]
+
+
+def depths_by_list(client: redis.Redis, queue: str) -> list[int]:
+    """The messages waiting in each of `queue`'s lists, in the order workers pop them (step 0
+    first)."""
+    pipe = client.pipeline(transaction=False)
+    for key in queue_lists(queue):
+        pipe.llen(key)
+    return [int(x) for x in pipe.execute()]
 
 
 def all_pool_queues(client: redis.Redis) -> list[str]:
-    """Every pool queue that exists in Redis now (its own and its jobs'), found by SCAN."""
-    return [q.decode() for q in client.scan_iter(match=POOL_QUEUE_GLOB, count=CHUNK,
-                                                  _type="list")]
+    """Every pool queue that exists in Redis now (its own and its jobs'; a queue whose messages
+    are all in a priority list counts too), found by SCAN."""
+    found = {base_queue(q.decode()) for q in client.scan_iter(match=POOL_QUEUE_GLOB, count=CHUNK,
+                                                               _type="list")}
+    return sorted(found)
 
 
 def queued_ids(client: redis.Redis, queues: list[str], *, unacked: bool = False) -> set[str]:
     """Request ids with a message in one of `queues`, read CHUNK entries at a time; with
     `unacked`, also those in kombu's unacked hash (fetched by a consumer, not yet acked)."""
     ids: set[str] = set()
-    for q in queues:
+    for q in (key for queue in queues for key in queue_lists(queue)):
         start = 0
         while True:
             items = client.lrange(q, start, start + CHUNK - 1)
@@ -109,38 +132,48 @@ def queued_ids(client: redis.Redis, queues: list[str], *, unacked: bool = False)
 
 def position(client: redis.Redis, queue: str, request_id: str, *, limit: int,
              chunk: int = CHUNK) -> tuple[int | None, int]:
-    """(position, length) of `request_id`'s message in `queue`: position 1 is the next message a
-    worker receives; None when it is not among the first `limit` entries (or not there at all).
-    Read from the right, `chunk` entries at a time (LPOS cannot match a message: its bytes are
-    not known to a reader). Approximate: the list moves while it is read."""
-    length = int(client.llen(queue))
+    """(position, length) of `request_id`'s message in `queue` (all its priority lists, in the
+    order workers pop them): position 1 is the next message a worker receives; None when it is
+    not among the first `limit` entries (or not there at all). Each list is read from the
+    right, `chunk` entries at a time (LPOS cannot match a message: its bytes are not known to a
+    reader). Approximate: the lists move while they are read."""
+    lengths = depths_by_list(client, queue)
+    length = sum(lengths)
     needle = request_id.encode()
-    scanned = 0
-    while scanned < min(length, limit):
-        n = min(chunk, limit - scanned)
-        items = client.lrange(queue, -(scanned + n), -(scanned + 1))  # left to right
-        for i, raw in enumerate(reversed(items)):  # head (rightmost) first
-            if needle in raw and message_id(raw) == request_id:
-                return scanned + i + 1, length
-        if len(items) < n:
+    ahead = 0  # messages in the lists popped before this one
+    for key, size in zip(queue_lists(queue), lengths):
+        scanned = 0
+        while scanned < size and ahead + scanned < limit:
+            n = min(chunk, limit - ahead - scanned)
+            items = client.lrange(key, -(scanned + n), -(scanned + 1))  # left to right
+            for i, raw in enumerate(reversed(items)):  # head (rightmost) first
+                if needle in raw and message_id(raw) == request_id:
+                    return ahead + scanned + i + 1, length
+            if len(items) < n:
+                break
+            scanned += n
+        ahead += size
+        if ahead >= limit:
             break
-        scanned += n
     return None, length
 
 
 def next_ids(client: redis.Redis, queues: list[str]) -> list[str]:
     """The request id of the next message to be delivered from each of `queues` that has one
-    (the oldest waiting there)."""
+    (the oldest waiting in its first non-empty priority list)."""
     out = []
     for q in queues:
-        raw = client.lindex(q, -1)
-        rid = message_id(raw) if raw is not None else None
-        if rid:
-            out.append(rid)
+        for key in queue_lists(q):
+            raw = client.lindex(key, -1)
+            rid = message_id(raw) if raw is not None else None
+            if rid:
+                out.append(rid)
+                break
     return out
 
 
 def delete_queue(client: redis.Redis, queue: str) -> None:
     """Drop a queue, its messages, and kombu's binding records for it (one set per queue a job
     ever had: left behind, they would pile up job after job)."""
-    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    client.delete(*queue_lists(queue), f"_kombu.binding.{queue}",
+                  f"_kombu.binding_permanent.{queue}")

@@ -1,4 +1,5 @@
-"""Vigil's kombu transport: kombu's Redis (and Sentinel) transport with four changes.
+"""Vigil's kombu transport: kombu's Redis (and Sentinel) transport with these changes (the one
+place kombu's channel is changed).
 
 - **One client per connection pool.** kombu's Redis channel builds a new redis-py client object
   for every command it sends outside its event loop (`Channel.conn_or_acquire`): the worker's
@@ -24,6 +25,12 @@
   callback returned), its member is listed in `arriving()`: a worker comparing the set with what
   it runs reads that first (workers/runtime.py, `reclaim_orphans`).
 
+- **The tiers' intake.** A worker's BRPOP names the priority lists in the tiers' order within
+  its intake limits: slots reserved for interactive requests, and a floor for bulk work
+  (app/state/intake.py).
+- **Guards** against a queue entry that is not a message envelope, and against a channel whose
+  connection was closed (`_brpop_read`, `_connparams`).
+
 Selected by Celery's `broker_transport` (app/celery_app.py, `transport_for`): the URL keeps its
 own scheme, so everything that reads `redis://` / `sentinel://` URLs reads them unchanged.
 kombu's `global_keyprefix` is not used by Vigil; a holder's key is written as given.
@@ -40,6 +47,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
+from app.state.intake import brpop_keys, held_above_zero, intake_limits
 from app.state.lua import ACK_DELIVERIES, NOTE_DELIVERY
 
 log = logging.getLogger("vigil.transport")
@@ -244,6 +252,23 @@ class _SharedClient:
     def _vigil_scripts(self):
         """(note a delivery, ack a delivery) on the shared client (app/state/lua.py)."""
         return self._vigil_client_and_scripts()[1:]
+
+    def _brpop_start(self, timeout=None):
+        """kombu's BRPOP of the next message, naming its lists in the tiers' order and within
+        the worker's intake limits (app/state/intake.py); kombu's own without limits."""
+        limits = intake_limits()
+        if limits is None:
+            return super()._brpop_start(timeout)
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        held = held_above_zero(self.qos._delivered, self.qos._dirty)
+        keys = brpop_keys(queues, self.priority_steps, self._q_for_pri, held, limits)
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        self.client.connection.send_command("BRPOP", *keys, timeout or 0)
 
     def _brpop_read(self, **options):
         """kombu's read of one BRPOP reply, except that a queue entry that is not a message
