@@ -89,22 +89,24 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
     """Given the Procfile with its GPU worker as a CPU worker, when `honcho start` runs it against
     the suite's Redis, then the worker serves a request from a separate producer, Flower (started
     by the Procfile's `vigil flower` line) lists the worker and the housekeeper behind basic auth,
-    `vigil api` answers behind its token and beat is up; and
+    `vigil api` answers behind its token, `vigil metrics` serves the fleet's gauges (the
+    request counted by tier) and beat is up; and
     when honcho gets SIGTERM it stops every process and none of theirs survives (the worker's
     engine processes and orphan guard included)."""
     procfile = tmp_path / "Procfile"
     procfile.write_text(cpu_procfile((REPO / "Procfile").read_text()))
     procs = parse_procfile(procfile.read_text()).processes
     assert procs["cpu1"] == "vigil worker --cpu --name cpu1@%h"
-    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower", "api"}
+    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower", "api", "metrics"}
     (tmp_path / "empty.env").write_text("")
     url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
     redis.Redis.from_url(url).flushdb()
     port, password = free_port(), secrets.token_urlsafe(12)
     api_port, token = free_port(), secrets.token_urlsafe(12)
+    metrics_port = free_port()
     env = vigil_env(url, VIGIL_FLOWER_USER="ops", VIGIL_FLOWER_PASSWORD=password,
                     VIGIL_FLOWER_PORT=str(port), VIGIL_API_TOKEN=token,
-                    VIGIL_API_PORT=str(api_port),
+                    VIGIL_API_PORT=str(api_port), VIGIL_METRICS_EXPORTER_PORT=str(metrics_port),
                     VIGIL_BEAT_SCHEDULE=str(tmp_path / "beat-schedule"),
                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     log = tmp_path / "honcho.log"
@@ -156,6 +158,17 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
         listed = wait_for(running(api_list), 60, 0.5, "vigil api to answer")
         assert listed.status_code == 200 and listed.json()["object"] == "list"
         assert requests.get(batches, timeout=10).status_code == 401
+
+        def gauges():
+            try:
+                r = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+                return r.text if r.status_code == 200 else None
+            except requests.RequestException:
+                return None
+
+        text = wait_for(running(gauges), 60, 0.5, "vigil metrics to answer")
+        assert "vigil_fleet_up 1.0" in text
+        assert 'vigil_pool_workers{pool="tiny-llama"} 1.0' in text
         running(lambda: True)()  # a last look at the process tree
         titles = list(seen.values())
         assert any("EngineCore" in t for t in titles), titles

@@ -33,7 +33,7 @@ from app.fleet import jobs
 from app.fleet.cancel import ENDED_NOW, cancel_requests
 from app.local.demo import run_demo
 from app.requests.model_files import build_tiny_llama
-from app.ops import batch_cli
+from app.ops import batch_cli, metrics_exporter
 from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
 from app.ops.batch_run import run_command
 from app.ops.request_view import follow_request, run_request
@@ -49,6 +49,8 @@ from app.state.store import RequestStore
 # Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
 # clocks; Vigil revokes nothing (requests end through their records: app/fleet/outcomes.py).
 WITHOUT_MINGLE = ("--without-mingle",)
+# `vigil metrics`' port: beside the workers' (VIGIL_METRICS_PORT) and Flower's 5555.
+DEFAULT_METRICS_EXPORTER_PORT = 9108
 
 
 def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
@@ -250,6 +252,16 @@ def flower_command(args: argparse.Namespace, settings) -> tuple[list[str], dict[
     return argv, env
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    s = get_settings()
+    try:
+        metrics_exporter.serve(RequestStore(connect(s), s.result_ttl), get_registry(), s,
+                               args.port, args.address)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def _cmd_flower(args: argparse.Namespace) -> int:
     try:
         argv, extra_env = flower_command(args, get_settings())
@@ -418,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt = msub.add_parser("build-tiny", help="build tiny-llama into DIR")
     bt.add_argument("dir")
     bt.set_defaults(func=_cmd_model)
+
+    m = sub.add_parser("metrics", help="serve the fleet's gauges for Prometheus: per pool and "
+                       "tier, waiting, running, the oldest wait, workers (for autoscaling)")
+    m.add_argument("--port", type=int, default=DEFAULT_METRICS_EXPORTER_PORT,
+                   help="port to listen on (default %(default)s)")
+    m.add_argument("--address", default="0.0.0.0", help="address to listen on (default all)")
+    m.set_defaults(func=_cmd_metrics)
 
     f = sub.add_parser("flower", help="run Flower (celery -A app flower) behind basic auth")
     f.add_argument("--port", type=int, default=DEFAULT_FLOWER_PORT,

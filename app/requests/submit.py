@@ -196,6 +196,7 @@ def record_fields(req: GenerateRequest, now: float, default_deadline: float) -> 
     """The fields of a new PENDING request record (app/state/keys.py lists them)."""
     return {
         "status": PENDING, "model": req.model, "pool": req.pool, "job": req.job,
+        "priority": req.priority,
         **({"lora": req.lora} if req.lora is not None else {}),
         "request": json.dumps(wire_kwargs(req)), "created_at": now,
         "deadline_at": now + effective_deadline(req, default_deadline),

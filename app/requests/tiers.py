@@ -20,6 +20,9 @@ TIERS = (INTERACTIVE, DEFAULT, BULK)
 # The kombu message priority each tier is published at: one of kombu's Redis priority steps
 # (0, 3, 6, 9), which its BRPOP reads lowest first.
 BROKER_PRIORITY = {INTERACTIVE: 0, DEFAULT: 3, BULK: 9}
+# The tier of each of a queue's priority lists, in pop order (app/state/broker.py queue_lists:
+# steps 0, 3, 6, 9); step 6, which Vigil does not publish at, counts as bulk.
+TIER_OF_LIST = (INTERACTIVE, DEFAULT, BULK, BULK)
 
 
 def tier_of_celery_priority(priority: int) -> str:

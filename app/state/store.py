@@ -23,7 +23,7 @@ from app.state.health import HealthLedger
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
-from app.state.views import BrokerView, HousekeepingView, JobsView
+from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
 
 # RequestStore.create outcomes
@@ -96,6 +96,7 @@ class RequestStore:
         self.broker = BrokerView(client, self._call)
         self.jobs = JobsView(client, self._call)
         self.housekeeping = HousekeepingView(client, self._call)
+        self.fleet = FleetView(client, self._call)
         self._create = client.register_script(CREATE)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)

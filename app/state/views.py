@@ -59,6 +59,42 @@ class BrokerView:
         self._call(broker.delete_queue, self._client, queue)
 
 
+class FleetView:
+    """What the fleet is doing, counted for its gauges (app/fleet/fleet_gauges.py)."""
+
+    def __init__(self, client: redis.Redis, call: Callable):
+        self._client, self._call = client, call
+
+    def list_depths(self, queue: str) -> list[int]:
+        """Messages waiting in each of `queue`'s priority lists, in pop order (step 0, 3, 6,
+        9)."""
+        return self._call(broker.depths_by_list, self._client, queue)
+
+    def next_per_list(self, queue: str) -> list[str | None]:
+        """The request id of the next message in each of `queue`'s priority lists (None for an
+        empty one), in pop order."""
+        return [(ids[0] if ids else None) for ids in
+                (self._call(broker.next_ids, self._client, [key])
+                 for key in broker.queue_lists(queue))]
+
+    def running(self, instances: list[str]) -> dict[tuple[str, str], int]:
+        """(pool, tier) -> requests RUNNING in these worker instances (their in-flight sets,
+        each record's status, pool and tier read in one pipelined round trip per instance)."""
+        out: dict[tuple[str, str], int] = {}
+        for inst in instances:
+            ids = self._call(self._client.smembers, keys.inflight(inst))
+            if not ids:
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for rid in ids:
+                pipe.hmget(keys.request(rid.decode()), "status", "pool", "priority")
+            for status, pool, tier in self._call(pipe.execute):
+                if status == b"RUNNING" and pool:
+                    k = (pool.decode(), (tier or b"default").decode())
+                    out[k] = out.get(k, 0) + 1
+        return out
+
+
 class JobsView:
     """The job records and the pools' unserved reasons (app/state/jobs.py), through the store."""
 
