@@ -25,6 +25,7 @@ from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
+from app.state.store_many import ManyCalls
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
@@ -78,7 +79,7 @@ def shared_store() -> "RequestStore":
 _shared: "RequestStore | None" = None
 
 
-class RequestStore:
+class RequestStore(ManyCalls):
     """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
     when Redis cannot be reached, never a bare redis exception."""
 
@@ -235,14 +236,27 @@ class RequestStore:
         ("busy": the same copy already runs here, or on a worker seen within `live_window`;
         "avoid": with `avoid_own_failures`, its last attempt failed transiently on this very
         worker, so it is given back untouched for another one)."""
+        token, script_keys, args = self.begin_call(request_id, dispatch, worker, instance, now,
+                                                   max_attempts, live_window,
+                                                   avoid_own_failures)
+        return self.begin_reply(self._call(self._begin, keys=script_keys, args=args), token)
+
+    @staticmethod
+    def begin_call(request_id: str, dispatch: int, worker: str, instance: int, now: float,
+                   max_attempts: int, live_window: float = 0.0,
+                   avoid_own_failures: bool = False) -> tuple[str, list[str], list]:
+        """(claim token, keys, arguments) of `begin`'s script (BEGIN), for `begin` and for
+        many begins on one pipeline (app/state/store_many.py)."""
+        # A token per claim: a claim retried after a lost reply finds itself, not a rival.
         token = uuid.uuid4().hex
-        reply = self._call(
-            self._begin,
-            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.WORKERS],
-            # A token per claim: a claim retried after a lost reply finds itself, not a rival.
-            args=[request_id, dispatch, worker, instance, now, max_attempts, keys.inflight(""),
-                  token, live_window, "1" if avoid_own_failures else "0"],
-        )
+        return token, [keys.request(request_id), keys.inflight(instance), keys.STATS,
+                       keys.WORKERS], [request_id, dispatch, worker, instance, now,
+                                       max_attempts, keys.inflight(""), token, live_window,
+                                       "1" if avoid_own_failures else "0"]
+
+    @staticmethod
+    def begin_reply(reply, token: str) -> Begin:
+        """BEGIN's reply as a Begin (the claim `token` for a run)."""
         action = reply[0].decode()
         if action == "done":
             return Begin("done", outcome=Outcome.from_reply(*reply[1:5]))
@@ -260,18 +274,34 @@ class RequestStore:
         worker instance's finish (instance not 0) also moves its registry `last_seen` to `now`,
         if it is registered. With `result_key`, a finish that wins with `result` also writes
         Celery's result key in the same script (and marks it `written`)."""
+        script_keys, args = self.finish_call(request_id, instance, now, result=result,
+                                             error_kind=error_kind, error=error,
+                                             result_key=result_key)
+        return self.finish_reply(self._call(self._finish, keys=script_keys, args=args),
+                                 result=result, error_kind=error_kind, error=error,
+                                 result_key=result_key)
+
+    def finish_call(self, request_id: str, instance: int, now: float, *,
+                    result: dict | None = None, error_kind: str = "", error: str = "",
+                    result_key: ResultKey | None = None) -> tuple[list[str], list]:
+        """The keys and arguments of `finish`'s script (FINISH), for `finish` and for many
+        finishes on one pipeline (app/state/store_many.py)."""
         status = keys.SUCCEEDED if result is not None else keys.FAILED
         encoded = json.dumps(result) if result is not None else ""
         tell = result_key is not None and result is not None
-        reply = self._call(
-            self._finish,
-            keys=[keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES,
-                  keys.WORKERS, *([result_key.key] if tell else [])],
-            args=[request_id, status, encoded, error_kind, error, now, self.result_ttl,
-                  keys.inflight(""), instance, keys.job_requests(""), keys.pool_requests(""),
-                  *([result_key.prefix, result_key.suffix, int(result_key.expires_s)]
-                    if tell else [])],
-        )
+        return ([keys.request(request_id), keys.inflight(instance), keys.STATS, keys.DEADLINES,
+                 keys.WORKERS, *([result_key.key] if tell else [])],
+                [request_id, status, encoded, error_kind, error, now, self.result_ttl,
+                 keys.inflight(""), instance, keys.job_requests(""), keys.pool_requests(""),
+                 *([result_key.prefix, result_key.suffix, int(result_key.expires_s)]
+                   if tell else [])])
+
+    @staticmethod
+    def finish_reply(reply, *, result: dict | None, error_kind: str, error: str,
+                     result_key: ResultKey | None) -> tuple[bool, Outcome]:
+        """FINISH's reply as (won, stored outcome)."""
+        status = keys.SUCCEEDED if result is not None else keys.FAILED
+        tell = result_key is not None and result is not None
         won = bool(reply[0])
         if not won:
             return False, Outcome.from_reply(*reply[1:5])

@@ -1,0 +1,64 @@
+"""Many requests' state changes in one round trip each: what a message carrying many requests
+needs (tasks.inference `generate_many`, workers/service_many.py; submit: app/requests/
+submit_many.py).
+
+The same Lua scripts as one request's (app/state/lua.py: CREATE, BEGIN, FINISH), queued on one
+pipeline: each request's change is as atomic and as set-once as alone, and a pipeline sent
+again after a lost reply is harmless (each script finds its own change). A mixin of
+`RequestStore` (app/state/store.py), which holds the scripts and the outage policy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from app.state.results import ResultKey
+
+
+class ManyCalls:
+    """`create_many`, `begin_many`, `finish_many` (module docstring). Needs RequestStore's
+    `create_call`, `begin_call`/`begin_reply`, `finish_call`/`finish_reply`, its scripts and
+    `_call`."""
+
+    def create_many(self, items: list[tuple[str, dict[str, Any]]], now: float, *,
+                    max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
+        """`create` for each (request id, record fields), in one round trip; the answers in
+        order (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_*), each request
+        under the caps as if created alone, in this order."""
+        if not items:
+            return []
+        pipe = self._call.pipeline()
+        for rid, fields in items:
+            script_keys, args = self.create_call(rid, fields, now, max_per_job=max_per_job,
+                                                 max_per_pool=max_per_pool)
+            self._create(keys=script_keys, args=args, client=pipe)
+        return [int(x) for x in self._call(pipe.execute)]
+
+    def begin_many(self, deliveries: list[tuple[str, int]], worker: str, instance: int,
+                   now: float, max_attempts: int, live_window: float = 0.0):
+        """`begin` for each (request id, dispatch), in one round trip; the Begins in order."""
+        if not deliveries:
+            return []
+        pipe = self._call.pipeline()
+        tokens = []
+        for rid, dispatch in deliveries:
+            token, script_keys, args = self.begin_call(rid, dispatch, worker, instance, now,
+                                                       max_attempts, live_window)
+            tokens.append(token)
+            self._begin(keys=script_keys, args=args, client=pipe)
+        return [self.begin_reply(reply, token)
+                for reply, token in zip(self._call(pipe.execute), tokens)]
+
+    def finish_many(self, results: list[tuple[str, dict, ResultKey | None]], instance: int,
+                    now: float) -> list:
+        """`finish` with a result for each (request id, result, Celery's result key or None),
+        in one round trip; (won, stored outcome) per request, in order."""
+        if not results:
+            return []
+        pipe = self._call.pipeline()
+        for rid, result, key in results:
+            script_keys, args = self.finish_call(rid, instance, now, result=result,
+                                                 result_key=key)
+            self._finish(keys=script_keys, args=args, client=pipe)
+        return [self.finish_reply(reply, result=result, error_kind="", error="",
+                                  result_key=key)
+                for reply, (_, result, key) in zip(self._call(pipe.execute), results)]

@@ -1,0 +1,44 @@
+"""Redis tier: many requests' state changes in one round trip each (app/state/store_many.py),
+each as set-once and as capped as alone, on a real Redis (database 1)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from app.requests.schemas import parse_request
+from app.requests.submit import record_fields
+from app.state.conn import connect
+from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, OVERLOADED_JOB, RequestStore
+
+pytestmark = pytest.mark.redis
+
+
+def fields(job="many", **kw):
+    return record_fields(parse_request({"model": "tiny-llama", "prompt": "p", "job": job,
+                                        **kw}), time.time(), 3600)
+
+
+@pytest.fixture()
+def store(settings):
+    return RequestStore(connect(settings), settings.result_ttl)
+
+
+def test_many_creates_begins_and_finishes_each_as_alone_in_one_round_trip_each(store):
+    now = time.time()
+    made = store.create_many([(f"m{i}", fields()) for i in range(4)] + [("m0", fields())], now,
+                             max_per_job=3)
+    # The job's first request announces its queue; the cap of 3 refuses the fourth; m0 again
+    # is the same request.
+    assert made == [CREATED_NEW_JOB_QUEUE, CREATED, CREATED, OVERLOADED_JOB, EXISTS]
+    assert store.get("m3") is None
+    begins = store.begin_many([("m0", 0), ("m1", 0), ("m2", 1), ("nope", 0)], "w@h", 5, now, 3)
+    assert [b.action for b in begins] == ["run", "run", "run", "missing"]
+    assert begins[0].attempts == 1 and begins[0].token and begins[0].token != begins[1].token
+    ends = store.finish_many([("m0", {"text": "a"}, None), ("m1", {"text": "b"}, None)], 5, now)
+    assert [won for won, _ in ends] == [True, True]
+    again = store.finish_many([("m0", {"text": "late"}, None)], 5, now)
+    assert again[0][0] is False and again[0][1].result == {"text": "a"}  # set-once
+    assert json.loads(store.get("m1")["result"]) == {"text": "b"}
+    assert store.get("m2")["status"] == "RUNNING"
