@@ -95,6 +95,31 @@ def test_a_workers_call_gives_up_redis_unavailable_after_the_grace(store, clock)
         producer._call(down)
 
 
+def test_a_pipeline_cut_mid_execute_is_sent_again_with_its_commands(store):
+    """Given a worker's store and a pipeline of two begins (and a read), when the connection is
+    lost inside the pipeline's execute (redis-py then empties the pipeline), then the outage
+    policy sends it again with its commands: the begins claim their requests and the replies
+    are theirs, not the [] an emptied pipeline answers."""
+    create(store, "p1")
+    create(store, "p2")
+    real = redis.client.Pipeline._execute_pipeline
+    cut = [1]
+
+    def flaky_execute(self, connection, commands, raise_on_error):
+        if cut[0]:
+            cut[0] -= 1
+            raise redis.ConnectionError("Connection closed by server")
+        return real(self, connection, commands, raise_on_error)
+
+    redis.client.Pipeline._execute_pipeline = flaky_execute
+    try:
+        begins = store.begin_many([("p1", 0), ("p2", 0)], "w@h", 9, time.time(), 3)
+    finally:
+        redis.client.Pipeline._execute_pipeline = real
+    assert cut == [0] and [b.action for b in begins] == ["run", "run"]
+    assert {store.get(r)["status"] for r in ("p1", "p2")} == {"RUNNING"}
+
+
 def test_a_claim_whose_reply_was_lost_is_the_same_claim_when_retried(store):
     """Given BEGIN ran but its reply was lost, when the worker retries it, then it gets its own
     run back: one attempt counted, one open attempt in history, not a second run."""

@@ -34,9 +34,17 @@ class Calls:
 
     def __call__(self, fn, *a, **kw):
         """`fn(*a, **kw)`; TransientError(redis_unavailable) when Redis cannot be reached (after
-        `outage_grace` seconds of retries) or refuses the credentials."""
+        `outage_grace` seconds of retries) or refuses the credentials. A pipeline's `execute`
+        is retried with its commands: redis-py empties a pipeline whose execute failed on a
+        lost connection, and executing it again would answer [] for what never ran."""
+        pipe = getattr(fn, "__self__", None)
+        queued = ((list(pipe.command_stack), set(pipe.scripts))
+                  if isinstance(pipe, redis.client.Pipeline) else None)
         give_up, pause = None, self._policy.first_pause()
         while True:
+            if queued is not None and not pipe.command_stack:
+                pipe.command_stack.extend(queued[0])
+                pipe.scripts.update(queued[1])
             try:
                 return fn(*a, **kw)
             except redis.AuthenticationError as e:  # a wrong password in VIGIL_REDIS_URL
