@@ -5,7 +5,8 @@ Nothing under app/ or workers/ looks the Celery app up: app/celery_app.py `creat
 they call (the producer's submit, beat's tasks, the worker runtime, the operator commands):
 
 - `send(args, kwargs, task_id=..., **options)`: publish one `vigil.generate` message
-  (app/requests/publish.py shapes every message);
+  (app/requests/publish.py shapes every message), and `send_many` one `vigil.generate_many`
+  (many requests in one message);
 - `result(request_id)`: the result handle (Vigil's AsyncResult) of a request;
 - `backend`: Celery's result backend (ending a request writes the outcome there too);
 - `bus`: the control bus (app/control.py).
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.control import ControlBus
-from app.task_names import GENERATE
+from app.task_names import GENERATE, GENERATE_MANY
 
 
 class CeleryPorts:
@@ -28,6 +29,11 @@ class CeleryPorts:
     def send(self, args: tuple, kwargs: dict, task_id: str, **options) -> Any:
         """Publish one vigil.generate message through the app; returns Celery's AsyncResult."""
         return self._celery.send_task(GENERATE, args=args, kwargs=kwargs, task_id=task_id,
+                                      **options)
+
+    def send_many(self, kwargs: dict, task_id: str, **options) -> Any:
+        """Publish one vigil.generate_many message (many requests) through the app."""
+        return self._celery.send_task(GENERATE_MANY, args=(), kwargs=kwargs, task_id=task_id,
                                       **options)
 
     def result(self, request_id: str) -> Any:

@@ -115,6 +115,9 @@ DEFAULT_INTERACTIVE_SLOTS = 8
 # Bulk work's floor: with a backlog in every tier, lower tiers still get at least this share of
 # a worker's intake (every 1/floor-th pop takes the lowest tier first); 0: strict priority.
 DEFAULT_BULK_FLOOR = 0.1
+# `generate_many` publishes at most this many requests per Celery message: one message's intake,
+# Celery request and ack for all of them; a request that needs a retry goes back on its own.
+DEFAULT_REQUESTS_PER_MESSAGE = 32
 # How long a request waits for memory when no engine can start for memory pressure (a co-tenant
 # holding the card), from the squeeze's first refusal: five minutes outlast a co-tenant's batch
 # job step, while a card that stays full fails the request well before its deadline.
@@ -239,6 +242,9 @@ class VigilSettings(BaseSettings):
     interactive_slots: int = Field(DEFAULT_INTERACTIVE_SLOTS, ge=0, le=4096, description="A "
                                    "worker's task threads kept free of default and bulk "
                                    "requests, for interactive ones (0: none kept).")
+    requests_per_message: int = Field(DEFAULT_REQUESTS_PER_MESSAGE, ge=1, le=1024,
+                                      description="The most requests `generate_many` puts in "
+                                      "one Celery message.")
     bulk_floor: float = Field(DEFAULT_BULK_FLOOR, ge=0.0, le=1.0, description="The least share "
                               "of a worker's intake that lower tiers get while interactive "
                               "requests wait too (0: strict priority).")

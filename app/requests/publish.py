@@ -72,6 +72,22 @@ def publish(request_id: str, kwargs: dict, *, model: object, job: object,
     return send((), kwargs, task_id=request_id, **options)
 
 
+def publish_many(items: list[tuple[str, dict]], *, model: object, job: object, pool: str,
+                 tier: str, deadline_at: float, send_many: Callable[..., Any],
+                 message_id: str) -> Any:
+    """Publish one vigil.generate_many message carrying `items` ((request id, wire kwargs),
+    every one of `pool`'s queue for `job` and of one `tier`): its task id `message_id`, each
+    request's id in its `vigil_ids` header (the worker that takes it holds them all), at the
+    tier's broker priority, expiring at the latest deadline + EXPIRES_GRACE_S, showing only
+    model, job and how many requests. Each request's first dispatch (0); a retry of one goes
+    back alone, as a vigil.generate (workers/service_many.py). Raises what Celery raises."""
+    return send_many({"requests": [{"id": rid, "kwargs": kw} for rid, kw in items]},
+                     message_id, queue=job_queue(pool, str(job)),
+                     expires=expires_at(deadline_at), priority=broker_priority(tier),
+                     headers={"vigil_ids": [rid for rid, _ in items]}, argsrepr="()",
+                     kwargsrepr=f"{{model: {model!r}, job: {job!r}, requests: {len(items)}}}")
+
+
 def republisher(send: Send) -> Callable[[str, dict, int], None]:
     """`republish(request_id, record, dispatch)` through `send`: publish a request again from
     its stored record, under `dispatch` (the record has already moved to it): same id, its

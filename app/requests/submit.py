@@ -66,31 +66,18 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
     # Backpressure: the caps are checked in the same script that writes the record.
     created = store.create(request_id, fields, now, max_per_job=settings.max_pending_per_job,
                            max_per_pool=settings.max_pending_per_pool)
-    if created in (OVERLOADED_JOB, OVERLOADED_POOL):
-        raise overloaded(req, settings, pool_full=created == OVERLOADED_POOL)
-    if created == JOB_REFUSED:
-        raise TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
-                               "refused (use a new job name)")
+    if created in (OVERLOADED_JOB, OVERLOADED_POOL, JOB_REFUSED):
+        raise refusal(created, req, settings)
     if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
         try:
             announce_queue(ports.bus, store.workers, spec.name, req.job)
         except Exception as e:  # beat's reconcile repairs it
             log.warning("could not announce job %s's queue: %s", req.job, e)
     if created == EXISTS:
-        # The same id submitted again is one request with one result, as long as it is the
-        # same request; reusing an id for a different request is a mistake worth a loud error.
-        existing = store.get(request_id) or {}
-        if existing.get("request") not in (None, fields["request"]):
-            raise RequestError.of(INVALID_REQUEST, f"request id {request_id!r} is already "
-                                  "used by a different request; use a new task_id")
-        if _never_published(store, request_id, existing, spec.name, req.job):
-            # Its first producer stopped between the record and the message (a SIGKILLed
-            # `vigil batch`, say): this resubmit publishes it. Were the first one only slow, the
-            # copy costs one duplicate delivery, never a second run.
-            log.warning("request %s had a record but no message anywhere; publishing it",
-                        request_id)
+        deadline = same_request_again(store, request_id, fields, spec.name, req.job)
+        if deadline is not None:
             publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
-                    deadline_at=float(existing["deadline_at"]), send=send, **options)
+                    deadline_at=deadline, send=send, **options)
         return ports.result(request_id)
     try:
         return publish(request_id, wire_kwargs(req), model=req.model, job=req.job,
@@ -104,6 +91,36 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
             raise TransientError.of(REDIS_UNAVAILABLE,
                                     f"could not publish the request: {e}") from None
         raise
+
+
+def refusal(created: int, req: GenerateRequest, settings: VigilSettings) -> Exception:
+    """The error of a create the store refused (RequestStore.create's answer): `overloaded` for
+    a job's or a pool's cap, `job_deleted` for a deleted job."""
+    if created in (OVERLOADED_JOB, OVERLOADED_POOL):
+        return overloaded(req, settings, pool_full=created == OVERLOADED_POOL)
+    if created == JOB_REFUSED:
+        return TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
+                                "refused (use a new job name)")
+    return TransientError.of(REDIS_UNAVAILABLE, f"unexpected answer {created!r} from the "
+                             "record's create")
+
+
+def same_request_again(store: RequestStore, request_id: str, fields: dict, pool: str,
+                       job: str) -> float | None:
+    """An id whose record already exists: the same request again is one request with one
+    result; reusing the id for a different request raises RequestError(invalid_request).
+    Returns the deadline to publish it again at when no message carries it (its first
+    producer stopped between the record and the message: a SIGKILLed `vigil batch`, say; were
+    it only slow, the copy costs one duplicate delivery, never a second run), else None."""
+    existing = store.get(request_id) or {}
+    if existing.get("request") not in (None, fields["request"]):
+        raise RequestError.of(INVALID_REQUEST, f"request id {request_id!r} is already used by "
+                              "a different request; use a new task_id")
+    if _never_published(store, request_id, existing, pool, job):
+        log.warning("request %s had a record but no message anywhere; publishing it",
+                    request_id)
+        return float(existing["deadline_at"])
+    return None
 
 
 def with_celery_priority(kwargs: object, priority: object) -> object:

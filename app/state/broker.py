@@ -35,6 +35,21 @@ def message_id(raw: bytes) -> str | None:
         return None
 
 
+def request_ids(raw: bytes) -> list[str]:
+    """The request ids one kombu message carries: its task id, or for a message of many
+    requests (vigil.generate_many) each id of its `vigil_ids` header; [] when the entry is not a
+    kombu message."""
+    try:
+        headers = json.loads(raw)["headers"]
+    except (ValueError, KeyError, TypeError):
+        return []
+    many = headers.get("vigil_ids") if isinstance(headers, dict) else None
+    if isinstance(many, list):
+        return [i for i in many if isinstance(i, str)]
+    rid = headers.get("id") if isinstance(headers, dict) else None
+    return [rid] if isinstance(rid, str) else []
+
+
 # kombu's Redis transport keeps a queue's prioritised messages in sub-lists named
 # "<queue>\x06\x16<step>" (its default priority steps 3, 6, 9; step 0 is the queue itself).
 PRIORITY_SEP = "\x06\x16"
@@ -118,13 +133,14 @@ def queued_ids(client: redis.Redis, queues: list[str], *, unacked: bool = False)
         start = 0
         while True:
             items = client.lrange(q, start, start + CHUNK - 1)
-            ids.update(i for i in map(message_id, items) if i)
+            for raw in items:
+                ids.update(request_ids(raw))
             if len(items) < CHUNK:
                 break
             start += CHUNK
     for _, raw in client.hscan_iter(UNACKED_KEY, count=CHUNK) if unacked else ():
         try:
-            ids.add(json.loads(raw)[0]["headers"]["id"])
+            ids.update(request_ids(json.dumps(json.loads(raw)[0])))
         except (ValueError, KeyError, IndexError, TypeError):
             continue
     return ids
@@ -147,7 +163,7 @@ def position(client: redis.Redis, queue: str, request_id: str, *, limit: int,
             n = min(chunk, limit - ahead - scanned)
             items = client.lrange(key, -(scanned + n), -(scanned + 1))  # left to right
             for i, raw in enumerate(reversed(items)):  # head (rightmost) first
-                if needle in raw and message_id(raw) == request_id:
+                if needle in raw and request_id in request_ids(raw):
                     return ahead + scanned + i + 1, length
             if len(items) < n:
                 break
@@ -165,9 +181,9 @@ def next_ids(client: redis.Redis, queues: list[str]) -> list[str]:
     for q in queues:
         for key in queue_lists(q):
             raw = client.lindex(key, -1)
-            rid = message_id(raw) if raw is not None else None
-            if rid:
-                out.append(rid)
+            rids = request_ids(raw) if raw is not None else []
+            if rids:
+                out.append(rids[0])
                 break
     return out
 

@@ -348,11 +348,12 @@ return 1
 # message, as one script call instead of a MULTI pipeline.
 # KEYS[1] kombu's unacked index (zset), KEYS[2] its unacked hash, optional KEYS[3] the holder's
 # set. ARGV: delivery tag, now, the stored message ([message, exchange, routing key] as JSON),
-# optional member of KEYS[3]. Notes a delivery (and who holds it).
+# optional members of KEYS[3] (one per request the message carries). Notes a delivery (and who
+# holds it).
 NOTE_DELIVERY = """
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[4]) end
+if KEYS[3] then redis.call('SADD', KEYS[3], unpack(ARGV, 4)) end
 return 1
 """
 

@@ -177,15 +177,21 @@ class RequestStore(ManyCalls):
         self._call(self._r.sadd, keys.inflight(instance), request_id)
 
     @staticmethod
-    def delivery_holder(instance: int | str, task: str) -> Callable[[dict], tuple[str, str] | None]:
+    def delivery_holder(instance: int | str, task: str, many_task: str | None = None
+                        ) -> Callable[[dict], tuple[str, str | tuple[str, ...]] | None]:
         """For app/state/transport.py `hold_deliveries`: a message of `task` with a usable id is
-        held by this worker instance (its in-flight set, as `hold` writes it); others are not."""
+        held by this worker instance (its in-flight set, as `hold` writes it), and a message of
+        `many_task` under each request id its `vigil_ids` header names; others are not."""
         key = keys.inflight(instance)
 
-        def holder(headers: dict) -> tuple[str, str] | None:
+        def holder(headers: dict) -> tuple[str, str | tuple[str, ...]] | None:
             rid = headers.get("id")
             if headers.get("task") == task and isinstance(rid, str) and rid:
                 return key, rid
+            if many_task is not None and headers.get("task") == many_task:
+                ids = headers.get("vigil_ids")
+                if isinstance(ids, list) and ids and all(isinstance(i, str) and i for i in ids):
+                    return key, tuple(ids)
             return None
 
         return holder

@@ -57,9 +57,9 @@ ACK_BATCH = 500
 # How long closing a channel waits for its queued acks to be sent.
 ACK_FLUSH_TIMEOUT_S = 5.0
 
-# Given a delivered message's headers, the (set key, member) this process holds it under, or
-# None: set by `hold_deliveries`, read on every delivery.
-Holder = Callable[[dict], "tuple[str, str] | None"]
+# Given a delivered message's headers, the (set key, member or members) this process holds it
+# under, or None: set by `hold_deliveries`, read on every delivery.
+Holder = Callable[[dict], "tuple[str, str | tuple[str, ...]] | None"]
 _holder: Holder | None = None
 # Members noted as held whose message Celery has not yet taken in (see `arriving`), with how
 # many of their messages are on the way (a duplicate delivery can be).
@@ -103,20 +103,22 @@ class HoldingQoS(kredis.QoS):
         raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         keys = [self.unacked_index_key, self.unacked_key]
         args = [delivery_tag, time.time(), raw]
-        if held is not None:
+        members = _members(held)
+        if members:
             keys.append(held[0])
-            args.append(held[1])
+            args.extend(members)
             with _arriving_lock:
-                _arriving[held[1]] = _arriving.get(held[1], 0) + 1
+                for m in members:
+                    _arriving[m] = _arriving.get(m, 0) + 1
         try:
             self.channel._vigil_scripts()[0](keys=keys, args=args)
         except BaseException:
-            if held is not None:
-                _arrived(held[1])
+            for m in members:
+                _arrived(m)
             raise
         virtual.QoS.append(self, message, delivery_tag)  # kombu's own in-process bookkeeping
-        if held is not None:
-            message._vigil_held = held[1]
+        if members:
+            message._vigil_held = members
 
     def ack(self, delivery_tag):
         """kombu's ack: done in this process at once, and in Redis (the delivery leaves the
@@ -188,6 +190,14 @@ class Acker:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+def _members(held) -> tuple[str, ...]:
+    """The members a holder's answer names: one (a request's message) or several (a message
+    carrying many requests)."""
+    if held is None:
+        return ()
+    return (held[1],) if isinstance(held[1], str) else tuple(held[1])
 
 
 def _arrived(member: str) -> None:
@@ -309,8 +319,7 @@ class _SharedClient:
             try:
                 return callback(message)
             finally:
-                member = getattr(message, "_vigil_held", None)
-                if member is not None:
+                for member in getattr(message, "_vigil_held", ()):
                     _arrived(member)
 
         return super().basic_consume(queue, no_ack, handed_over, consumer_tag, **kwargs)

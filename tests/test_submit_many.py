@@ -1,0 +1,84 @@
+"""Redis tier: submitting many requests at once (app/requests/submit_many.py) through the real
+app on a real Redis (database 1): each request its own record and result handle, the messages
+carrying up to K requests each, grouped by queue and tier; all or nothing when one is wrong or
+refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.celery_app import create_app
+from app.errors import RequestError, TransientError
+from app.requests.models import get_registry
+from app.requests.submit_many import submit_many
+from app.state import broker
+from app.task_names import GENERATE_MANY
+
+pytestmark = pytest.mark.redis
+POOL = "vigil.pool.tiny-llama"
+
+
+def many(app, settings, items, **kw):
+    return submit_many(items, settings=settings, registry=get_registry(),
+                       store=app.vigil_store, ports=app.vigil_ports, **kw)
+
+
+def messages(r, queue):
+    out = []
+    for key in broker.queue_lists(queue):
+        out += [json.loads(m) for m in reversed(r.lrange(key, 0, -1))]
+    return out
+
+
+def test_many_requests_are_recorded_each_and_published_k_to_a_message(settings):
+    s = settings.model_copy(update={"requests_per_message": 4})
+    app = create_app(s)
+    items = [{"model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 2} for i in range(10)]
+    items += [{"model": "tiny-llama", "prompt": "now", "priority": "interactive"}]
+    results = many(app, s, items)
+    assert len(results) == 11 and len({r.id for r in results}) == 11
+    recs = [app.vigil_store.get(r.id) for r in results]
+    assert all(rec["status"] == "PENDING" and rec["dispatch"] == "0" for rec in recs)
+    assert json.loads(recs[3]["request"])["prompt"] == "p3"
+    msgs = messages(app.vigil_store.raw, POOL)
+    assert [m["headers"]["task"] for m in msgs] == [GENERATE_MANY] * 4
+    carried = [m["headers"]["vigil_ids"] for m in msgs]
+    assert sorted(len(c) for c in carried) == [1, 2, 4, 4]  # 10 default in 4s; 1 interactive
+    assert sorted(i for c in carried for i in c) == sorted(r.id for r in results)
+    first = msgs[0]  # popped first: the interactive one, at priority 0
+    assert first["headers"]["vigil_ids"] == [results[-1].id]
+    body = json.loads(__import__("base64").b64decode(first["body"]))
+    assert body[1]["requests"][0]["kwargs"]["prompt"] == "now"
+    assert "prompt" not in first["headers"]["kwargsrepr"]
+
+
+def test_one_bad_request_fails_them_all_naming_it_and_nothing_is_written(settings):
+    app = create_app(settings)
+    items = [{"model": "tiny-llama", "prompt": "ok"}, {"model": "tiny-llama", "prompt": ""}]
+    with pytest.raises(RequestError, match="^invalid_request: request 1: "):
+        many(app, settings, items)
+    assert not list(app.vigil_store.raw.scan_iter("vigil:req:*"))
+    assert messages(app.vigil_store.raw, POOL) == []
+
+
+def test_a_refusal_mid_way_deletes_what_this_call_created(settings):
+    s = settings.model_copy(update={"max_pending_per_job": 3})
+    app = create_app(s)
+    items = [{"model": "tiny-llama", "prompt": f"p{i}", "job": "capped"} for i in range(5)]
+    with pytest.raises(TransientError, match="^overloaded: "):
+        many(app, s, items)
+    assert not list(app.vigil_store.raw.scan_iter("vigil:req:*"))
+    assert messages(app.vigil_store.raw, POOL + ".job.capped") == []
+
+
+def test_the_same_ids_again_are_the_same_requests_and_publish_nothing_more(settings):
+    app = create_app(settings)
+    items = [{"model": "tiny-llama", "prompt": f"p{i}"} for i in range(3)]
+    ids = ["again-0", "again-1", "again-2"]
+    many(app, settings, items, task_ids=ids)
+    before = len(messages(app.vigil_store.raw, POOL))
+    assert [r.id for r in many(app, settings, items, task_ids=ids)] == ids
+    assert len(messages(app.vigil_store.raw, POOL)) == before
+    with pytest.raises(RequestError, match="already used by a different request"):
+        many(app, settings, [{"model": "tiny-llama", "prompt": "other"}], task_ids=["again-0"])
