@@ -79,7 +79,11 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             # tiny model nothing.
             engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0,
                          # bfloat16 dies with SIGILL on this CPU at batch ~20 (docs/operations.md)
-                         "dtype": "float32"},
+                         "dtype": "float32",
+                         # Its random weights pick the whitespace a JSON grammar allows between
+                         # tokens for ever; compact JSON leaves them none (docs/field-notes.md).
+                         "structured_outputs_config": {"backend": "xgrammar",
+                                                       "disable_any_whitespace": True}},
             max_loras=2,
             max_lora_rank=8,
         )

@@ -18,6 +18,7 @@ from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
 from workers.engine.resume import Seam, fast_decoder, refusal
+from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.witness import Witness
 
@@ -48,7 +49,8 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     cannot drift. The registry's engine args, the memory plan's KV cache size (without a plan:
     the registry's `kv_cache_gib` as it is, since vLLM's own CPU default, 90% of the node, fails
     on any shared host), no periodic stats logging, and the LoRA lanes when the model serves
-    adapters (`lora=False` leaves them out: for measuring what they cost)."""
+    adapters (`lora=False` leaves them out: for measuring what they cost). The registry's
+    `structured_outputs_config` (a JSON object there) becomes vLLM's config object."""
     if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             "kv_cache_memory_bytes" not in spec.engine_args and \
             "gpu_memory_utilization" not in spec.engine_args and \
@@ -57,6 +59,13 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     else:
         plan_args = plan.engine_args if plan is not None else {}
     args = {"disable_log_stats": True, **executor_args(spec), **spec.engine_args, **plan_args}
+    if isinstance(args.get("structured_outputs_config"), dict):
+        # The registry is JSON; AsyncEngineArgs wants vLLM's config object (LLM converts it
+        # itself, AsyncEngineArgs does not).
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(
+            **args["structured_outputs_config"])
     if spec.max_loras and lora:
         args = {"enable_lora": True, "max_loras": spec.max_loras,
                 "max_lora_rank": spec.max_lora_rank, **args}
@@ -156,22 +165,6 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is None or bool(self._llm.errored)
 
-    def _sampling(self, req: GenerateRequest, max_tokens: int | None = None,
-                  resumed: bool = False):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step
-        # (it shares two cores with Celery and Redis: docs/field-notes.md); token streams read
-        # the progress otherwise (workers/engine/stream_watch.py). A resumed run's text and stop
-        # strings are Vigil's (workers/engine/resume.py): token ids only.
-        return SamplingParams(
-            max_tokens=max_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, seed=req.seed, stop=None if resumed else req.stop,
-            ignore_eos=req.ignore_eos, detokenize=not resumed,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
     async def run(self, req: GenerateRequest, request_id: str,
                   adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
         """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
@@ -180,7 +173,7 @@ class VllmEngine:
         resume point, if it has one and may (workers/engine/resume.py)."""
         if tap is None:
             prompt = _prompt(req)
-            final = await self._final(prompt, self._sampling(req), request_id, adapter)
+            final = await self._final(prompt, sampling_params(req), request_id, adapter)
             comp = final.outputs[0]
             if self.witness is not None:
                 self.witness.finished(request_id, len(comp.token_ids))
@@ -229,10 +222,10 @@ class VllmEngine:
         engine's StreamWatch."""
         if cp is None:
             prompt = _prompt(req)
-            params = self._sampling(req)
+            params = sampling_params(req)
         else:
             prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
-            params = self._sampling(req, req.max_tokens - cp.tokens, resumed=True)
+            params = sampling_params(req, Continuation(0, cp.tokens))
         if self._watch is None:
             self._watch = StreamWatch(self._llm, tap.watch_period)
         run = WatchedRun(tap, seam)
