@@ -30,6 +30,7 @@ from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
+from workers.result import build_result
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
@@ -130,14 +131,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         return _retry(rt, request_id, dispatch, b.attempts, e, pool)
     except VigilError as e:
         return _fail(rt, request_id, e, pool)
-    result = {
-        "request_id": request_id, "model": req.model, "text": out.text,
-        "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-        "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-        "attempts": b.attempts, "worker": rt.name,
-        **({"lora": req.lora} if req.lora is not None else {}),
-        **({"resumed_at": out.resumed_at} if out.resumed_at else {}),
-    }
+    result = build_result(request_id, req, out, b.attempts, rt.name)
     won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
                               pool=pool, result_key=result_key() if result_key else None)
     if not won:

@@ -240,6 +240,15 @@ class GenerateResult(BaseModel):
     attempts: int
     worker: str
     lora: str | None = None
+    resumed_at: list[int] | None = None
+    # Only when asked for (logprobs / logprob_token_ids; prompt_logprobs); entries as docs/api.md
+    # ("Results") shows them.
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict | None] | None = None
+    # n > 1: every sample (index, text, token_ids, finish_reason, completion_tokens, logprobs,
+    # cumulative_logprob, resumed_at); the fields above are sample 0's.
+    choices: list[dict] | None = None
 
 
 def v2_fields_used(req: GenerateRequest) -> list[str]:

@@ -20,12 +20,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from app.requests.schemas import GenerateRequest
 from app.state.streams import Checkpoint
 
 # A decoder for one request: primed with the prompt's token ids, it returns the text each next
 # token adds (None or "" while a character is incomplete), as vLLM's incremental detokenizer.
 Decoder = Callable[[int], "str | None"]
 DecoderFactory = Callable[[list[int]], Decoder]
+
+
+def unsound(req: GenerateRequest) -> str:
+    """Why no checkpoint of `req` may be continued, whatever it holds ('' when one may): what
+    the engine would do differently with the tokens so far given as prompt (docs/api.md,
+    "Resume", has the table of every field)."""
+    if req.structured is not None:
+        return ("structured outputs: the grammar's state at the cut cannot be given back "
+                "through a prompt")
+    if req.presence_penalty or req.frequency_penalty:
+        return ("presence/frequency penalties count the generated tokens only, and a resumed "
+                "run's are its prompt")
+    if req.bad_words:
+        return ("bad_words look back at the generated tokens only: a word split across the "
+                "seam would be missed")
+    if req.logprobs is not None or req.logprob_token_ids or req.prompt_logprobs is not None:
+        return "logprobs are not kept in the stream yet"
+    return ""
 
 
 def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,

@@ -17,9 +17,10 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
-from workers.engine.resume import Seam, fast_decoder, refusal
+from workers.engine.resume import Seam, fast_decoder, refusal, unsound
 from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
+from workers.engine.vllm_output import output_of
 from workers.engine.witness import Witness
 
 
@@ -171,14 +172,11 @@ class VllmEngine:
         exceptions propagate unclassified. With a `tap` (workers/streaming.py) the new tokens
         go to the request's token stream while it runs, and the run continues from the tap's
         resume point, if it has one and may (workers/engine/resume.py)."""
-        if tap is None:
+        if tap is None or req.n > 1:  # n > 1: streamed per sample (not yet: one result)
             prompt = _prompt(req)
             final = await self._final(prompt, sampling_params(req), request_id, adapter)
-            comp = final.outputs[0]
-            if self.witness is not None:
-                self.witness.finished(request_id, len(comp.token_ids))
-            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
-                                len(final.prompt_token_ids or ()))
+            self._witness_final(request_id, final)
+            return output_of(final, req)
         cp, seam = self._resume_point(req, tap)
         if cp is not None:
             tap.took_over()
@@ -198,8 +196,9 @@ class VllmEngine:
         cp = tap.resume_point()
         if cp is None:
             return None, None
-        why = refusal(cp, max_tokens=req.max_tokens, max_model_len=self.max_model_len,
-                      adapter_fingerprint=tap.adapter_fingerprint)
+        why = unsound(req) or refusal(cp, max_tokens=req.max_tokens,
+                                      max_model_len=self.max_model_len,
+                                      adapter_fingerprint=tap.adapter_fingerprint)
         if not why:
             try:
                 return cp, Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
@@ -242,16 +241,13 @@ class VllmEngine:
             self._watch.unwatch(request_id)
             if not run.task.done():
                 run.task.cancel()
-        return self._watched_output(request_id, run, final, cp)
+        return self._watched_output(req, request_id, run, final, cp)
 
-    def _watched_output(self, request_id: str, run: WatchedRun, final, cp) -> EngineOutput:
+    def _watched_output(self, req, request_id: str, run: WatchedRun, final, cp) -> EngineOutput:
         """The whole generation of a watched run: its final output, or where its seam cut it."""
         if cp is None:
-            comp = final.outputs[0]
-            if self.witness is not None:
-                self.witness.finished(request_id, len(comp.token_ids))
-            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
-                                len(final.prompt_token_ids or ()), run.tap.resumed_at)
+            self._witness_final(request_id, final)
+            return output_of(final, req, run.tap.resumed_at)
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]
             ids, finish = list(comp.token_ids), comp.finish_reason
@@ -268,6 +264,14 @@ class VllmEngine:
             self.witness.finished(request_id, len(ids), cp.tokens)
         return EngineOutput(text, cp.token_ids + ids, finish, len(cp.prompt_ids),
                             run.tap.resumed_at)
+
+    def _witness_final(self, request_id: str, final) -> None:
+        """Write down a run from the prompt: its first sample's tokens, and with n > 1 every
+        sample's (one engine request made them all)."""
+        if self.witness is None:
+            return
+        lens = [len(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
+        self.witness.finished(request_id, lens[0], samples=lens if len(lens) > 1 else None)
 
     @staticmethod
     def _lora(adapter: AdapterRef | None):
