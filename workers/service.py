@@ -206,7 +206,7 @@ def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
         # Redis away past the outage grace: TransientError, retried like any (serve).
         prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
         tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
-                              files_fingerprint(adapter.path) if adapter else "")
+                              files_fingerprint(adapter.path) if adapter else "", req.n)
         if b.streamed and prior is None:  # its tokens are not there to continue
             tap.refuse_resume("the stream holds no tokens to continue")
     ok = False

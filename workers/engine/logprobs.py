@@ -66,11 +66,20 @@ def sample_entries(token_ids, logprobs, k: int, named: list[int] | None = None,
     return out
 
 
-def prompt_entries(prompt_ids, prompt_logprobs, k: int) -> list[dict | None]:
+def prompt_entries(prompt_ids, prompt_logprobs, k: int,
+                   decode: Decode | None = None) -> list[dict | None]:
     """The prompt's entries (vLLM's RequestOutput.prompt_logprobs): None for the first token,
-    which nothing predicts."""
-    return [None if position is None else entry(t, position, k)
-            for t, position in zip(prompt_ids, prompt_logprobs)]
+    which nothing predicts. With `decode`, decoded here, each position with the prompt tokens
+    vLLM gives it as context (those of the positions before it that have an entry)."""
+    out: list[dict | None] = []
+    for p, (t, position) in enumerate(zip(prompt_ids, prompt_logprobs)):
+        if position is None:
+            out.append(None)
+            continue
+        before = [prompt_ids[q] for q in range(p) if prompt_logprobs[q] is not None]
+        strings = decode(list(position), before) if decode is not None else None
+        out.append(entry(t, position, k, tokens=strings))
+    return out
 
 
 def cumulative(entries: list[dict]) -> float:

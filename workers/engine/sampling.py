@@ -6,7 +6,8 @@ A run from the prompt asks for everything the request says, `n` samples in one e
 checkpoint (workers/engine/resume.py) continues one sample: its prompt is the request's prompt
 followed by that sample's tokens so far, so it asks for one sample, the tokens still to make,
 what is left of `min_tokens`, the sample's own seed (vLLM seeds sample i of a request with
-`seed + i`), and token ids only: its text and stop strings are Vigil's (the Seam).
+`seed + i`), and token ids only: its text and stop strings are Vigil's (the Seam); sample 0's
+run alone asks for the prompt's logprobs.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def sampling_params(req: GenerateRequest, cont: Continuation | None = None):
             **common)
     # Structured outputs are never continued (resume.refusal): the grammar's state at the cut
     # cannot be given to the engine through a prompt.
+    # The prompt's logprobs come from sample 0's run (cut at the prompt's end), once.
+    common["prompt_logprobs"] = req.prompt_logprobs if cont.index == 0 else None
     return SamplingParams(
         n=1, max_tokens=req.max_tokens - cont.made, min_tokens=max(0, req.min_tokens - cont.made),
         seed=None if req.seed is None else req.seed + cont.index, detokenize=False, **common)

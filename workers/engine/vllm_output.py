@@ -22,14 +22,21 @@ def sample_of(comp, req: GenerateRequest, resumed_at: list[int] | None = None) -
                   comp.cumulative_logprob if lps is not None else None, list(resumed_at or ()))
 
 
-def prompt_logprobs_of(final, req: GenerateRequest, prompt_len: int | None = None):
+def prompt_logprobs_of(final, req: GenerateRequest, prompt_len: int | None = None,
+                       decode=None):
     """The prompt's logprob entries of `final` (its first `prompt_len` positions: a resumed
     run's prompt goes on with the tokens it continues), None when not asked for."""
     if req.prompt_logprobs is None or final.prompt_logprobs is None:
         return None
-    ids = list(final.prompt_token_ids or ())
+    return prompt_logprobs(list(final.prompt_token_ids or ()), list(final.prompt_logprobs), req,
+                           prompt_len, decode)
+
+
+def prompt_logprobs(ids: list[int], raw: list, req: GenerateRequest,
+                    prompt_len: int | None = None, decode=None):
+    """The entries of vLLM's prompt logprobs `raw` for prompt `ids`, cut at `prompt_len`."""
     n = len(ids) if prompt_len is None else prompt_len
-    return prompt_entries(ids[:n], list(final.prompt_logprobs)[:n], req.prompt_logprobs)
+    return prompt_entries(ids[:n], raw[:n], req.prompt_logprobs, decode)
 
 
 def output_of(final, req: GenerateRequest, resumed_at: list[int] | None = None) -> EngineOutput:
