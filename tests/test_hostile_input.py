@@ -59,7 +59,32 @@ FIELDS = {
     "lora": st.one_of(ANY_TEXT, HOSTILE),
     "job": st.one_of(st.just("fuzz"), ANY_TEXT, HOSTILE),
     "deadline_s": st.one_of(st.floats(), HOSTILE),
-    "schema_version": st.one_of(st.just(1), st.integers(), HOSTILE),
+    "schema_version": st.one_of(st.just(1), st.just(2), st.integers(), HOSTILE),
+    # Version 2 (issue 31): n = 10^9, NaN penalties, a million logit_bias entries, huge and
+    # deep schemas, among the rest.
+    "n": st.one_of(st.integers(min_value=-2, max_value=40), st.just(10**9), HOSTILE),
+    "logprobs": st.one_of(st.integers(min_value=-2, max_value=30), HOSTILE),
+    "prompt_logprobs": st.one_of(st.integers(min_value=-2, max_value=30), HOSTILE),
+    "presence_penalty": st.one_of(st.floats(), HOSTILE),
+    "frequency_penalty": st.one_of(st.floats(), HOSTILE),
+    "repetition_penalty": st.one_of(st.floats(), HOSTILE),
+    "top_k": st.one_of(st.integers(), HOSTILE),
+    "min_p": st.one_of(st.floats(), HOSTILE),
+    "min_tokens": st.one_of(st.integers(), HOSTILE),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(ANY_TEXT, st.integers()), st.floats(),
+                                            max_size=4),
+                            st.just({str(i): 1.0 for i in range(10**6)}), HOSTILE),
+    "stop_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "allowed_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "logprob_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "bad_words": st.one_of(st.lists(ANY_TEXT, max_size=4), HOSTILE),
+    "structured": st.one_of(
+        st.fixed_dictionaries({}, optional={k: st.one_of(ANY_TEXT, NESTED, HOSTILE) for k in (
+            "json", "json_object", "regex", "choice", "grammar")}),
+        st.just({"json": {"type": "object", "properties": {
+            f"p{i}": {"type": "string"} for i in range(5_000)}}}),
+        st.just({"json": _deep(5_000)}), HOSTILE),
+    "detokenize": st.one_of(st.booleans(), HOSTILE),
 }
 KWARGS = st.one_of(
     st.fixed_dictionaries({"model": st.just("tiny-llama"), "prompt": ANY_TEXT.filter(bool)},

@@ -71,6 +71,10 @@ class Structured(BaseModel):
             if nesting(v) > MAX_JSON_NESTING:
                 raise ValueError(f"the JSON schema nests objects and arrays deeper than "
                                  f"{MAX_JSON_NESTING} levels (vLLM's bound)")
+            size = _json_size(v)  # before the metaschema, whose cost grows with the schema
+            if size > MAX_STRUCTURED_BYTES:
+                raise ValueError(f"the JSON schema is {size} bytes of JSON; the limit is "
+                                 f"{MAX_STRUCTURED_BYTES}")
             check_json_schema(v)
         return v
 
@@ -80,7 +84,7 @@ class Structured(BaseModel):
                  if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
-        size = len(json.dumps(self.wire(), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        size = _json_size(self.wire())
         if size > MAX_STRUCTURED_BYTES:
             raise ValueError(f"the constraint is {size} bytes of JSON; the limit is "
                              f"{MAX_STRUCTURED_BYTES}")
@@ -94,6 +98,11 @@ class Structured(BaseModel):
     def kind(self) -> str:
         """Which constraint: json, json_object, regex, choice or grammar."""
         return next(iter(self.wire()))
+
+
+def _json_size(value) -> int:
+    """Bytes of `value` as UTF-8 JSON."""
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 def _utf8(text: str) -> None:
