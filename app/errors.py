@@ -15,7 +15,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 | TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
-|                  |                                            | lora_adapter_pending (no attempt used); |
+|                  |                                            | lora_adapter_pending, schema_too_new    |
+|                  |                                            | (no attempt used);                      |
 |                  |                                            | overloaded (raised by `.delay` only:    |
 |                  |                                            | the caller retries; nothing was sent)   |
 | WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
@@ -51,6 +52,9 @@ REDIS_UNAVAILABLE = "redis_unavailable"
 OVERLOADED = "overloaded"
 # The request's LoRA adapter is still being written: retried without using up an attempt.
 LORA_ADAPTER_PENDING = "lora_adapter_pending"
+# The message names a schema_version newer than this worker reads (a newer producer sent it during
+# a rolling upgrade): handed back for a worker that reads it, without using up an attempt.
+SCHEMA_TOO_NEW = "schema_too_new"
 # An engine failure nobody recognised: retried (bounded) rather than failed for good.
 ENGINE_ERROR = "engine_error"
 # WorkerFatalError codes

@@ -16,6 +16,7 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | TransientError (default) | until VIGIL_MAX_ATTEMPTS | jittered backoff on the attempt | yes |
 | TransientError wedged, worker_lost | until VIGIL_MAX_ATTEMPTS | at once | yes |
 | TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
+| TransientError schema_too_new | until the deadline | backoff on the dispatch | no |
 | TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
 | WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
 
@@ -30,8 +31,8 @@ import random
 from dataclasses import dataclass
 
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
-                        MEMORY_PRESSURE, WEDGED, WORKER_LOST, RequestError, TerminalError,
-                        TransientError, VigilError, WorkerFatalError)
+                        MEMORY_PRESSURE, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST, RequestError,
+                        TerminalError, TransientError, VigilError, WorkerFatalError)
 from app.settings import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
                           DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
 
@@ -71,6 +72,9 @@ CODE_RULES: dict[str, Rule] = {
     WEDGED: AT_ONCE,
     WORKER_LOST: AT_ONCE,
     LORA_ADAPTER_PENDING: Rule(retried=True, uses_attempt=False),
+    # A message of a schema version this worker does not read: handed back, no attempt used,
+    # for a worker that reads it; the deadline bounds the wait.
+    SCHEMA_TOO_NEW: Rule(retried=True, uses_attempt=False),
     MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
                           memory_window=True),
 }

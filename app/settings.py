@@ -38,6 +38,16 @@ DEFAULT_ENGINE_START_TIMEOUT_S = 900.0
 # model (the model's own context limit is checked separately).
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
 DEFAULT_MAX_TOKENS_CAP = 32768
+# Samples of one prompt a request may ask for (`n`): enough for a GRPO group; each sample is a
+# sequence in the engine's batch, so a large n takes the batch from other requests.
+DEFAULT_MAX_N = 16
+# vLLM 0.32's own ceiling on `n` (VLLM_MAX_N_SEQUENCES).
+VLLM_MAX_N = 16384
+# The logprob entries one result may hold: n x max_tokens x (1 + top logprobs per token), plus
+# the prompt's tokens x (1 + prompt_logprobs); one entry is ~60 bytes of JSON, so 2**20 entries
+# (20 alternatives of 48k tokens) is ~60 MB in Redis at most, twice (the record and Celery's
+# result).
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 # A warm engine holds GiBs; free it after a minute with nothing to do.
 DEFAULT_IDLE_CLEANUP_S = 60.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
@@ -193,6 +203,11 @@ class VigilSettings(BaseSettings):
     max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, ge=1)
     max_tokens_cap: int = Field(DEFAULT_MAX_TOKENS_CAP, ge=1, description="Upper bound on a "
                                 "request's max_tokens, besides the model's max_model_len.")
+    max_n: int = Field(DEFAULT_MAX_N, ge=1, le=VLLM_MAX_N, description="Upper bound on a "
+                       "request's n (samples of one prompt).")
+    max_logprob_entries: int = Field(DEFAULT_MAX_LOGPROB_ENTRIES, ge=1, description="Upper "
+                                     "bound on the logprob entries one result may hold "
+                                     "(docs/api.md, Results).")
     max_pending_per_job: int = Field(DEFAULT_MAX_PENDING_PER_JOB, ge=0, description="Open "
                                      "requests one job may have before submits fail "
                                      "`overloaded`.")

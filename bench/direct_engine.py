@@ -34,15 +34,17 @@ def make_prompts(n: int, round_no: int, words: int = 10) -> list[str]:
             for i in range(n)]
 
 
-async def run_to_end(llm, prompt: str, max_tokens: int, request_id: str):
+async def run_to_end(llm, prompt: str, max_tokens: int, request_id: str,
+                     logprobs: int | None = None):
     """Run one prompt through `llm` (an AsyncLLM) to its end and return its CompletionOutput:
     the sampling every engine of the bench uses (the request defaults, `ignore_eos`, the final
-    output only, as the worker asks for it)."""
+    output only, as the worker asks for it), with `logprobs` top logprobs per token if given."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=None,
-                        ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+                        ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                        logprobs=logprobs)
     final = None
     async for out in llm.generate({"prompt": prompt}, sp, request_id=request_id):
         final = out
@@ -55,7 +57,8 @@ def direct_server(lora: bool = True) -> int:
     `engine_args`: the registry's args, its KV cache request, the LoRA lanes; `lora=False`
     leaves the lanes out), then run rounds on command.
 
-    Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens"} ->
+    Protocol on stdin/stdout, one JSON object per line: {"round", "n", "max_tokens",
+    optional "logprobs"} ->
     {"elapsed", "tokens", "n", "steps", "step_outputs"} (the engine's steps in the round and the
     request outputs in them, counted like the worker's: workers/engine/vllm.py, StepCounter);
     "quit" or EOF shuts the engine down. vLLM's own output goes to
@@ -88,8 +91,8 @@ def direct_server(lora: bool = True) -> int:
         steps = StepCounter(llm)  # counted as the worker's engine counts them
         loop = asyncio.get_running_loop()
 
-        async def one(rid: str, prompt: str, max_tokens: int) -> int:
-            return len((await run_to_end(llm, prompt, max_tokens, rid)).token_ids)
+        async def one(rid: str, prompt: str, max_tokens: int, logprobs: int | None) -> int:
+            return len((await run_to_end(llm, prompt, max_tokens, rid, logprobs)).token_ids)
 
         try:
             while True:
@@ -101,7 +104,8 @@ def direct_server(lora: bool = True) -> int:
                 s0, o0 = steps.steps, steps.outputs
                 t0 = time.perf_counter()
                 counts = await asyncio.gather(*(
-                    one(f"d{cmd['round']}-{i}", p, cmd["max_tokens"]) for i, p in enumerate(prompts)))
+                    one(f"d{cmd['round']}-{i}-{cmd.get('logprobs')}", p, cmd["max_tokens"],
+                        cmd.get("logprobs")) for i, p in enumerate(prompts)))
                 elapsed = time.perf_counter() - t0
                 proto.write(json.dumps({"elapsed": elapsed, "tokens": sum(counts),
                                         "n": len(counts), "steps": steps.steps - s0,
@@ -141,9 +145,10 @@ class DirectEngine:
     def wait_ready(self, timeout: float = 300) -> dict:
         return self._reply(timeout)
 
-    def run_round(self, round_no: int, n: int, max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"round": round_no, "n": n,
-                                          "max_tokens": max_tokens}) + "\n")
+    def run_round(self, round_no: int, n: int, max_tokens: int,
+                  logprobs: int | None = None) -> dict:
+        self.proc.stdin.write(json.dumps({"round": round_no, "n": n, "max_tokens": max_tokens,
+                                          "logprobs": logprobs}) + "\n")
         self.proc.stdin.flush()
         return self._reply(GET_TIMEOUT_S)
 

@@ -3,6 +3,7 @@
     python -m bench.throughput                 # full run: overhead, 5 + 5 rounds, LoRA cost
     python -m bench.throughput --requests 128 --rounds 1 --skip-overhead   # quick look
     python -m bench.throughput --stream-cost   # token streams on vs off (bench/stream_cost.py)
+    python -m bench.throughput --logprobs 5    # also both sides with 5 top logprobs per token
 
 Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
 
@@ -20,6 +21,11 @@ turns going first; the engines stay warm and an idle one costs nothing. Each rou
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
 The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
+
+`--logprobs K` adds two sides to each round, the same requests with K top logprobs per token
+through Celery and directly: `with/without` is what logprobs cost each side (vLLM computing and
+the front end converting them; Vigil also turning them into JSON entries, storing and returning
+them), `celery/direct with logprobs` the ratio under that load.
 
 `--bare-celery` adds a third side to each round: a bare Celery worker with a warm AsyncLLM in a
 process global, the same engine args, Celery's defaults and nothing of Vigil
@@ -58,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-rounds", type=int, default=3,
                    help="rounds of the direct engine with vs without LoRA lanes (0: skip)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (part 1)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="two more sides each round (part 1): celery and direct with K top "
+                        "logprobs per token, so the cost of logprobs is measured in the same run")
     p.add_argument("--concurrency", type=int, default=160,
                    help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
     p.add_argument("--overhead-requests", type=int, default=2000, help="requests per side (part 2)")
@@ -219,7 +228,8 @@ class Bench:
             collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
                      for p in warm])
             direct.run_round(999, len(warm), 8)
-            sides = ["celery", "direct"] + (["bare"] if bare else [])
+            sides = ["celery", "direct"] + (["bare"] if bare else []) + (
+                ["celery+lp", "direct+lp"] if a.logprobs is not None else [])
             if bare:
                 bare.warm(warm, 8)
                 self.cpu.add("bare", bare.proc.pid)
@@ -229,14 +239,16 @@ class Bench:
             rates: dict[str, list[float]] = {side: [] for side in sides}
             steps: dict[str, list[Steps]] = {side: [] for side in sides}
 
-            def celery_side(k: int, prompts: list[str]) -> None:
+            def celery_side(k: int, prompts: list[str], side: str = "celery",
+                            logprobs: int | None = None) -> None:
                 submit_s = []
+                extra = {} if logprobs is None else {"logprobs": logprobs}
 
                 def celery_round():
                     t0 = time.perf_counter()
                     rs = self.submit_all(
                         generate, [dict(model=MODEL, prompt=p, max_tokens=a.max_tokens,
-                                        ignore_eos=True) for p in prompts])
+                                        ignore_eos=True, **extra) for p in prompts])
                     submit_s.append(time.perf_counter() - t0)
                     values, errors = collect(rs)
                     return sum(v["completion_tokens"] for v in values), len(values), errors
@@ -244,17 +256,18 @@ class Bench:
                 before = scrape_steps(metrics_port)
                 wall, (tokens, ok, errors), cpu = self.measure(celery_round)
                 st = scrape_steps(metrics_port).over(before, wall)
-                steps["celery"].append(st)
-                self._report(k, "celery", wall, tokens, cpu, rates,
+                steps[side].append(st)
+                self._report(k, side, wall, tokens, cpu, rates,
                              f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)} | "
                              f"{st.describe()}", ok)
 
-            def direct_side(k: int, prompts: list[str]) -> None:
+            def direct_side(k: int, prompts: list[str], side: str = "direct",
+                            logprobs: int | None = None) -> None:
                 _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests,
-                                                                       a.max_tokens))
+                                                                       a.max_tokens, logprobs))
                 st = Steps(reply["steps"], reply["step_outputs"], reply["elapsed"])
-                steps["direct"].append(st)
-                self._report(k, "direct", reply["elapsed"], reply["tokens"], cpu, rates,
+                steps[side].append(st)
+                self._report(k, side, reply["elapsed"], reply["tokens"], cpu, rates,
                              f" | {st.describe()}")
 
             def bare_side(k: int, prompts: list[str]) -> None:
@@ -266,7 +279,9 @@ class Bench:
                 self._report(k, "bare", wall, tokens, cpu, rates,
                              f"{_errors_note(errors)} | {st.describe()}", ok)
 
-            runs = {"celery": celery_side, "direct": direct_side, "bare": bare_side}
+            runs = {"celery": celery_side, "direct": direct_side, "bare": bare_side,
+                    "celery+lp": lambda k, p: celery_side(k, p, "celery+lp", a.logprobs),
+                    "direct+lp": lambda k, p: direct_side(k, p, "direct+lp", a.logprobs)}
             for k in range(a.rounds):  # each side goes first in turn
                 prompts = make_prompts(a.requests, k)
                 for side in sides[k % len(sides):] + sides[:k % len(sides)]:
@@ -287,6 +302,11 @@ class Bench:
                                                                   steps["direct"])],
                "batch_ratios": [c.batch / d.batch for c, d in zip(steps["celery"],
                                                                   steps["direct"])]}
+        if a.logprobs is not None:
+            for side in ("celery", "direct"):
+                out[f"{side}_lp_cost"] = [w / wo for w, wo in zip(rates[f"{side}+lp"],
+                                                                   rates[side])]
+            out["lp_ratios"] = [c / d for c, d in zip(rates["celery+lp"], rates["direct+lp"])]
         if bare:
             out["bare_ratios"] = [b / d for b, d in zip(rates["bare"], rates["direct"])]
             out["celery_bare_ratios"] = [c / b for c, b in zip(rates["celery"], rates["bare"])]
@@ -367,6 +387,12 @@ class Bench:
                 summary.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
                 summary.append(f"  x batch (outputs per step) celery/direct "
                                f"{_spread(t['batch_ratios'], '')}")
+                if "lp_ratios" in t:
+                    summary.append(f"logprobs={a.logprobs} (the same rounds): with/without "
+                                   f"celery {_spread(t['celery_lp_cost'], '')}")
+                    summary.append(f"  with/without direct {_spread(t['direct_lp_cost'], '')}")
+                    summary.append(f"  ratio celery/direct with logprobs "
+                                   f"{_spread(t['lp_ratios'], '')}")
                 if "bare_ratios" in t:
                     summary.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
                     summary.append(f"  ratio celery/bare per round "

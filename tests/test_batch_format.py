@@ -95,8 +95,8 @@ def test_a_completion_line_becomes_generate_kwargs_that_pass_the_schema():
     kind, kw = to_req(obj)
     assert cid == "q1" and kind == "completion"
     assert kw == {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
-                  "top_p": 0.5, "seed": 3, "stop": ["."], "ignore_eos": True, "job": "job-1",
-                  "priority": "bulk"}
+                  "top_p": 0.5, "seed": 3, "stop": ["."], "ignore_eos": True, "n": 1,
+                  "job": "job-1", "priority": "bulk"}
     parse_request(kw)
 
 
@@ -159,8 +159,8 @@ def test_rest_of_context_reads_the_registry_and_the_cap(monkeypatch):
     ({**line(prompt="x"), "url": "/v1/embeddings"}, ["/v1/embeddings", "not supported"]),
     ({**line(), "body": "text"}, ["body must be a JSON object"]),
     ({**line(), "body": {"prompt": "x"}}, ["body.model"]),
-    (line(prompt="x", logprobs=2, best_of=3), ["best_of, logprobs", "not supported"]),
-    (line(prompt="x", n=2), ["body.n must be 1"]),
+    (line(prompt="x", logprobs=2, best_of=3), ["best_of", "not supported"]),
+    (line(prompt="x", top_logprobs=2), ["top_logprobs", "not supported"]),
     (line(prompt="x", stream=True), ["body.stream must be False"]),
     (line(prompt="x", max_completion_tokens=4), ["max_completion_tokens", "not supported"]),
     (line(prompt="x", messages=[]), ["messages", "not supported"]),

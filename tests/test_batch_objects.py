@@ -176,14 +176,14 @@ def test_a_bad_file_fails_in_validating_with_per_line_errors_and_submits_nothing
     endpoint and a body field that is not served, when the tick validates it, then the batch is
     failed with one error per bad line (its line number), and no request was submitted."""
     bid = fleet.create(jsonl(line("a"), "{not json", line("a"),
-                             CHAT_LINE, line("d", logit_bias={})))
+                             CHAT_LINE, line("d", best_of=2)))
     assert fleet.tick() == {bid: "failed"}
     b = fleet.obj(bid)
     assert b["failed_at"] == int(fleet.now) and b["in_progress_at"] is None
     errors = b["errors"]["data"]
     assert [(e["line"], e["param"]) for e in errors] == [(2, None), (3, "custom_id"),
                                                          (4, "url"), (5, None)]
-    assert "not valid JSON" in errors[0]["message"] and "logit_bias" in errors[3]["message"]
+    assert "not valid JSON" in errors[0]["message"] and "best_of" in errors[3]["message"]
     assert fleet.sent == [] and b["output_file_id"] is None
 
 

@@ -5,14 +5,17 @@ request's state machine; tests/test_worker_e2e.py sends hostile messages to a re
 from __future__ import annotations
 
 import itertools
+import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from app.errors import RequestError, TerminalError
-from app.requests.schemas import parse_request
+from app.errors import RequestError, TerminalError, TransientError
+from app.requests.schemas import newer_version, parse_request
+from app.requests.submit import provisional_fields
 from app.state import keys
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime
@@ -57,7 +60,32 @@ FIELDS = {
     "lora": st.one_of(ANY_TEXT, HOSTILE),
     "job": st.one_of(st.just("fuzz"), ANY_TEXT, HOSTILE),
     "deadline_s": st.one_of(st.floats(), HOSTILE),
-    "schema_version": st.one_of(st.just(1), st.integers(), HOSTILE),
+    "schema_version": st.one_of(st.just(1), st.just(2), st.integers(), HOSTILE),
+    # Version 2 (issue 31): n = 10^9, NaN penalties, a million logit_bias entries, huge and
+    # deep schemas, among the rest.
+    "n": st.one_of(st.integers(min_value=-2, max_value=40), st.just(10**9), HOSTILE),
+    "logprobs": st.one_of(st.integers(min_value=-2, max_value=30), HOSTILE),
+    "prompt_logprobs": st.one_of(st.integers(min_value=-2, max_value=30), HOSTILE),
+    "presence_penalty": st.one_of(st.floats(), HOSTILE),
+    "frequency_penalty": st.one_of(st.floats(), HOSTILE),
+    "repetition_penalty": st.one_of(st.floats(), HOSTILE),
+    "top_k": st.one_of(st.integers(), HOSTILE),
+    "min_p": st.one_of(st.floats(), HOSTILE),
+    "min_tokens": st.one_of(st.integers(), HOSTILE),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(ANY_TEXT, st.integers()), st.floats(),
+                                            max_size=4),
+                            st.just({str(i): 1.0 for i in range(10**6)}), HOSTILE),
+    "stop_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "allowed_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "logprob_token_ids": st.one_of(st.lists(st.integers(), max_size=4), HOSTILE),
+    "bad_words": st.one_of(st.lists(ANY_TEXT, max_size=4), HOSTILE),
+    "structured": st.one_of(
+        st.fixed_dictionaries({}, optional={k: st.one_of(ANY_TEXT, NESTED, HOSTILE) for k in (
+            "json", "json_object", "regex", "choice", "grammar")}),
+        st.just({"json": {"type": "object", "properties": {
+            f"p{i}": {"type": "string"} for i in range(5_000)}}}),
+        st.just({"json": _deep(5_000)}), HOSTILE),
+    "detokenize": st.one_of(st.booleans(), HOSTILE),
 }
 KWARGS = st.one_of(
     st.fixed_dictionaries({"model": st.just("tiny-llama"), "prompt": ANY_TEXT.filter(bool)},
@@ -98,9 +126,14 @@ def test_hostile_kwargs_always_end_in_a_result_or_a_typed_error(instant_runtime)
             out = serve(rt, rid, 0, kwargs)
         except (RequestError, TerminalError) as e:
             assert e.code != "unknown" and str(e).startswith(e.code + ": ")
+        except TransientError as e:  # a newer schema version: handed back, never failed here
+            assert e.code == "schema_too_new" and newer_version(kwargs) is not None
+            assert rt.store.get(rid)["status"] == "PENDING"
         else:
             assert out["request_id"] == rid and isinstance(out["text"], str)
-        assert rt.store.get(rid)["status"] in keys.TERMINAL
+        if newer_version(kwargs) is None or not isinstance(kwargs, dict) or \
+                kwargs.get("model") != "tiny-llama":
+            assert rt.store.get(rid)["status"] in keys.TERMINAL
         good = serve(rt, rid + "-good", 0, GOOD)  # the worker still serves the others
         assert good["completion_tokens"] == 2
 
@@ -108,12 +141,12 @@ def test_hostile_kwargs_always_end_in_a_result_or_a_typed_error(instant_runtime)
     assert rt.host.accepting
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", True, None, 1.0, [1]])
-def test_an_unknown_schema_version_fails_the_request_loudly_never_guessed(instant_runtime,
-                                                                           version):
-    """Given a message whose schema_version this worker does not know, when it is served, then
-    that request fails unsupported_version (a RequestError naming the version) without running,
-    and the record says so."""
+@pytest.mark.parametrize("version", [0, -1, "1", "3", True, None, 1.0, [1]])
+def test_a_schema_version_that_is_no_version_fails_the_request_loudly_never_guessed(
+        instant_runtime, version):
+    """Given a message whose schema_version is no version at all (not an int, or older than the
+    first), when it is served, then that request fails unsupported_version (a RequestError
+    naming the version) without running, and the record says so."""
     rt = instant_runtime
     with pytest.raises(RequestError, match="^unsupported_version: schema_version ") as ei:
         serve(rt, "v1", 0, {**GOOD, "schema_version": version})
@@ -125,6 +158,43 @@ def test_an_unknown_schema_version_fails_the_request_loudly_never_guessed(instan
 def test_version_1_and_no_version_are_both_served(instant_runtime):
     assert serve(instant_runtime, "a", 0, {**GOOD, "schema_version": 1})["completion_tokens"] == 2
     assert serve(instant_runtime, "b", 0, GOOD)["completion_tokens"] == 2
+    assert serve(instant_runtime, "c", 0, {**GOOD, "schema_version": 2,
+                                           "n": 2})["completion_tokens"] == 2
+
+
+NEWER = {**GOOD, "schema_version": 3, "field_of_version_3": {"x": 1}, "job": "rollout"}
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "sent-around"])
+def test_a_message_of_a_newer_version_is_handed_back_never_failed(instant_runtime, recorded):
+    """Given a message of schema_version 3 (a newer producer, during a rolling upgrade) with a
+    field this worker has never heard of, recorded by its producer or sent around it, when this
+    worker serves it, then the request is not failed (no invalid_request, no
+    unsupported_version): the claim is given back without using an attempt, the record is
+    PENDING for the next dispatch with the reason, and the task is retried (schema_too_new) for
+    a worker that reads version 3; its deadline still bounds it."""
+    rt = instant_runtime
+    rid = f"newer-{recorded}"
+    if recorded:  # as a version-3 producer would: the record, then the message
+        assert rt.store.create(rid, provisional_fields(NEWER, time.time(), 600))
+    for dispatch in (0, 1):  # the same again on its retry: never failed, never counted
+        with pytest.raises(TransientError, match="^schema_too_new: schema_version 3 ") as ei:
+            serve(rt, rid, dispatch, NEWER)
+        assert not ei.value.decision.uses_attempt  # app/retry_policy.py: no attempt used
+        rec = rt.store.get(rid)
+        assert (rec["status"], rec["attempts"], rec["dispatch"]) == ("PENDING", "0",
+                                                                     str(dispatch + 1))
+        assert rec["last_error"].startswith("schema_too_new: ") and rec["job"] == "rollout"
+        assert json.loads(rec["request"]) == NEWER  # kept as sent, for a newer worker
+    assert serve(rt, rid + "-good", 0, GOOD)["completion_tokens"] == 2
+
+
+def test_a_newer_message_without_a_readable_job_is_refused_not_lost(instant_runtime):
+    """A newer message sent around the producer whose job cannot be read cannot be recorded for
+    anyone: it fails unsupported_version, loudly (it is in no record, so nothing is lost)."""
+    with pytest.raises(RequestError, match="^unsupported_version: schema_version 3 "):
+        serve(instant_runtime, "newer-nojob", 0, {**NEWER, "job": {"bad": 1}})
+    assert instant_runtime.store.get("newer-nojob")["status"] == "FAILED"
 
 
 def test_an_oversized_prompt_sent_around_the_producer_is_refused_in_the_worker(
@@ -137,8 +207,8 @@ def test_an_oversized_prompt_sent_around_the_producer_is_refused_in_the_worker(
 
 
 def test_the_schema_refuses_an_unknown_version_before_anything_else():
-    with pytest.raises(RequestError, match="^unsupported_version: schema_version 2 "):
-        parse_request({"model": "tiny-llama", "prompt": "x", "schema_version": 2, "bogus": 1})
+    with pytest.raises(RequestError, match="^unsupported_version: schema_version 3 "):
+        parse_request({"model": "tiny-llama", "prompt": "x", "schema_version": 3, "bogus": 1})
 
 
 class _Msg:

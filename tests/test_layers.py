@@ -30,9 +30,10 @@ FLOORS = [
     ("tasks", lambda m: m.startswith("tasks")),
 ]
 # Heavy optional packages may be imported inside the functions that need them (nothing else:
-# an import inside a function is otherwise a circle being dodged).
+# an import inside a function is otherwise a circle being dodged). xgrammar imports torch;
+# outlines_core and jsonschema come with vLLM, not with Vigil (app/requests/structured.py).
 LAZY_OK = {"vllm", "torch", "transformers", "peft", "tokenizers", "safetensors", "jinja2",
-           "pynvml"}
+           "pynvml", "xgrammar", "outlines_core", "jsonschema"}
 
 
 def floor_of(module: str) -> int:

@@ -176,7 +176,7 @@ def test_hostile_raw_and_pickled_messages_end_typed_and_the_worker_keeps_serving
     assert set(json_keys(real[0])) == set(json_keys(_raw_envelope(b"[]", "x", q)))
 
     hostile = [
-        ("unsupported_version", {"model": "tiny-llama", "prompt": "hi", "schema_version": 2}),
+        ("unsupported_version", {"model": "tiny-llama", "prompt": "hi", "schema_version": "2"}),
         ("invalid_request", {"model": "tiny-llama", "prompt": "x" * 400_000}),
         ("invalid_request", {"model": {"nested": ["tiny-llama"] * 1000}, "prompt": "hi"}),
         ("invalid_request", {"model": "tiny-llama", "prompt": "hi", "stop": [[[[]]]] * 100}),

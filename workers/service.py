@@ -16,20 +16,24 @@ from typing import Callable
 
 from app import metrics
 from app.celery_ports import CeleryPorts
-from app.errors import (DEADLINE_EXCEEDED, WORKER_LOST, RequestError, TerminalError,
-                        TransientError, VigilError, WorkerFatalError, error_from_record)
+from app.errors import (DEADLINE_EXCEEDED, SCHEMA_TOO_NEW, WORKER_LOST, RequestError,
+                        TerminalError, TransientError, VigilError, WorkerFatalError,
+                        error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.adapters import files_fingerprint
+from app.requests.limits import check_limits
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
-from app.requests.schemas import parse_request
 from app.request_ids import attempt_id
-from app.requests.submit import adapter_for, check_prompt_size, record_fields, wire_kwargs
+from app.requests.schemas import newer_version, parse_request
+from app.requests.submit import (adapter_for, check_prompt_size, provisional_fields,
+                                 record_fields, wire_kwargs)
 from app.retry_policy import Attempted, End, decide, exhausted, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack
+from workers.result import build_result
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
@@ -71,12 +75,15 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         req = parse_request(kwargs)
         spec = rt.registry.get(req.model)
         check_prompt_size(req, s)
+        check_limits(req, spec, s)
         adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
     except RequestError as e:
         model = kwargs.get("model") if isinstance(kwargs, dict) else None
         # A metrics label only for a registered model: a sender's arbitrary strings must not
         # grow the worker's label set.
         known = isinstance(model, str) and model in rt.registry.names()
+        if known and newer_version(kwargs) is not None:
+            return _hand_back_newer(rt, request_id, dispatch, kwargs, e, model)
         return _fail(rt, request_id, e, model if known else "")
     pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
@@ -90,26 +97,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         rt.store.create(request_id, record_fields(req, now, s.request_deadline))
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            live)
-    if b.action == "done":
-        metrics.dropped(pool, "duplicate_delivery")
-        return _outcome(b.outcome)
-    if b.action == "stale":
-        metrics.dropped(pool, "stale")
-        raise StaleDelivery(request_id)
-    if b.action == "busy":  # its live owner finishes it (or the reaper requeues it)
-        metrics.dropped(pool, "duplicate_delivery")
-        raise StaleDelivery(request_id)
-    if b.action == "avoid":  # its last attempt failed here, and another healthy worker serves
-        metrics.dropped(pool, "avoided")
-        time.sleep(AVOID_PAUSE_S)  # let another worker's consumer take it first
-        raise GiveBack(request_id)
-    if b.action == "expired":
-        return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
-                                                      "passed before a worker could run it"), pool)
-    if b.action == "exhausted":
-        return _fail(rt, request_id, exhausted(b.attempts, b.last_error), pool)
     if b.action != "run":
-        raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
+        return _not_run(rt, request_id, b, pool)
     metrics.attempt_begun(pool)
 
     try:
@@ -129,14 +118,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
     except VigilError as e:
         return _fail(rt, request_id, e, pool)
-    result = {
-        "request_id": request_id, "model": req.model, "text": out.text,
-        "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-        "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-        "attempts": b.attempts, "worker": rt.name,
-        **({"lora": req.lora} if req.lora is not None else {}),
-        **({"resumed_at": out.resumed_at} if out.resumed_at else {}),
-    }
+    result = build_result(request_id, req, out, b.attempts, rt.name)
     won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
                               pool=pool, result_key=result_key() if result_key else None)
     if not won:
@@ -144,6 +126,58 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def _not_run(rt: WorkerRuntime, request_id: str, b: Begin, pool: str) -> dict:
+    """A delivery whose claim `b` says it must not run: the stored outcome of a duplicate, a
+    stale or busy copy dropped, a copy given back, or the request ended (deadline, attempts)."""
+    if b.action == "done":
+        metrics.dropped(pool, "duplicate_delivery")
+        return _outcome(b.outcome)
+    if b.action == "stale":
+        metrics.dropped(pool, "stale")
+        raise StaleDelivery(request_id)
+    if b.action == "busy":  # its live owner finishes it (or the reaper requeues it)
+        metrics.dropped(pool, "duplicate_delivery")
+        raise StaleDelivery(request_id)
+    if b.action == "avoid":  # its last attempt failed here, and another healthy worker serves
+        metrics.dropped(pool, "avoided")
+        time.sleep(AVOID_PAUSE_S)  # let another worker's consumer take it first
+        raise GiveBack(request_id)
+    if b.action == "expired":
+        return _fail(rt, request_id, TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline "
+                                                      "passed before a worker could run it"), pool)
+    if b.action == "exhausted":
+        return _fail(rt, request_id, exhausted(b.attempts, b.last_error), pool)
+    raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
+
+
+def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: dict,
+                     err: RequestError, pool: str) -> dict:
+    """A message of a schema_version newer than this worker reads (a newer producer sent it
+    during a rolling upgrade): never failed as invalid here. Its claim is given back without
+    using an attempt and it is retried with backoff (TransientError schema_too_new), for a
+    worker that reads its version; its deadline bounds the wait. A message with no record (sent
+    around the producer) is recorded first from the fields every version keeps (model, job,
+    deadline_s); one whose job cannot be read is refused (`err`, unsupported_version)."""
+    s, now = rt.settings, time.time()
+    if not rt.host.accepting:
+        metrics.dropped(pool, "given_back")
+        raise GiveBack(request_id)
+    b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
+                       s.live_window, avoid_own_failures=rt.others_serve(pool))
+    if b.action == "missing":
+        fields = provisional_fields(kwargs, now, s.request_deadline)
+        if fields is None:
+            return _fail(rt, request_id, err, pool)
+        rt.store.create(request_id, fields)
+        b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
+                           s.live_window)
+    if b.action != "run":
+        return _not_run(rt, request_id, b, pool)
+    e = TransientError.of(SCHEMA_TOO_NEW, f"{err.detail}; handed back for a worker that reads it")
+    log.warning("request %s: %s", request_id, e)
+    return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
 
 
 def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
@@ -154,7 +188,7 @@ def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
         # Redis away past the outage grace: TransientError, retried like any (serve).
         prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
         tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
-                              files_fingerprint(adapter.path) if adapter else "")
+                              files_fingerprint(adapter.path) if adapter else "", req.n)
         if b.streamed and prior is None:  # its tokens are not there to continue
             tap.refuse_resume("the stream holds no tokens to continue")
     ok = False
@@ -217,23 +251,30 @@ def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSetting
         req = parse_request(kwargs)
         spec = registry.get(req.model)
         check_prompt_size(req, settings)
+        model, job, wire = req.model, req.job, wire_kwargs(req)
+        fields = record_fields(req, time.time(), settings.request_deadline)
     except RequestError as e:
-        _, stored = end_request(store, request_id, error=e, pool="")
-        _outcome(stored)
-        return
+        # A newer schema version is forwarded as it is, for a worker of its pool that reads it.
+        model = kwargs.get("model") if isinstance(kwargs, dict) else None
+        fields = provisional_fields(kwargs, time.time(), settings.request_deadline) \
+            if newer_version(kwargs) is not None and model in registry else None
+        if fields is None:
+            _, stored = end_request(store, request_id, error=e, pool="")
+            _outcome(stored)
+            return
+        spec, job, wire = registry.get(model), fields["job"], kwargs
     rec = store.get(request_id)
     if rec is None:
-        created = store.create(request_id, record_fields(req, time.time(),
-                                                         settings.request_deadline))
+        created = store.create(request_id, fields)
         if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
             try:
-                announce_queue(ports.bus, store.workers, spec.name, req.job)
+                announce_queue(ports.bus, store.workers, spec.name, job)
             except Exception as e:  # beat's reconcile repairs it
-                log.warning("could not announce job %s's queue: %s", req.job, e)
+                log.warning("could not announce job %s's queue: %s", job, e)
         rec = store.get(request_id) or {}
     if rec.get("status") in ("SUCCEEDED", "FAILED"):
         return  # a duplicate of a request that has ended: nothing to run
-    publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
+    publish(request_id, wire, model=model, job=job, pool=spec.name,
             deadline_at=float(rec.get("deadline_at") or time.time() + settings.request_deadline),
             dispatch=dispatch, send=ports.send)
     log.info("forwarded %s from a queue no pool owns to pool %s", request_id, spec.name)

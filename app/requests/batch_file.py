@@ -19,22 +19,32 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.errors import INVALID_REQUEST, RequestError
+from app.requests.openai_shapes import CHAT, COMPLETION, openai_body
 from app.requests.schemas import JOB_PATTERN
 from app.requests.tiers import BULK
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
-COMPLETION = "completion"
-CHAT = "chat"
 KINDS = {COMPLETIONS_URL: COMPLETION, CHAT_URL: CHAT}
 # Fixed forever: request ids are uuid5(BATCH_NAMESPACE, job + "\n" + custom_id), so a rerun finds
 # the requests an interrupted run already submitted. Changing it orphans every batch in flight.
 BATCH_NAMESPACE = uuid.UUID("4f0b7c8e-3c1d-5a8e-9d62-1b7e0a6c2f51")
 MAX_CUSTOM_ID = 512
-# Body fields passed to GenerateRequest unchanged (its strict schema checks their values).
-PASSTHROUGH = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+# Body fields passed to GenerateRequest unchanged (its strict schema checks their values):
+# OpenAI's, then the extras `vllm serve` takes in the same body.
+PASSTHROUGH = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "n",
+               "presence_penalty", "frequency_penalty", "logit_bias",
+               "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+               "include_stop_str_in_output", "skip_special_tokens", "bad_words",
+               "allowed_token_ids", "prompt_logprobs", "logprob_token_ids")
+# Body fields that say how the output is constrained: OpenAI's response_format, vLLM's own
+# structured_outputs (one of json, regex, choice, grammar, json_object).
+STRUCTURED = ("response_format", "structured_outputs")
+# The logprobs fields: completions take `logprobs` (the top count); chat takes `logprobs`
+# (a bool) and `top_logprobs` (the count).
+LOGPROBS = {COMPLETION: ("logprobs",), CHAT: ("logprobs", "top_logprobs")}
 # OpenAI fields accepted only with the value Vigil gives anyway; `user` is metadata.
-NO_OP = {"n": (1,), "stream": (False,), "user": None}
+NO_OP = {"stream": (False,), "user": None}
 
 RenderChat = Callable[[str, list], list[int]]
 # chat_budget(model, prompt_tokens): the max_tokens of a chat line that names none (the rest of
@@ -140,7 +150,7 @@ def _shape(obj: dict, lineno: int) -> tuple[str, dict, str, dict]:
 
 def _sampling(body: dict, lineno: int, kind: str) -> dict:
     prompt_field = "prompt" if kind == COMPLETION else "messages"
-    known = {"model", prompt_field, *PASSTHROUGH, *NO_OP}
+    known = {"model", prompt_field, *PASSTHROUGH, *NO_OP, *STRUCTURED, *LOGPROBS[kind]}
     if kind == CHAT:
         known.add("max_completion_tokens")
     unknown = sorted(set(body) - known)
@@ -156,7 +166,50 @@ def _sampling(body: dict, lineno: int, kind: str) -> dict:
         if "max_tokens" in out and out["max_tokens"] != mct:
             raise _bad(lineno, "body.max_tokens and body.max_completion_tokens differ")
         out["max_tokens"] = mct
-    return out
+    return out | _logprobs(body, lineno, kind) | _structured(body, lineno)
+
+
+def _logprobs(body: dict, lineno: int, kind: str) -> dict:
+    """The request's `logprobs` from a line's: a completions line's count as it is; a chat
+    line's `top_logprobs` when `logprobs` is true (0 without it), as OpenAI reads them."""
+    lp = body.get("logprobs")
+    if kind == COMPLETION:
+        return {} if lp is None else {"logprobs": lp}
+    top = body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad(lineno, "body.logprobs must be true or false on a chat line")
+    if not lp:
+        if top:
+            raise _bad(lineno, "body.top_logprobs needs body.logprobs true")
+        return {}
+    return {"logprobs": 0 if top is None else top}
+
+
+def _structured(body: dict, lineno: int) -> dict:
+    """The request's `structured` from a line's response_format (OpenAI's json_schema and
+    json_object; text means none) or structured_outputs (vLLM's body field, passed on for the
+    request's schema to check)."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise _bad(lineno, "give body.response_format or body.structured_outputs, not both")
+    if so is not None:
+        return {"structured": so}
+    if rf is None:
+        return {}
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"structured": {"json_object": True}}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad(lineno, "body.response_format.json_schema.schema must be a JSON schema "
+                       "(an object)")
+        return {"structured": {"json": schema}}
+    raise _bad(lineno, f"body.response_format.type {kind!r} is not supported (use text, "
+               "json_object or json_schema)")
 
 
 def _prompt(body: dict, lineno: int) -> dict:
@@ -205,22 +258,12 @@ def line_id(lineno: int) -> str:
 
 def success_line(request_id: str, custom_id: str, kind: str, result: dict, created: int) -> dict:
     """An output-file line in the OpenAI Batch shape for a finished request: `response.body` is a
-    `text_completion` (choices[0].text) or a `chat.completion` (choices[0].message.content) with
-    finish_reason and usage; `response.request_id` is the Vigil request id."""
-    choice: dict = {"index": 0, "logprobs": None, "finish_reason": result["finish_reason"]}
-    if kind == CHAT:
-        choice["message"] = {"role": "assistant", "content": result["text"]}
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice["text"] = result["text"]
-        obj, prefix = "text_completion", "cmpl-"
-    usage = {"prompt_tokens": result["prompt_tokens"],
-             "completion_tokens": result["completion_tokens"],
-             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
-    body = {"id": prefix + request_id, "object": obj, "created": created,
-            "model": result["model"], "choices": [choice], "usage": usage}
+    `text_completion` (choices[i].text) or a `chat.completion` (choices[i].message.content) with
+    finish_reason, logprobs in OpenAI's shape when asked for, one choice per sample, and usage;
+    `response.request_id` is the Vigil request id (app/requests/openai_shapes.py)."""
     return {"id": batch_id(request_id), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body},
+            "response": {"status_code": 200, "request_id": request_id,
+                         "body": openai_body(request_id, kind, result, created)},
             "error": None}
 
 

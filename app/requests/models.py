@@ -109,7 +109,11 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             kv_cache_floor_gib=0.25,
             # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
             # tiny model nothing.
-            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0},
+            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+                         # Its random weights pick the whitespace a JSON grammar allows between
+                         # tokens for ever; compact JSON leaves them none (docs/field-notes.md).
+                         "structured_outputs_config": {"backend": "xgrammar",
+                                                       "disable_any_whitespace": True}},
             # float32 on the CPU: bfloat16 died with SIGILL on these CPUs at batch ~20
             # (docs/operations.md); CUDA gets bfloat16, the only dtypes its LoRA kernels take.
             dtypes={"cpu": "float32"},

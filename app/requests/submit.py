@@ -6,7 +6,9 @@ and `vigil batch` call directly:
 1. `admit` validates the request; a bad one raises RequestError in the producer and nothing
    reaches Redis: schema (app/requests/schemas.py), model known, prompt bytes under
    `max_prompt_bytes`, `max_tokens` within the model's context and the cap, token prompts within
-   `max_model_len` and the vocabulary, a LoRA adapter allowed. A text prompt's token count needs
+   `max_model_len` and the vocabulary, `n`, the token ids and the result's size within their
+   bounds (app/requests/limits.py), a structured output the model's backend compiles
+   (app/requests/structured.py), a LoRA adapter allowed. A text prompt's token count needs
    the tokenizer, so `prompt_too_long` for text is found by the engine, at once, on the first
    attempt.
 2. The request id is the caller's `task_id` or a new uuid4, and stays the Celery task id for
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -34,13 +37,15 @@ from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, PROMPT_TOO_LON
                         REDIS_UNAVAILABLE, TOKEN_OUT_OF_VOCAB, RequestError, TerminalError,
                         TransientError)
 from app.requests.adapters import AdapterRef, resolve_adapter
+from app.requests.limits import check_limits
 from app.requests.models import ModelRegistry, ModelSpec
 from app.requests.publish import Send, announce_queue, publish
-from app.requests.schemas import GenerateRequest, parse_request
+from app.requests.schemas import JOB_PATTERN, MAX_DEADLINE_S, GenerateRequest, parse_request
+from app.requests.structured import backend_of, check_compiles
 from app.requests.tiers import tier_of_celery_priority
 from app.settings import VigilSettings
 from app.state.keys import PENDING
-from app.state.queues import job_queue_name
+from app.state.queues import DEFAULT_JOB, job_queue_name
 from app.state.store import CREATED_NEW_JOB_QUEUE, EXISTS
 from app.state.store import JOB_DELETED as JOB_REFUSED
 from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
@@ -165,6 +170,9 @@ def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
             bad = next(t for t in ids if t >= spec.vocab_size)
             raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"token id {bad} is out of vocabulary "
                                   f"({spec.name} has {spec.vocab_size} tokens)")
+    check_limits(req, spec, settings)
+    if req.structured is not None:
+        check_compiles(req.structured, backend_of(spec.engine_args), spec.name)
     if req.lora is not None:
         adapter_for(req, spec, settings, registry)
     return req, spec
@@ -221,7 +229,27 @@ def record_fields(req: GenerateRequest, now: float, default_deadline: float) -> 
     }
 
 
+def provisional_fields(kwargs: dict, now: float, default_deadline: float) -> dict | None:
+    """The record of a message this code cannot read (a newer schema version, sent around the
+    producer), from the fields every version keeps: model, job, deadline_s; the request kept as
+    sent. None when its job or deadline cannot be read (the message is refused instead)."""
+    job = kwargs.get("job", DEFAULT_JOB)
+    deadline = kwargs.get("deadline_s", default_deadline)
+    if not isinstance(job, str) or re.match(JOB_PATTERN, job) is None:
+        return None
+    if type(deadline) not in (int, float) or not 0 < deadline <= MAX_DEADLINE_S:
+        return None
+    try:
+        request = json.dumps(kwargs)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    model = kwargs["model"]
+    return {"status": PENDING, "model": model, "pool": model, "job": job, "request": request,
+            "created_at": now, "deadline_at": now + deadline, "attempts": 0, "dispatch": 0}
+
+
 def wire_kwargs(req: GenerateRequest) -> dict:
     """The message kwargs for a validated request (JSON-safe, defaults omitted)."""
-    return req.model_dump(mode="json", exclude_none=True, exclude_defaults=True) | {
+    return req.model_dump(mode="json", by_alias=True, exclude_none=True,
+                          exclude_defaults=True) | {
         "model": req.model, "schema_version": req.schema_version}

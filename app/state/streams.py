@@ -6,9 +6,14 @@ One Redis stream per request (`vigil:stream:{id}`, app/state/keys.py). Its entri
 - a **chunk**: `o` (the offset, in tokens, of its first token), `n` (how many tokens), `ids`
   (JSON list of the token ids), `t` (the text released with them: whole characters, never a
   broken UTF-8 sequence), `tc` (JSON list: how many of those characters came with each token),
-  `a` (the attempt that generated it); the stream's first chunk also carries `p` (JSON list of
-  the prompt's token ids, which a resume continues after) and, for a LoRA request, `lf` (the
-  adapter's files' fingerprint when the tokens were made);
+  `a` (the attempt that generated it), and `lp` (JSON list of the tokens' logprob entries,
+  workers/engine/logprobs.py) when the request asked for logprobs; the stream's first chunk
+  also carries `p` (JSON list of the prompt's token ids, which a resume continues after) and,
+  for a LoRA request, `lf` (the adapter's files' fingerprint when the tokens were made);
+- a **chunk of several samples** (a request with `n` > 1): `o` and `n` count the tokens of every
+  sample together (the fence's offset), `ids`, `t` and `tc` are empty, and `s` is a JSON list of
+  parts, one per sample with new tokens: {"i": the sample's index, "o": its offset in that
+  sample, "ids", "t", "tc", and "lp" with logprobs};
 - `r` = 1 on a chunk: the stream restarts from token 0 here (a resume was refused, so an
   attempt started again from the prompt);
 - an **end** entry (`end` = the final status), written by the finish script (app/state/lua.py),
@@ -33,6 +38,31 @@ APPENDED, FENCED, OFF_SEQUENCE = 1, 0, -1
 
 
 @dataclass
+class Part:
+    """One sample's tokens in a chunk of several samples: from token `start` of sample `index`."""
+
+    index: int
+    start: int
+    token_ids: list[int]
+    text: str
+    char_counts: list[int]
+    logprobs: list[dict] | None = None
+
+    def wire(self) -> dict:
+        """The part as the chunk's `s` list holds it."""
+        out = {"i": self.index, "o": self.start, "ids": self.token_ids, "t": self.text,
+               "tc": self.char_counts}
+        if self.logprobs is not None:
+            out["lp"] = self.logprobs
+        return out
+
+    @classmethod
+    def of(cls, raw: dict) -> "Part":
+        return cls(int(raw["i"]), int(raw["o"]), list(raw["ids"]), raw["t"], list(raw["tc"]),
+                   raw.get("lp"))
+
+
+@dataclass
 class Chunk:
     """One chunk to append: `token_ids` from token `start`, their text and per-token char counts,
     written under the claim `token` (the record's begin token) by attempt `attempt`."""
@@ -48,17 +78,30 @@ class Chunk:
     prompt_ids: list[int] | None = None
     adapter_fingerprint: str = ""
     generation: int = 0  # the writer's run generation (a refused resume starts a new one)
+    logprobs: list[dict] | None = None  # one entry per token, when the request asked for them
+    parts: list[Part] | None = None  # a chunk of several samples (then token_ids is empty)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the chunk, every sample's."""
+        if self.parts is None:
+            return len(self.token_ids)
+        return sum(len(p.token_ids) for p in self.parts)
 
     @property
     def signature(self) -> str:
         """What identifies this append (a retried pipeline finds it already done)."""
-        return (f"{self.token}:{self.generation}:{self.start}:{len(self.token_ids)}:"
+        return (f"{self.token}:{self.generation}:{self.start}:{self.tokens}:"
                 f"{int(self.reset)}")
 
     def fields(self) -> list:
         """The stream entry's field/value pairs."""
-        f = ["o", self.start, "n", len(self.token_ids), "ids", json.dumps(self.token_ids),
+        f = ["o", self.start, "n", self.tokens, "ids", json.dumps(self.token_ids),
              "t", self.text, "tc", json.dumps(self.char_counts), "a", self.attempt]
+        if self.logprobs is not None:
+            f += ["lp", json.dumps(self.logprobs)]
+        if self.parts is not None:
+            f += ["s", json.dumps([p.wire() for p in self.parts])]
         if self.reset:
             f += ["r", 1]
         if self.prompt_ids is not None:
@@ -82,6 +125,14 @@ class Entry:
     prompt_ids: list[int] | None = None
     adapter_fingerprint: str = ""
     end: str = ""
+    logprobs: list[dict] | None = None
+    parts: list[Part] | None = None  # a chunk of several samples
+
+    def sample_parts(self) -> list[Part]:
+        """The entry's tokens as parts (a chunk of one sample: one part, sample 0)."""
+        if self.parts is not None:
+            return self.parts
+        return [Part(0, self.start, self.token_ids, self.text, self.char_counts, self.logprobs)]
 
 
 def parse_entry(entry_id, raw: dict) -> Entry:
@@ -94,45 +145,94 @@ def parse_entry(entry_id, raw: dict) -> Entry:
                  char_counts=json.loads(f["tc"]), attempt=int(f.get("a", 0)),
                  reset=f.get("r") == "1",
                  prompt_ids=json.loads(f["p"]) if "p" in f else None,
-                 adapter_fingerprint=f.get("lf", ""))
+                 adapter_fingerprint=f.get("lf", ""),
+                 logprobs=json.loads(f["lp"]) if "lp" in f else None,
+                 parts=[Part.of(p) for p in json.loads(f["s"])] if "s" in f else None)
 
 
 @dataclass
 class Checkpoint:
-    """What a request's stream holds since its last restart: where a later attempt resumes."""
+    """What a request's stream holds since its last restart: where a later attempt resumes.
+    The fields are sample 0's; a stream of several samples also lists every sample's own
+    checkpoint in `samples` (index order; the prompt and fingerprint are shared)."""
 
     prompt_ids: list[int] | None
     token_ids: list[int]
     text: str
     adapter_fingerprint: str
     resumed_at: list[int]  # token offsets where an attempt took over and continued the stream
+    logprobs: list[dict] | None = None  # one entry per token, when the request asked for them
+    samples: list["Checkpoint"] | None = None
 
     @property
     def tokens(self) -> int:
         return len(self.token_ids)
 
+    def sample(self, index: int) -> "Checkpoint":
+        """Sample `index`'s checkpoint (empty when it streamed nothing)."""
+        if self.samples is None:
+            return self if index == 0 else Checkpoint(self.prompt_ids, [], "",
+                                                      self.adapter_fingerprint, [])
+        if index < len(self.samples):
+            return self.samples[index]
+        return Checkpoint(self.prompt_ids, [], "", self.adapter_fingerprint, [])
+
+    @property
+    def total(self) -> int:
+        """Tokens of every sample."""
+        return sum(c.tokens for c in self.samples) if self.samples is not None else self.tokens
+
+
+class _Seq:
+    """One sample's tokens while a checkpoint is read."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[dict] | None = None
+        self.resumed: list[int] = []
+
+    def add(self, p: Part) -> None:
+        self.ids += p.token_ids
+        self.text.append(p.text)
+        if p.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + p.logprobs
+
 
 def checkpoint_of(entries: list[Entry]) -> Checkpoint | None:
     """The checkpoint the entries (oldest first) make; None when they hold no token."""
-    ids: list[int] = []
-    text: list[str] = []
-    prompt, fp, resumed, last_attempt = None, "", [], None
+    seqs: dict[int, _Seq] = {}
+    total = 0
+    prompt, fp, last_attempt, multi = None, "", None, False
     for e in entries:
         if e.end:
             continue
         if e.reset or e.start == 0:
-            ids, text, resumed, last_attempt = [], [], [], None
+            seqs, total, last_attempt = {}, 0, None
             prompt, fp = e.prompt_ids, e.adapter_fingerprint
-        if e.start != len(ids):  # never written so (the append is fenced); stop trusting it
+        if e.start != total:  # never written so (the append is fenced); stop trusting it
             break
+        parts = e.sample_parts()
+        if any(p.start != len(seqs.get(p.index, _Seq()).ids) for p in parts):
+            break
+        multi = multi or e.parts is not None
         if last_attempt is not None and e.attempt != last_attempt:
-            resumed.append(e.start)
+            for seq in seqs.values():
+                if seq.ids:
+                    seq.resumed.append(len(seq.ids))
         last_attempt = e.attempt
-        ids += e.token_ids
-        text.append(e.text)
-    if not ids:
+        for p in parts:
+            seqs.setdefault(p.index, _Seq()).add(p)
+            total += len(p.token_ids)
+    if not total:
         return None
-    return Checkpoint(prompt, ids, "".join(text), fp, resumed)
+    cps = [Checkpoint(prompt, s.ids, "".join(s.text), fp, s.resumed, s.logprobs)
+           for s in (seqs.get(i, _Seq()) for i in range(max(seqs) + 1))]
+    if not multi:
+        return cps[0]
+    first = cps[0]
+    return Checkpoint(first.prompt_ids, first.token_ids, first.text, fp, first.resumed_at,
+                      first.logprobs, cps)
 
 
 class TokenStreams:

@@ -9,7 +9,7 @@ from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
-from workers.engine.output import EngineOutput
+from workers.engine.output import EngineOutput, Sample
 
 
 class InstantEngine:
@@ -25,7 +25,8 @@ class InstantEngine:
                   adapter: AdapterRef | None = None) -> EngineOutput:
         ids = list(req.prompt_token_ids or range(len((req.prompt or "").split())))
         n = min(req.max_tokens, 4)
-        return EngineOutput(" instant" * n, [1] * n, "length", len(ids))
+        samples = [Sample(i, " instant" * n, [1] * n, "length") for i in range(req.n)]
+        return EngineOutput.of(samples, len(ids))
 
     async def add_adapter(self, adapter: AdapterRef) -> None:
         pass

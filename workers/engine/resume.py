@@ -20,12 +20,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from app.requests.schemas import GenerateRequest
 from app.state.streams import Checkpoint
 
 # A decoder for one request: primed with the prompt's token ids, it returns the text each next
 # token adds (None or "" while a character is incomplete), as vLLM's incremental detokenizer.
 Decoder = Callable[[int], "str | None"]
 DecoderFactory = Callable[[list[int]], Decoder]
+
+
+def unsound(req: GenerateRequest) -> str:
+    """Why no checkpoint of `req` may be continued, whatever it holds ('' when one may): what
+    the engine would do differently with the tokens so far given as prompt (docs/api.md,
+    "Resume", has the table of every field)."""
+    if req.structured is not None:
+        return ("structured outputs: the grammar's state at the cut cannot be given back "
+                "through a prompt")
+    if req.presence_penalty or req.frequency_penalty:
+        return ("presence/frequency penalties count the generated tokens only, and a resumed "
+                "run's are its prompt")
+    if req.bad_words:
+        return ("bad_words look back at the generated tokens only: a word split across the "
+                "seam would be missed")
+    return ""
 
 
 def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,
@@ -56,14 +73,17 @@ class Cut:
 class Seam:
     """The text of a resumed run, decoded here token by token (module docstring)."""
 
-    def __init__(self, cp: Checkpoint, stops: list[str] | None, decoder: DecoderFactory):
+    def __init__(self, cp: Checkpoint, stops: list[str] | None, decoder: DecoderFactory,
+                 include_stop: bool = False):
         self._step = decoder(list(cp.prompt_ids or ()))
         self.text = "".join(self._step(t) or "" for t in cp.token_ids)  # all generated text
         if not self.text.startswith(cp.text):
             raise ValueError("the stream's text is not the decoding of its tokens")
         self.released = len(cp.text)  # characters readers were given
         self._stops = [s for s in stops or () if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        # vLLM keeps the stop string (include_stop_str_in_output), and then holds nothing back.
+        self._include = include_stop
+        self._hold = 0 if include_stop else max((len(s) for s in self._stops), default=1) - 1
         self.new_tokens = 0
 
     def feed(self, token_ids: list[int]) -> tuple[str, Cut | None]:
@@ -77,7 +97,8 @@ class Seam:
             if piece and self._stops:
                 stop = self._stop_in(old)
                 if stop is not None:
-                    return "", Cut(self.new_tokens, self.text[:stop[0]], stop[1])
+                    end = stop[0] + (len(stop[1]) if self._include else 0)
+                    return "", Cut(self.new_tokens, self.text[:end], stop[1])
         upto = len(self.text) - self._hold
         if upto <= self.released:
             return "", None
@@ -102,16 +123,35 @@ class Seam:
         return best
 
 
-def fast_decoder(tokenizer) -> DecoderFactory:
+def fast_decoder(tokenizer, skip_special_tokens: bool = True) -> DecoderFactory:
     """A DecoderFactory over a Hugging Face fast tokenizer, decoding as vLLM's
     FastIncrementalDetokenizer does (a `tokenizers` DecodeStream primed with the prompt,
-    special tokens skipped)."""
+    special tokens skipped unless the request keeps them)."""
     from tokenizers.decoders import DecodeStream
 
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
 
     def make(prompt_ids: list[int]) -> Decoder:
-        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
+        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=skip_special_tokens)
         return lambda t: stream.step(inner, t)
 
     return make
+
+
+def logprob_decoder(tokenizer):
+    """The strings of logprob alternatives, decoded as vLLM 0.32 decodes them when it
+    detokenizes (each id alone, then its UTF-8 repair with the chosen tokens before it as
+    context: vLLM's own LogprobsProcessor code): (ids, chosen tokens before) -> strings. For a
+    resumed run, which vLLM does not detokenize, so its entries read as an unbroken run's."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    proc = LogprobsProcessor(tokenizer=tokenizer, logprobs=None, prompt_logprobs=None,
+                             cumulative_logprob=None, num_logprobs=None,
+                             num_prompt_logprobs=None)
+
+    def decode(ids: list[int], before: list[int]) -> list[str]:
+        return proc._verify_tokens(decoded_tokens_list=convert_ids_list_to_tokens(tokenizer, ids),
+                                   tokens=ids, context_token_ids=before[-4:])
+
+    return decode

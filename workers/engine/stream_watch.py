@@ -21,34 +21,76 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 from workers.engine.resume import Cut, Seam
 
 log = logging.getLogger("vigil.engine")
 
 
+# A run's conversion of vLLM's logprobs for new tokens: (sample index, the new token ids, vLLM's
+# dicts for them, the sample's tokens this run made before them) -> JSON entries
+# (workers/engine/logprobs.py).
+Convert = Callable[[int, list, list, list], list]
+
+
+@dataclass
+class Progress:
+    """How far one sample of a watched run has been read."""
+
+    new_ids: list[int] = field(default_factory=list)  # every new token read, in order
+    fed_chars: int = 0  # characters of the engine's text read so far (runs from the prompt)
+    logprobs: list[dict] = field(default_factory=list)  # their entries (with logprobs)
+
+
 @dataclass
 class WatchedRun:
-    """One streamed run: its tap, its seam (resumed runs), and how far it has been read."""
+    """One streamed run: its tap, its seam (a run continuing one sample), and how far each of
+    its samples has been read. A run from the prompt makes every sample (`index` None: the
+    engine's own sample indexes); a continuing run makes sample `index` alone."""
 
     tap: object  # workers.streaming.StreamTap
     seam: Seam | None = None
-    fed_chars: int = 0  # characters of the engine's text read so far (runs from the prompt)
-    new_ids: list[int] = field(default_factory=list)  # every new token read, in order
+    index: int | None = None
+    samples: int = 1  # samples the engine request makes
+    convert: Convert | None = None  # set when the request asked for logprobs
+    want_prompt_logprobs: bool = False
+    progress: dict[int, Progress] = field(default_factory=dict)
     cut: Cut | None = None
     task: asyncio.Future | None = None  # the engine request's task (cancelled on a cut)
+    prompt_logprobs: list | None = None  # vLLM's, read once prefill made them
+    prompt_ids: list[int] | None = None
+
+    def of(self, index: int) -> Progress:
+        """Sample `index`'s progress."""
+        return self.progress.setdefault(index, Progress())
+
+    @property
+    def own(self) -> Progress:
+        """The progress of the sample a continuing run makes (sample 0 of a run from the
+        prompt)."""
+        return self.of(self.index or 0)
 
     @property
     def fed(self) -> int:
-        """New tokens read so far."""
-        return len(self.new_ids)
+        """New tokens read so far (of `own`)."""
+        return len(self.own.new_ids)
 
-    def feed(self, token_ids: list[int], text: str) -> None:
-        """New tokens and the text the engine released with them (a resumed run's text is the
-        seam's): to the tap."""
-        self.new_ids += token_ids
+    @property
+    def new_ids(self) -> list[int]:
+        return self.own.new_ids
+
+    def feed(self, token_ids: list[int], text: str, index: int | None = None,
+             logprobs: list[dict] | None = None) -> None:
+        """New tokens of sample `index` and the text the engine released with them (a
+        continuing run's text is the seam's): to the tap."""
+        index = (self.index or 0) if index is None else index
+        prog = self.of(index)
+        prog.new_ids += token_ids
+        if logprobs is not None:
+            prog.logprobs += logprobs
         if self.seam is None:
-            self.tap.add(token_ids, text)
+            self.tap.add(token_ids, text, index=index, logprobs=logprobs)
             return
         released, cut = self.seam.feed(token_ids)
         if cut is not None:
@@ -56,7 +98,7 @@ class WatchedRun:
             if self.task is not None and not self.task.done():
                 self.task.cancel()  # vLLM aborts the request
             return
-        self.tap.add(token_ids, released)
+        self.tap.add(token_ids, released, index=index, logprobs=logprobs)
 
 
 class StreamWatch:
@@ -107,17 +149,45 @@ class StreamWatch:
             if run.cut is not None:
                 continue
             internal = op.external_req_ids.get(request_id)
-            state = op.request_states.get(internal[-1]) if internal else None
-            if state is None:  # not in yet, or finished: the final output has the rest
+            if not internal:
                 continue
-            det = state.detokenizer
-            ids = det.output_token_ids
-            if len(ids) <= run.fed:
-                continue
-            if run.tap.prompt_ids is None:
-                run.tap.set_prompt(list(state.prompt_token_ids or ()))
-            text = getattr(det, "output_text", "")
-            released = max(run.fed_chars, len(text) - getattr(det, "stop_buffer_length", 0))
-            new_text = text[run.fed_chars:released]
-            run.fed_chars = released
-            run.feed(list(ids[run.fed:]), new_text)
+            # n > 1: one request state per sample (vLLM's child requests); else the last one.
+            for iid in (list(internal) if run.samples > 1 else internal[-1:]):
+                state = op.request_states.get(iid)
+                if state is None:  # not in yet, or finished: the final output has the rest
+                    continue
+                self._read(run, state)
+                if run.cut is not None:
+                    break
+
+    @staticmethod
+    def _read(run: WatchedRun, state) -> None:
+        """One sample's new tokens, their text and logprobs, out of its vLLM request state."""
+        index = run.index if run.index is not None else state.request_index
+        prog = run.of(index)
+        det = state.detokenizer
+        ids = det.output_token_ids
+        fed = len(prog.new_ids)
+        if ids and run.want_prompt_logprobs and run.prompt_logprobs is None:
+            # A token was generated, so the prefill (which made them) is complete.
+            run.prompt_logprobs = list(state.logprobs_processor.prompt_logprobs or ())
+            run.prompt_ids = list(state.prompt_token_ids or ())
+        if len(ids) <= fed:
+            return
+        if run.tap.prompt_ids is None:
+            run.tap.set_prompt(list(state.prompt_token_ids or ()))
+        new = list(ids[fed:])
+        lps = None
+        if run.convert is not None:
+            raw = state.logprobs_processor.logprobs or []
+            new = new[:max(0, len(raw) - fed)]  # never a token without its logprobs
+            if not new:
+                return
+            lps = run.convert(index, new, list(raw[fed:fed + len(new)]), list(prog.new_ids))
+        text = getattr(det, "output_text", "")
+        released = max(prog.fed_chars, len(text) - getattr(det, "stop_buffer_length", 0))
+        if len(new) < len(ids) - fed:  # tokens held back: so is their text
+            released = prog.fed_chars
+        new_text = text[prog.fed_chars:released]
+        prog.fed_chars = released
+        run.feed(new, new_text, index, lps)

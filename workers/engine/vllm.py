@@ -12,16 +12,19 @@ import os
 import psutil
 
 from app.errors import INVALID_MODEL_CONFIG, RequestError
-from app.requests.model_files import ensure_model_files
 from app.requests.adapters import AdapterRef
+from app.requests.model_files import ensure_model_files
 from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.classify import classify_core_failure
+from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
-from workers.engine.output import EngineOutput
-from workers.engine.resume import Seam, fast_decoder, refusal
+from workers.engine.output import EngineOutput, Sample
+from workers.engine.resume import Seam, fast_decoder, logprob_decoder, refusal, unsound
+from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
+from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.witness import Witness
 
 
@@ -52,7 +55,8 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     cannot drift. The registry's engine args, the memory plan's KV cache size (without a plan:
     the registry's `kv_cache_gib` as it is, since vLLM's own CPU default, 90% of the node, fails
     on any shared host), no periodic stats logging, and the LoRA lanes when the model serves
-    adapters (`lora=False` leaves them out: for measuring what they cost).
+    adapters (`lora=False` leaves them out: for measuring what they cost). The registry's
+    `structured_outputs_config` (a JSON object there) becomes vLLM's config object.
 
     Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
     dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
@@ -87,6 +91,13 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     dtype = spec.dtype_on(platform)
     if dtype is not None:
         args["dtype"] = dtype
+    if isinstance(args.get("structured_outputs_config"), dict):
+        # The registry is JSON; AsyncEngineArgs wants vLLM's config object (LLM converts it
+        # itself, AsyncEngineArgs does not).
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(
+            **args["structured_outputs_config"])
     if spec.max_loras and lora:
         args = {"enable_lora": True, "max_loras": spec.max_loras,
                 "max_lora_rank": spec.max_lora_rank, **args}
@@ -195,66 +206,71 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is None or bool(self._llm.errored)
 
-    def _sampling(self, req: GenerateRequest, max_tokens: int | None = None,
-                  resumed: bool = False):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        # FINAL_ONLY: the front end builds one RequestOutput per request instead of one per step
-        # (it shares two cores with Celery and Redis: docs/field-notes.md); token streams read
-        # the progress otherwise (workers/engine/stream_watch.py). A resumed run's text and stop
-        # strings are Vigil's (workers/engine/resume.py): token ids only.
-        return SamplingParams(
-            max_tokens=max_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, seed=req.seed, stop=None if resumed else req.stop,
-            ignore_eos=req.ignore_eos, detokenize=not resumed,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
     async def run(self, req: GenerateRequest, request_id: str,
                   adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
         """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
         exceptions propagate unclassified. With a `tap` (workers/streaming.py) the new tokens
-        go to the request's token stream while it runs, and the run continues from the tap's
-        resume point, if it has one and may (workers/engine/resume.py)."""
+        (and their logprobs) go to the request's token stream while it runs, and the run
+        continues from the tap's resume point, if it has one and may (workers/engine/resume.py):
+        each of the request's samples from its own tokens."""
         if tap is None:
-            prompt = _prompt(req)
-            final = await self._final(prompt, self._sampling(req), request_id, adapter)
-            comp = final.outputs[0]
-            if self.witness is not None:
-                self.witness.finished(request_id, len(comp.token_ids))
-            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
-                                len(final.prompt_token_ids or ()))
-        cp, seam = self._resume_point(req, tap)
-        if cp is not None:
-            tap.took_over()
-        if cp is not None and cp.tokens >= req.max_tokens:
-            # It had made them all and only the result was lost (a guard: the engine's last
-            # tokens reach the stream only with the result).
-            if self.witness is not None:
-                self.witness.finished(request_id, 0, cp.tokens)
-            seam.finish()
-            return EngineOutput(seam.text, cp.token_ids, "length", len(cp.prompt_ids),
-                                tap.resumed_at)
-        return await self._run_watched(req, request_id, adapter, tap, cp, seam)
+            final = await self._final(_prompt(req), sampling_params(req), request_id, adapter)
+            self._witness_final(request_id, final)
+            return output_of(final, req)
+        cp, seams = self._resume_point(req, tap)
+        if cp is None:
+            run = WatchedRun(tap, samples=req.n, convert=self._converter(req, None))
+            final = await self._watched(_prompt(req), sampling_params(req), request_id,
+                                        adapter, run)
+            self._witness_final(request_id, final)
+            return output_of(final, req, tap.resumed_at)
+        tap.took_over()
+        runs = [self._continue(req, request_id, adapter, tap, cp, i, seams[i])
+                for i in range(req.n)]
+        done = await _all_or_none(runs)
+        return EngineOutput.of([s for s, _ in done], len(cp.prompt_ids), done[0][1])
 
     def _resume_point(self, req: GenerateRequest, tap):
-        """The checkpoint this run continues and its seam, or (None, None): nothing to
-        continue, or a continuation that would be unsound (refused: the stream restarts)."""
+        """The checkpoint this run continues and a seam per sample, or (None, None): nothing
+        to continue, or a continuation that would be unsound (refused: the stream restarts)."""
         cp = tap.resume_point()
         if cp is None:
             return None, None
-        why = refusal(cp, max_tokens=req.max_tokens, max_model_len=self.max_model_len,
-                      adapter_fingerprint=tap.adapter_fingerprint)
+        why = unsound(req)
+        for i in range(req.n):
+            why = why or refusal(cp.sample(i), max_tokens=req.max_tokens,
+                                 max_model_len=self.max_model_len,
+                                 adapter_fingerprint=tap.adapter_fingerprint)
         if not why:
             try:
-                return cp, Seam(cp, req.stop, fast_decoder(self._llm.tokenizer))
+                dec = fast_decoder(self._llm.tokenizer, req.skip_special_tokens)
+                return cp, [Seam(cp.sample(i), req.stop, dec, req.include_stop_str_in_output)
+                            for i in range(req.n)]
             except ValueError as e:
                 why = str(e)
             except Exception as e:  # a tokenizer `tokenizers` cannot step (not a fast one)
                 why = f"its tokens cannot be decoded here ({type(e).__name__}: {e})"
         tap.refuse_resume(why)
         return None, None
+
+    def _converter(self, req: GenerateRequest, context):
+        """The logprob conversion of a watched run (None without logprobs). A continuing run
+        is not detokenized by vLLM: its entries are decoded here, each sample with the tokens
+        it made before (`context(index)`)."""
+        if req.logprobs is None and req.logprob_token_ids is None:
+            return None
+        k, named = top_count(req), req.logprob_token_ids
+        decode = self._logprob_decode(req) if context is not None else None
+
+        def convert(index, ids, raw, before):
+            ctx = (context(index) + list(before)) if context is not None else None
+            return sample_entries(ids, raw, k, named, decode, ctx)
+
+        return convert
+
+    def _logprob_decode(self, req: GenerateRequest):
+        """Decoding of logprob tokens for runs vLLM does not detokenize (None: not wanted)."""
+        return logprob_decoder(self._llm.tokenizer) if req.detokenize else None
 
     async def _final(self, prompt: dict, params, request_id: str, adapter):
         final = None
@@ -263,18 +279,11 @@ class VllmEngine:
             final = out
         return final
 
-    async def _run_watched(self, req, request_id, adapter, tap, cp, seam) -> EngineOutput:
-        """A streamed run (from the prompt, or continuing `cp`), read while it runs by the
-        engine's StreamWatch."""
-        if cp is None:
-            prompt = _prompt(req)
-            params = self._sampling(req)
-        else:
-            prompt = {"prompt_token_ids": list(cp.prompt_ids) + list(cp.token_ids)}
-            params = self._sampling(req, req.max_tokens - cp.tokens, resumed=True)
+    async def _watched(self, prompt: dict, params, request_id: str, adapter, run: WatchedRun):
+        """One engine request, read while it runs by the engine's StreamWatch; its final
+        output, or None when its seam cut it (a stop string: the request was cancelled)."""
         if self._watch is None:
-            self._watch = StreamWatch(self._llm, tap.watch_period)
-        run = WatchedRun(tap, seam)
+            self._watch = StreamWatch(self._llm, run.tap.watch_period)
         run.task = asyncio.ensure_future(self._final(prompt, params, request_id, adapter))
         self._watch.watch(request_id, run)
         final = None
@@ -288,21 +297,40 @@ class VllmEngine:
             self._watch.unwatch(request_id)
             if not run.task.done():
                 run.task.cancel()
-        return self._watched_output(request_id, run, final, cp)
+        return final
 
-    def _watched_output(self, request_id: str, run: WatchedRun, final, cp) -> EngineOutput:
-        """The whole generation of a watched run: its final output, or where its seam cut it."""
-        if cp is None:
-            comp = final.outputs[0]
+    async def _continue(self, req: GenerateRequest, request_id: str, adapter, tap, cp,
+                        index: int, seam: Seam):
+        """Sample `index` continued from its tokens in `cp`: (its Sample, the prompt's logprob
+        entries from sample 0's run, else None)."""
+        c = cp.sample(index)
+        wants = req.logprobs is not None or req.logprob_token_ids is not None
+        if c.tokens >= req.max_tokens:
+            # It had made them all and only the result was lost (a guard: the engine's last
+            # tokens reach the stream only with the result).
             if self.witness is not None:
-                self.witness.finished(request_id, len(comp.token_ids))
-            return EngineOutput(comp.text, list(comp.token_ids), comp.finish_reason,
-                                len(final.prompt_token_ids or ()), run.tap.resumed_at)
+                self.witness.finished(request_id, 0, c.tokens, sample=index)
+            seam.finish()
+            return Sample(index, seam.text if req.detokenize else "", c.token_ids, "length",
+                          c.logprobs if wants else None,
+                          cumulative(c.logprobs or []) if wants else None,
+                          tap.resumed_at_of(index)), None
+        prompt_ids = list(cp.prompt_ids)
+        run = WatchedRun(tap, seam, index=index,
+                         convert=self._converter(req, lambda i: list(c.token_ids)),
+                         want_prompt_logprobs=req.prompt_logprobs is not None and index == 0)
+        eid = request_id if req.n == 1 else f"{request_id}~{index}"  # vLLM ids are unique
+        final = await self._watched({"prompt_token_ids": prompt_ids + list(c.token_ids)},
+                                    sampling_params(req, Continuation(index, c.tokens)),
+                                    eid, adapter, run)
+        lps_new = run.own.logprobs if wants else None
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]
             ids, finish = list(comp.token_ids), comp.finish_reason
             if run.cut is None:
                 run.cut = run.seam.feed(ids[run.fed:])[1]
+            if wants and comp.logprobs is not None:
+                lps_new = run.convert(index, ids, list(comp.logprobs), [])
         else:
             ids, finish = run.new_ids, "stop"
         if run.cut is not None:  # a stop string: end as an unbroken run ends
@@ -310,10 +338,26 @@ class VllmEngine:
         else:
             run.seam.finish()
             text = run.seam.text
+        lps = (list(c.logprobs or []) + list(lps_new or [])[:len(ids)]) if wants else None
         if self.witness is not None:
-            self.witness.finished(request_id, len(ids), cp.tokens)
-        return EngineOutput(text, cp.token_ids + ids, finish, len(cp.prompt_ids),
-                            run.tap.resumed_at)
+            self.witness.finished(request_id, len(ids), c.tokens, sample=index)
+        plp = None
+        if index == 0 and req.prompt_logprobs is not None:
+            raw = final.prompt_logprobs if final is not None else run.prompt_logprobs
+            if raw is not None:
+                plp = prompt_logprobs(prompt_ids + list(c.token_ids), list(raw), req,
+                                      len(prompt_ids), self._logprob_decode(req))
+        return Sample(index, text if req.detokenize else "", list(c.token_ids) + ids, finish,
+                      lps, cumulative(lps) if lps is not None else None,
+                      tap.resumed_at_of(index)), plp
+
+    def _witness_final(self, request_id: str, final) -> None:
+        """Write down a run from the prompt: its first sample's tokens, and with n > 1 every
+        sample's (one engine request made them all)."""
+        if self.witness is None:
+            return
+        lens = [len(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
+        self.witness.finished(request_id, lens[0], samples=lens if len(lens) > 1 else None)
 
     @staticmethod
     def _lora(adapter: AdapterRef | None):
@@ -369,6 +413,18 @@ class VllmEngine:
         llm.shutdown(timeout=timeout)
         del llm
         gc.collect()
+
+
+async def _all_or_none(coros: list) -> list:
+    """Await every coroutine; when one raises (or this task is cancelled), cancel the rest and
+    raise it: the runs of one request's samples live and die together."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
 
 
 def _prompt(req: GenerateRequest) -> dict:

@@ -1,0 +1,306 @@
+"""Worker tier: the whole generation contract on a real worker and the real vLLM CPU engine
+(issue 31): logprobs against a witness outside Vigil (an AsyncLLM built directly from the
+worker's engine_args), n samples as one engine request, structured outputs checked by an
+independent validator, an uncompilable schema refused before publish, a SIGKILL mid-generation
+resumed with its logprobs (and a structured request refused resume), hostile version 2 fields,
+and a message of a newer schema version handed back, never failed."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from app import app
+from app.errors import RequestError, TerminalError
+from app.local.embedded import start_process, stop_process, vigil_env, wait_for
+from app.settings import get_settings
+from app.state import keys
+from app.state.store import RequestStore
+from app.state.streams import TokenStreams
+from tasks.inference import generate
+from tests.conftest import (DRILL_MODEL, WITNESS_DIR, RunningWorker, assert_witnessed,
+                            engine_processes, wait_processes_gone)
+from workers.engine.witness import read_witness
+
+pytestmark = pytest.mark.worker
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = [1, 300, 301, 302, 303, 304, 305]
+# Measured on the CPU engine (docs/performance.md, "Logprobs"): Vigil's logprobs equal the
+# direct engine's exactly; a resumed run's, computed with the prefix as prompt (prefill instead
+# of decode), differ by at most a few 1e-7 here.
+TOLERANCE = 1e-5
+REAP_TIMEOUT_S = 8
+
+
+def store() -> RequestStore:
+    return RequestStore(app.vigil_redis, get_settings().result_ttl)
+
+
+def direct(model: str, requests: list[dict]) -> list[dict]:
+    """vLLM's raw answers from tests/direct_asyncllm.py (an AsyncLLM of its own)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "direct_asyncllm.py"), model,
+                          json.dumps(requests)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def worst_gap(entries: list, raw: list) -> float:
+    """The largest |logprob difference| between Vigil's entries and vLLM's raw positions,
+    asserting the same chosen token, rank, alternatives and strings at every position."""
+    worst = 0.0
+    assert len(entries) == len(raw)
+    for e, pos in zip(entries, raw):
+        if pos is None:
+            assert e is None
+            continue
+        by_id = {i: (x, rank, tok) for i, x, rank, tok in pos}
+        mine = {e["token_id"]: (e["logprob"], e["rank"], e["token"]),
+                **{t["token_id"]: (t["logprob"], t["rank"], t["token"]) for t in e["top"]}}
+        assert set(mine) == set(by_id), (e, pos)
+        assert e["token_id"] == pos[0][0]  # vLLM puts the chosen token first
+        for i, (x, rank, tok) in mine.items():
+            assert (rank, tok) == by_id[i][1:], (i, mine[i], by_id[i])
+            worst = max(worst, abs(x - by_id[i][0]))
+    return worst
+
+
+def entries_gap(a: list, b: list) -> float:
+    """The largest |logprob difference| between two results' entries, asserting the same
+    tokens, ranks, strings and alternatives."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert (x["token_id"], x["rank"], x["token"]) == (y["token_id"], y["rank"], y["token"])
+        assert [(t["token_id"], t["rank"], t["token"]) for t in x["top"]] == \
+            [(t["token_id"], t["rank"], t["token"]) for t in y["top"]]
+        worst = max([worst, abs(x["logprob"] - y["logprob"])]
+                    + [abs(s["logprob"] - t["logprob"]) for s, t in zip(x["top"], y["top"])])
+    return worst
+
+
+def test_greedy_logprobs_and_prompt_logprobs_equal_a_direct_async_llms(warm_worker):
+    """Given a greedy request with logprobs=5 and prompt_logprobs=1, when a real worker serves
+    it through generate.delay, then its tokens, every position's chosen logprob, rank, top-5
+    alternatives and their strings, its cumulative logprob and its prompt's logprobs equal what
+    an AsyncLLM built directly from engine_args answers for the same request (SamplingParams
+    written by hand, not by Vigil's mapping)."""
+    kw = dict(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=24, temperature=0.0,
+              ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    out = generate.delay(**kw).get(timeout=180)
+    (raw,) = direct("tiny-llama", [{"prompt_token_ids": PROMPT, "sampling": dict(
+        max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1)}])
+    comp = raw["outputs"][0]
+    assert out["token_ids"] == comp["token_ids"] and out["text"] == comp["text"]
+    gap = worst_gap(out["logprobs"], comp["logprobs"])
+    pgap = worst_gap(out["prompt_logprobs"], raw["prompt_logprobs"])
+    assert abs(out["cumulative_logprob"] - comp["cumulative_logprob"]) <= TOLERANCE
+    print(f"\nlogprobs vs a direct AsyncLLM: worst |delta| {gap:.2e} (generated), "
+          f"{pgap:.2e} (prompt)")
+    assert gap <= TOLERANCE and pgap <= TOLERANCE
+    assert len(out["prompt_logprobs"]) == len(PROMPT) and out["prompt_logprobs"][0] is None
+
+
+def test_n_samples_are_one_engine_request_streamed_with_their_index(warm_worker):
+    """Given n=4 (sampled, seeded), when served, then the result holds 4 choices, the top level
+    is choice 0, the witness shows one generation that made all 4 samples, and the stream's
+    chunks, put together by index, are each sample's tokens and text exactly."""
+    r = generate.delay(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=200,
+                       temperature=1.0, seed=7, n=4, ignore_eos=True, logprobs=1)
+    chunks = list(r.stream(timeout=180))
+    out = chunks[-1]["result"]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert all(c["completion_tokens"] == 200 for c in out["choices"])
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1  # seeds seed + i differ
+    first = out["choices"][0]
+    assert (out["text"], out["token_ids"], out["logprobs"]) == (first["text"], first["token_ids"],
+                                                                 first["logprobs"])
+    runs = read_witness(WITNESS_DIR)[r.id]
+    assert len(runs) == 1 and runs[0]["samples"] == [200] * 4, runs
+    by_index: dict[int, dict] = {}
+    for c in chunks:
+        s = by_index.setdefault(c["index"], {"ids": [], "text": "", "lps": []})
+        assert c["offset"] == len(s["ids"])
+        s["ids"] += c["token_ids"]
+        s["text"] += c["text"]
+        s["lps"] += c["logprobs"]
+    assert len(chunks) > 5  # streamed while it ran, not one chunk per sample at the end
+    for c in out["choices"]:
+        s = by_index[c["index"]]
+        assert (s["ids"], s["text"], s["lps"]) == (c["token_ids"], c["text"], c["logprobs"])
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_structured_json_and_choice_hold_to_their_constraint(warm_worker):
+    """Given tiny-llama (random weights), a JSON-schema request's text parses and validates
+    against the schema by jsonschema, independently of the engine, and a choice request's text
+    is one of its choices."""
+    r = generate.delay(model="tiny-llama", prompt="Give me a person:", max_tokens=80,
+                       temperature=0.0, structured={"json": SCHEMA})
+    choice = generate.delay(model="tiny-llama", prompt="Pick one:", max_tokens=10,
+                            temperature=0.0, structured={"choice": ["red fox", "blue whale"]})
+    regex = generate.delay(model="tiny-llama", prompt="Code:", max_tokens=20, temperature=0.7,
+                           seed=1, structured={"regex": "[a-c]{3}-[0-9]{2}"})
+    text = r.get(timeout=180)["text"]
+    print(f"\nstructured json on tiny-llama: {text!r}")
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert choice.get(timeout=180)["text"] in ("red fox", "blue whale")
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex.get(timeout=180)["text"])
+
+
+def test_an_uncompilable_schema_is_refused_before_anything_is_published(warm_worker):
+    """A schema valid by its metaschema but not compilable by tiny-llama's backend (a $ref to
+    nothing) fails invalid_request in the producer: no record, no message."""
+    rid = f"uncompilable-{uuid.uuid4()}"
+    before = app.vigil_redis.llen("vigil.pool.tiny-llama")
+    with pytest.raises(RequestError, match=r"^invalid_request: structured \(json\) cannot be "
+                                           r"compiled by tiny-llama's structured-output"):
+        generate.apply_async(kwargs=dict(model="tiny-llama", prompt="x", structured={
+            "json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}),
+            task_id=rid)
+    assert store().get(rid) is None and app.vigil_redis.llen("vigil.pool.tiny-llama") == before
+
+
+def test_hostile_version_2_fields_sent_around_the_producer_end_typed(warm_worker):
+    """n = 10^9, NaN penalties, 100,000 logit_bias entries, a 200-deep schema, wrong types,
+    sent with send_task (no producer checks): each ends invalid_request in the worker, nothing
+    reaches the engine (no restart), and the worker serves a request after them."""
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    base = {"model": "tiny-llama", "prompt": "hi", "schema_version": 2}
+    hostile = [{"n": 10**9, "temperature": 1.0}, {"presence_penalty": float("nan")},
+               {"logit_bias": {str(i): 1.0 for i in range(100_000)}},
+               {"structured": {"json": deep}}, {"logprobs": "5"}, {"n": 4, "temperature": 0},
+               {"allowed_token_ids": [9999]}, {"structured": {"grammar": "root ::= nope"}}]
+    before = warm_worker.entry()
+    sent = [app.send_task("vigil.generate", kwargs={**base, **h}, queue="vigil.pool.tiny-llama")
+            for h in hostile]
+    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=3, n=2,
+                          temperature=1.0)
+    for h, res in zip(hostile, sent):
+        with pytest.raises(RequestError) as ei:
+            res.get(timeout=120)
+        assert ei.value.code in ("invalid_request", "token_out_of_vocab"), (h, ei.value)
+    assert len(fine.get(timeout=120)["choices"]) == 2
+    after = warm_worker.entry()
+    assert (after["engine_loads"], after["engine_restarts"]) == (before["engine_loads"],
+                                                                 before["engine_restarts"])
+
+
+def test_a_message_of_a_newer_version_is_handed_back_by_a_real_worker(warm_worker):
+    """Given a message of schema_version 3 with a field no worker here knows, sent around the
+    producer, when the real worker takes it, then it is never failed invalid_request: it is
+    recorded, handed back again and again (schema_too_new, no attempt used) for a worker that
+    reads version 3, and ends only by its deadline (deadline_exceeded)."""
+    r = app.send_task("vigil.generate", queue="vigil.pool.tiny-llama", kwargs={
+        "model": "tiny-llama", "prompt": "from the future", "schema_version": 3,
+        "speculative_mode": {"depth": 4}, "deadline_s": 8})
+    wait_for(lambda: int((store().get(r.id) or {}).get("dispatch") or 0) >= 2, 60, 0.2,
+             "two hand-backs")
+    rec = store().get(r.id)
+    assert rec["status"] in ("PENDING", "RUNNING") and rec["attempts"] == "0"
+    assert rec["last_error"].startswith("schema_too_new: schema_version 3 ")
+    with pytest.raises(TerminalError, match="^deadline_exceeded: "):
+        r.get(timeout=120)
+
+
+def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structured(
+        warm_worker, redis_server, tmp_path):
+    """Given a worker of its own pool running a greedy logprobs=5 request and a structured
+    (regex) request, both past their first stream write, when its main process is SIGKILLed
+    and beat's reaper requeues them to a second worker, then the greedy one resumes from the
+    streamed tokens and its result (tokens, every logprob entry, cumulative logprob, prompt
+    logprobs) equals an uninterrupted run's within the tolerance; a request of 2 samples resumes
+    each sample from its own streamed tokens and logprobs, as an engine run of its own; the
+    structured one is refused resume (logged, its stream restarted) and still ends valid; each
+    ran to its result once by the witness."""
+    st = store()
+    greedy = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=0.0,
+                  ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    # Held to letters for longer than max_tokens allows: it runs to its length, streaming.
+    shaped = dict(model=DRILL_MODEL, prompt="letters:", max_tokens=480, temperature=0.0,
+                  structured={"regex": "[a-z]{4000}"})
+    samples = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=1.0,
+                   seed=5, n=2, ignore_eos=True, logprobs=1)
+    beat = rescuer = None
+    victim = RunningWorker(redis_server, "victim31@testhost", tmp_path, pools=DRILL_MODEL)
+    try:
+        inst = victim.wait_engine()["instance_id"]
+
+        def first_chunk(*rs):
+            recs = [st.get(r.id) or {} for r in rs]
+            assert not any(x.get("status") in keys.TERMINAL for x in recs), [
+                (x.get("status"), x.get("error"), x.get("streamed")) for x in recs]
+            return all(int(x.get("streamed") or 0) >= 2 for x in recs)
+
+        # The structured one first (its grammar's first step is the slower), then the greedy
+        # one: both have streamed, neither has ended, when the kill comes.
+        r2 = generate.delay(**shaped)
+        wait_for(lambda: first_chunk(r2), 120, 0.02, "the structured request's first chunk")
+        r1 = generate.delay(**greedy)
+        r3 = generate.delay(**samples)
+        wait_for(lambda: first_chunk(r1, r2, r3), 120, 0.02, "the greedy request's first chunk")
+        beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
+                              "-s", str(tmp_path / "schedule")],
+                             vigil_env(redis_server.url,
+                                       VIGIL_WORKER_REAP_TIMEOUT=str(REAP_TIMEOUT_S),
+                                       VIGIL_ALLOW_SHORT_REAP_TIMEOUT="1"),
+                             tmp_path / "beat.log")
+        children = engine_processes(victim.proc.pid)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        wait_processes_gone(children)
+        streamed = {r.id: int(st.get(r.id)["streamed"]) for r in (r1, r2)}
+        at_kill = TokenStreams(st.raw).checkpoint(r3.id)
+        rescuer = RunningWorker(redis_server, "rescuer31@testhost", tmp_path, pools=DRILL_MODEL)
+        out1, out2 = r1.get(timeout=300), r2.get(timeout=300)
+        assert (out1["attempts"], out2["attempts"]) == (2, 2)
+        assert out1["resumed_at"] == [streamed[r1.id]] and streamed[r1.id] < 480
+        whole = generate.delay(**greedy).get(timeout=300)  # uninterrupted, same worker
+        assert whole.get("resumed_at") is None
+        assert out1["token_ids"] == whole["token_ids"] and out1["text"] == whole["text"]
+        gap = entries_gap(out1["logprobs"], whole["logprobs"])
+        pgap = entries_gap(out1["prompt_logprobs"], whole["prompt_logprobs"])
+        cgap = abs(out1["cumulative_logprob"] - whole["cumulative_logprob"])
+        print(f"\nresumed at token {streamed[r1.id]} of 480 after a SIGKILL: tokens identical, "
+              f"worst |delta| logprob {gap:.2e}, prompt {pgap:.2e}, cumulative {cgap:.2e}")
+        assert max(gap, pgap) <= TOLERANCE and cgap <= TOLERANCE * 480
+        # The structured request started over from its prompt, and says nothing of a resume.
+        assert re.fullmatch("[a-z]+", out2["text"]) and "resumed_at" not in out2
+        assert out2["finish_reason"] == "length"
+        assert "not resuming" in rescuer.log.read_text() and "structured outputs" in \
+            rescuer.log.read_text()
+        assert any(e.reset for e in TokenStreams(st.raw).entries(r2.id))
+        # Each of the n samples continued its own tokens, logprobs kept, as runs of their own.
+        out3 = r3.get(timeout=300)
+        for c in out3["choices"]:
+            cp = at_kill.sample(c["index"])
+            assert c["token_ids"][:cp.tokens] == cp.token_ids and c["completion_tokens"] == 480
+            assert c["logprobs"][:cp.tokens] == cp.logprobs and len(c["logprobs"]) == 480
+            assert c.get("resumed_at") == ([cp.tokens] if cp.tokens else None)
+        assert sum(at_kill.sample(i).tokens > 0 for i in (0, 1)) >= 1
+        runs = [g for g in read_witness(WITNESS_DIR)[r3.id] if g["attempt"] == 2]
+        assert sorted(g["sample"] for g in runs) == [0, 1], runs
+        assert_witnessed(st, [r1.id, r2.id, r3.id])
+        assert st.raw.zscore(keys.WORKERS, inst) is None  # reaped
+    finally:
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()
+        stop_process(beat)

@@ -1,0 +1,59 @@
+"""A request's sampling fields mapped onto vLLM 0.32's SamplingParams: the one place they meet
+(docs/api.md, "Request fields", says what vLLM does with each).
+
+A run from the prompt asks for everything the request says, `n` samples in one engine request
+(vLLM's parallel sampling: the samples share the prompt's KV cache). A run that continues a
+checkpoint (workers/engine/resume.py) continues one sample: its prompt is the request's prompt
+followed by that sample's tokens so far, so it asks for one sample, the tokens still to make,
+what is left of `min_tokens`, the sample's own seed (vLLM seeds sample i of a request with
+`seed + i`), and token ids only: its text and stop strings are Vigil's (the Seam); sample 0's
+run alone asks for the prompt's logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.requests.schemas import GenerateRequest
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One sample continued from a checkpoint: sample `index`, `made` tokens already generated."""
+
+    index: int
+    made: int
+
+
+def sampling_params(req: GenerateRequest, cont: Continuation | None = None):
+    """vLLM's SamplingParams for a run of `req`: from its prompt (`cont` None), or continuing
+    one sample (`cont`). Final output only: the front end builds one RequestOutput per request
+    instead of one per step (it shares the cores with Celery and Redis: docs/field-notes.md);
+    token streams read the progress otherwise (workers/engine/stream_watch.py)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    common = dict(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids, logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs, logprob_token_ids=req.logprob_token_ids,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+        skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    if cont is None:
+        return SamplingParams(
+            n=req.n, max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+            stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
+            detokenize=req.detokenize,
+            structured_outputs=(StructuredOutputsParams(**req.structured.wire())
+                                if req.structured is not None else None),
+            **common)
+    # Structured outputs are never continued (resume.refusal): the grammar's state at the cut
+    # cannot be given to the engine through a prompt.
+    # The prompt's logprobs come from sample 0's run (cut at the prompt's end), once.
+    common["prompt_logprobs"] = req.prompt_logprobs if cont.index == 0 else None
+    return SamplingParams(
+        n=1, max_tokens=req.max_tokens - cont.made, min_tokens=max(0, req.min_tokens - cont.made),
+        seed=None if req.seed is None else req.seed + cont.index, detokenize=False, **common)
