@@ -48,6 +48,7 @@ V2_DEFAULTS = {
     "min_tokens": 0, "stop_token_ids": None, "logit_bias": None,
     "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": None,
     "allowed_token_ids": None, "structured": None, "detokenize": True,
+    "priority": "default",  # its tier (app/requests/tiers.py)
 }
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 
