@@ -31,7 +31,7 @@ from vine import promise
 
 from app.errors import INVALID_REQUEST, RequestError
 from app.fleet.outcomes import end_request
-from app.task_names import GENERATE
+from app.task_names import GENERATE, GENERATE_MANY
 from workers import runtime
 
 log = logging.getLogger("vigil.consumer")
@@ -117,7 +117,12 @@ class VigilConsumer(Consumer):
                   rid, task, len(message.body or b""), why)
         if not message.acknowledged:
             message.reject_log_error(log, self.connection_errors)
-        if task == GENERATE and isinstance(rid, str) and rid and len(rid) <= 200:
+        ids: list = []
+        if task == GENERATE:
+            ids = [rid]
+        elif task == GENERATE_MANY and isinstance(headers.get("vigil_ids"), list):
+            ids = headers["vigil_ids"]  # each request the message carries
+        for rid in [i for i in ids if isinstance(i, str) and i and len(i) <= 200]:
             try:
                 _end_request(rid, why)
             except Exception as e:  # Redis gone: nothing waits on a raw push but its sender

@@ -21,10 +21,21 @@ from app.errors import WorkerFatalError
 from app.fleet.handback import Republish, hand_back_all, hand_back_one
 from app.state.store import RequestStore
 from app.state.transport import arriving
+from app.task_names import GENERATE_MANY
 from workers.engine.host import EngineHost
 from workers.streaming import StreamSink
 
 log = logging.getLogger("vigil.worker")
+
+
+def carried(request) -> list[str]:
+    """The request ids a Celery request of vigil.generate_many carries ([] for any other)."""
+    if getattr(request, "name", None) != GENERATE_MANY and \
+            getattr(getattr(request, "task", None), "name", None) != GENERATE_MANY:
+        return []
+    items = (getattr(request, "kwargs", None) or {}).get("requests")
+    return [i["id"] for i in items if isinstance(i, dict) and isinstance(i.get("id"), str)] \
+        if isinstance(items, list) else []
 
 # Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
 # context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
@@ -94,9 +105,11 @@ class HeldRequests:
         # (app/state/transport.py). Read in this order, one that arrives now is missing from
         # `listed`, in `arriving`, or (if it moved on in between) in Celery's groups.
         held = set(arriving())
-        held.update(r.id for group in (worker_state.active_requests,
-                                       worker_state.reserved_requests,
-                                       worker_state.scheduled_requests) for r in tuple(group))
+        for group in (worker_state.active_requests, worker_state.reserved_requests,
+                      worker_state.scheduled_requests):
+            for r in tuple(group):
+                held.add(r.id)
+                held.update(carried(r))  # a message of many requests holds each of them
         n = 0
         for rid in listed:
             if rid in held:

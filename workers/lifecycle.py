@@ -28,8 +28,9 @@ from app.state.intake import limit_intake
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
 from app.state.transport import hold_deliveries
-from app.task_names import GENERATE
+from app.task_names import GENERATE, GENERATE_MANY
 from workers import metrics_server, runtime
+from workers.held import carried
 
 log = logging.getLogger("vigil.worker")
 _hand_back_thread: threading.Thread | None = None
@@ -74,7 +75,7 @@ def _on_worker_init(sender=None, **_):
     # the same write as kombu's note of the delivery (app/state/transport.py), so if the worker
     # dies before a thread begins it, the reaper still finds it (otherwise only Redis'
     # visibility timeout would bring it back).
-    hold_deliveries(rt.store.delivery_holder(rt.instance_id, GENERATE))
+    hold_deliveries(rt.store.delivery_holder(rt.instance_id, GENERATE, GENERATE_MANY))
     if s.metrics_port:  # each worker process serves its own /metrics (docs/operations.md)
         metrics_server.serve(rt, s.metrics_port, s.metrics_address)
 
@@ -151,11 +152,17 @@ def _on_task_revoked(sender=None, request=None, expired=False, **_):
     revoked (cancelled). Give the request its typed end: record FAILED (deadline_exceeded, or
     cancelled when the cancel did not end it already) and the backend's REVOKED replaced by the
     stored outcome, so `r.get()` raises a Vigil error, not TaskRevokedError."""
-    if getattr(sender, "name", "") != GENERATE or request is None:
+    name = getattr(sender, "name", "")
+    if name not in (GENERATE, GENERATE_MANY) or request is None:
         return
     err = (TerminalError.of(DEADLINE_EXCEEDED, "the request's deadline passed before a worker "
                             "could run it (message expired)") if expired else
            TerminalError.of(CANCELLED, "revoked before a worker ran it"))
+    if name == GENERATE_MANY:  # each request it carries ends so (those still open)
+        store = shared_store() if housekeeper() else runtime.get_runtime().store
+        for rid in carried(request):
+            end_request(store, rid, error=err, backend=sender.backend, tell_always=True)
+        return
     # Celery stored REVOKED: the backend gets the stored outcome whoever wrote it.
     if housekeeper():  # a misrouted message: no runtime here, the sweeper's identity
         end_request(shared_store(), request.id, error=err, backend=sender.backend,

@@ -71,20 +71,9 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     now = time.time()
     s = rt.settings
     try:
-        # Again here: a message can bypass the producer (send_task, a raw queue push).
-        req = parse_request(kwargs)
-        spec = rt.registry.get(req.model)
-        check_prompt_size(req, s)
-        check_limits(req, spec, s)
-        adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
+        req, spec, adapter = admitted(rt, kwargs)
     except RequestError as e:
-        model = kwargs.get("model") if isinstance(kwargs, dict) else None
-        # A metrics label only for a registered model: a sender's arbitrary strings must not
-        # grow the worker's label set.
-        known = isinstance(model, str) and model in rt.registry.names()
-        if known and newer_version(kwargs) is not None:
-            return _hand_back_newer(rt, request_id, dispatch, kwargs, e, model)
-        return _fail(rt, request_id, e, model if known else "")
+        return _refused(rt, request_id, dispatch, kwargs, e)
     pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
         metrics.dropped(pool, "given_back")
@@ -100,24 +89,17 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     if b.action != "run":
         return _not_run(rt, request_id, b, pool)
     metrics.attempt_begun(pool)
-
+    tap, ok = None, False
     try:
-        out = _generate(rt, request_id, req, spec, b, adapter)
-    except Aborted:  # ended elsewhere while it ran (job deleted): answer with what is stored
-        rec = rt.store.get(request_id) or {}
-        if rec.get("status") in ("SUCCEEDED", "FAILED"):
-            return _outcome(Outcome.from_reply(rec["status"], rec.get("result", ""),
-                                               rec.get("error_kind", ""), rec.get("error", "")))
-        raise StaleDelivery(request_id) from None
-    except HandedBack:
-        # The stopping worker republished what it held (its record moved to a newer dispatch):
-        # this copy is stale. A request begun after that scan is still ours: retried (below).
-        return _after_failure(rt, request_id, dispatch, b.attempts,
-                              TransientError.of(WORKER_LOST, "the worker stopped"), pool)
-    except (TransientError, WorkerFatalError) as e:
-        return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
-    except VigilError as e:
-        return _fail(rt, request_id, e, pool)
+        tap = open_tap(rt, request_id, req, b, adapter)
+        out = rt.host.generate(req, spec, attempt_id(request_id, b.attempts),
+                               s.request_timeout, adapter, tap=tap)
+        ok = True
+    except (VigilError, Aborted, HandedBack) as e:
+        return after_run_error(rt, request_id, dispatch, b, e, pool)
+    finally:
+        if tap is not None:
+            rt.streams.close(tap, ok)
     result = build_result(request_id, req, out, b.attempts, rt.name)
     won, stored = end_request(rt.store, request_id, result=result, instance=rt.instance_id,
                               pool=pool, result_key=result_key() if result_key else None)
@@ -126,6 +108,53 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def admitted(rt: WorkerRuntime, kwargs: object):
+    """(request, its pool's spec, its LoRA adapter or None) for a delivery's kwargs, validated
+    again here (a message can bypass the producer: send_task, a raw queue push); raises
+    RequestError."""
+    s = rt.settings
+    req = parse_request(kwargs)
+    spec = rt.registry.get(req.model)
+    check_prompt_size(req, s)
+    check_limits(req, spec, s)
+    adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
+    return req, spec, adapter
+
+
+def _refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
+             e: RequestError) -> dict:
+    """A delivery whose kwargs fail validation: failed with `e`, or handed back when its
+    schema_version is newer than this worker reads."""
+    model = kwargs.get("model") if isinstance(kwargs, dict) else None
+    # A metrics label only for a registered model: a sender's arbitrary strings must not
+    # grow the worker's label set.
+    known = isinstance(model, str) and model in rt.registry.names()
+    if known and newer_version(kwargs) is not None:
+        return _hand_back_newer(rt, request_id, dispatch, kwargs, e, model)
+    return _fail(rt, request_id, e, model if known else "")
+
+
+def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
+                    e: BaseException, pool: str) -> dict:
+    """What a run that raised `e` ends in: the stored outcome of a request that ended elsewhere
+    while it ran (Aborted: a job deleted, a cancel), a retry decided by app/retry_policy.py
+    (raised, carrying its decision: a handed-back run, the fleet's or the worker's fault), or
+    the request's own error written as its end."""
+    if isinstance(e, Aborted):
+        rec = rt.store.get(request_id) or {}
+        if rec.get("status") in ("SUCCEEDED", "FAILED"):
+            return _outcome(Outcome.from_reply(rec["status"], rec.get("result", ""),
+                                               rec.get("error_kind", ""), rec.get("error", "")))
+        raise StaleDelivery(request_id) from None
+    if isinstance(e, HandedBack):
+        # The stopping worker republished what it held (its record moved to a newer dispatch):
+        # this copy is stale. A request begun after that scan is still ours: retried (below).
+        e = TransientError.of(WORKER_LOST, "the worker stopped")
+    if isinstance(e, (TransientError, WorkerFatalError)):
+        return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
+    return _fail(rt, request_id, e, pool)
 
 
 def _not_run(rt: WorkerRuntime, request_id: str, b: Begin, pool: str) -> dict:
@@ -180,26 +209,19 @@ def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: 
     return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
 
 
-def _generate(rt: WorkerRuntime, request_id: str, req, spec, b: Begin, adapter):
-    """Run the attempt `b` in the engine; with token streams on, through a tap that streams its
-    tokens and continues from those already in the request's stream (workers/streaming.py)."""
-    tap = None
-    if rt.streams is not None:
-        # Redis away past the outage grace: TransientError, retried like any (serve).
-        prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
-        tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
-                              files_fingerprint(adapter.path) if adapter else "", req.n)
-        if b.streamed and prior is None:  # its tokens are not there to continue
-            tap.refuse_resume("the stream holds no tokens to continue")
-    ok = False
-    try:
-        out = rt.host.generate(req, spec, attempt_id(request_id, b.attempts),
-                               rt.settings.request_timeout, adapter, tap=tap)
-        ok = True
-        return out
-    finally:
-        if tap is not None:
-            rt.streams.close(tap, ok)
+def open_tap(rt: WorkerRuntime, request_id: str, req, b: Begin, adapter):
+    """The attempt `b`'s token stream tap (workers/streaming.py), continuing from the tokens
+    already in the request's stream; None with token streams off. Close it with
+    `rt.streams.close(tap, ok)` once the run ended. Raises TransientError(redis_unavailable)
+    when the stream cannot be read past the outage grace (retried like any)."""
+    if rt.streams is None:
+        return None
+    prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
+    tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
+                          files_fingerprint(adapter.path) if adapter else "", req.n)
+    if b.streamed and prior is None:  # its tokens are not there to continue
+        tap.refuse_resume("the stream holds no tokens to continue")
+    return tap
 
 
 def _after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,

@@ -123,6 +123,13 @@ class LoopBridge:
         `HandedBack`, `Aborted`, TransientError(wedged) when the loop says so or the watchdog
         stalled it, or TransientError(engine_restarting) when the whole call took over
         `timeout` (module docstring)."""
+        return self.wait(self.submit(make, engine_request_id), engine_request_id, timeout)
+
+    def submit(self, make: Callable[[], Coroutine], engine_request_id: str
+               ) -> concurrent.futures.Future:
+        """Start `make()` on the loop and return its future, for `wait` (many requests of one
+        thread run together this way: workers/service_many.py). Raises HandedBack when the
+        bridge takes nothing new."""
         if not self.accepting:
             raise HandedBack(engine_request_id)
         # Scheduled and registered under one lock: an abort that snapshots the futures while
@@ -130,6 +137,12 @@ class LoopBridge:
         with self._lock:
             fut = asyncio.run_coroutine_threadsafe(make(), self.loop)
             self._futures[fut] = engine_request_id
+        return fut
+
+    def wait(self, fut: concurrent.futures.Future, engine_request_id: str, timeout: float,
+             bound: float | None = None) -> Any:
+        """The result of a `submit`ted request, as `call` returns or raises it; `timeout`
+        counts from now (`bound`, the whole wait's, is what an error names)."""
         try:
             out = fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -137,8 +150,8 @@ class LoopBridge:
             # itself, so this is no evidence of a wedge.
             fut.cancel()
             raise TransientError.of(ENGINE_RESTARTING, (
-                f"request {engine_request_id} waited over {timeout:g} s for an engine (loading, "
-                "switching models or recovering)")) from None
+                f"request {engine_request_id} waited over {bound or timeout:g} s for an engine "
+                "(loading, switching models or recovering)")) from None
         except concurrent.futures.CancelledError:
             kind, reason = self._why.pop(fut, ("", ""))
             if kind == ABORTED:

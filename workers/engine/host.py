@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, WorkerFatalError
@@ -43,9 +44,21 @@ from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
 from workers.engine.watchdog import StallWatchdog, Watched
 
-__all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents", "HostStats"]
+__all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents", "HostStats",
+           "Pending"]
 
 log = logging.getLogger("vigil.engine")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request `EngineHost.submit` started: its future on the loop, its engine request id,
+    when (time.monotonic) waiting for it gives up, and that wait's whole bound."""
+
+    future: concurrent.futures.Future
+    engine_request_id: str
+    deadline: float
+    bound: float
 
 
 class EngineHost:
@@ -117,10 +130,25 @@ class EngineHost:
         TransientError(engine_restarting), which is no evidence of a wedge. With a `tap`
         (workers/streaming.py) the tokens are streamed as they come, and every run (a re-run
         after an engine death too) continues from the tokens the tap holds."""
+        return self.result(self.submit(req, spec, engine_request_id, timeout, adapter, tap))
+
+    def submit(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
+               timeout: float, adapter: AdapterRef | None = None, tap=None) -> "Pending":
+        """Start `generate`'s request without waiting for it: many requests of one thread run
+        together this way (a message carrying many, workers/service_many.py); `result` waits.
+        Raises HandedBack when the host takes nothing new."""
         arrived = self._st.clock()
-        return self._bridge.call(
+        fut = self._bridge.submit(
             lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout, tap),
-            engine_request_id, timeout + timeout + self.start_bound(spec))
+            engine_request_id)
+        bound = timeout + timeout + self.start_bound(spec)
+        return Pending(fut, engine_request_id, time.monotonic() + bound, bound)
+
+    def result(self, pending: "Pending") -> EngineOutput:
+        """The output of a `submit`ted request, raised as `generate` raises it, within the bound
+        `generate` gives it counted from its submit."""
+        return self._bridge.wait(pending.future, pending.engine_request_id,
+                                 max(0.0, pending.deadline - time.monotonic()), pending.bound)
 
     def start_bound(self, spec: ModelSpec) -> float:
         """How long an engine start of `spec` may take (workers/engine/slot.py)."""

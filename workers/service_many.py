@@ -1,0 +1,219 @@
+"""Serving one message that carries many requests (`vigil.generate_many`, published by
+app/requests/submit_many.py): every request lives as one `vigil.generate` delivery would
+(workers/service.py: its own record, attempt, stream, deadline and set-once end), but the
+message's intake, Celery request and ack are shared, the claims are one round trip
+(`begin_many`), the requests run in the engine together from one task thread (the engine host's
+`submit`/`result`), and the results are written in one round trip (`finish_many`, each with
+Celery's result key).
+
+A request that needs a retry (app/retry_policy.py) goes back alone, as a `vigil.generate`
+message of its next dispatch after the decision's countdown; its siblings are not touched. A
+worker killed mid-message loses nothing: the message's every request is in the worker's
+in-flight set from the moment it was taken (app/state/transport.py), so the reaper hands each
+back on its own; the message itself, if it comes back after the visibility timeout, meets
+records that moved on and runs nothing twice.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from app import metrics
+from app.errors import INVALID_REQUEST, RequestError, TransientError, VigilError, WorkerFatalError
+from app.fleet.outcomes import end_request, tell_backend
+from app.request_ids import attempt_id
+from app.requests.publish import publish
+from app.requests.submit import record_fields, wire_kwargs
+from app.retry_policy import Retry
+from app.state.results import ResultKey
+from app.state.store import Outcome
+from workers.result import build_result
+from workers.runtime import WorkerRuntime
+from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
+                             after_run_error, open_tap)
+
+log = logging.getLogger("vigil.service")
+
+
+@dataclass
+class _Run:
+    """One request of the message on its way through the engine."""
+
+    request_id: str
+    kwargs: dict
+    req: object
+    spec: object
+    adapter: object
+    begin: object = None
+    tap: object = None
+    pending: object = None
+
+
+def serve_many(rt: WorkerRuntime, items: object,
+               result_key: Callable[[str], ResultKey | None] | None = None) -> dict:
+    """Serve every request of one vigil.generate_many message (module docstring). Returns what
+    happened, {"requests", "succeeded", "failed", "retried", "dropped"}; every request has its
+    outcome in its record and in Celery's result backend (a success through `result_key(id)`,
+    written by its finish), or has gone back alone as its next dispatch. Raises GiveBack (the
+    whole message goes back untouched) when the worker takes no new requests."""
+    tally = {"requests": 0, "succeeded": 0, "failed": 0, "retried": 0, "dropped": 0}
+    runs: list[_Run] = []
+    for item in items if isinstance(items, list) else []:
+        rid, kwargs = _item(item)
+        if rid is None:
+            log.error("dropped an entry of a generate_many message without a request id")
+            continue
+        tally["requests"] += 1
+        try:
+            req, spec, adapter = admitted(rt, kwargs)
+        except RequestError as e:
+            _settle(rt, tally, rid, kwargs, 0, lambda e=e, rid=rid, kw=kwargs: _refused(
+                rt, rid, 0, kw, e))
+            continue
+        runs.append(_Run(rid, kwargs, req, spec, adapter))
+    if not isinstance(items, list):
+        log.error("dropped a generate_many message whose requests are not a list")
+    if not runs:
+        return tally
+    if not rt.host.accepting:  # stopping or quarantined: the whole message goes back
+        for r in runs:
+            metrics.dropped(r.req.pool, "given_back")
+        raise GiveBack(runs[0].request_id)
+    _begin(rt, runs)
+    started = []
+    for r in runs:
+        if r.begin.action != "run":
+            _settle(rt, tally, r.request_id, r.kwargs, 0,
+                    lambda r=r: _not_run(rt, r.request_id, r.begin, r.req.pool))
+            continue
+        metrics.attempt_begun(r.req.pool)
+        try:
+            r.tap = open_tap(rt, r.request_id, r.req, r.begin, r.adapter)
+            r.pending = rt.host.submit(r.req, r.spec, attempt_id(r.request_id, r.begin.attempts),
+                                       rt.settings.request_timeout, r.adapter, tap=r.tap)
+        except BaseException as e:
+            _ended_run(rt, tally, r, e)
+            continue
+        started.append(r)
+    done = []
+    for r in started:
+        try:
+            out = rt.host.result(r.pending)
+        except BaseException as e:
+            _ended_run(rt, tally, r, e)
+            continue
+        if r.tap is not None:
+            rt.streams.close(r.tap, True)
+        done.append((r, out))
+    _finish(rt, tally, done, result_key)
+    return tally
+
+
+def _item(item: object) -> tuple[str | None, object]:
+    """(request id, kwargs) of one entry, (None, None) when it has no usable id."""
+    if not isinstance(item, dict):
+        return None, None
+    rid = item.get("id")
+    if not isinstance(rid, str) or not rid or len(rid) > 200:
+        return None, None
+    return rid, item.get("kwargs")
+
+
+def _begin(rt: WorkerRuntime, runs: list[_Run]) -> None:
+    """Claim every request in one round trip; a request sent around the producer (no record)
+    is recorded first, then claimed alone."""
+    s, now = rt.settings, time.time()
+    begins = rt.store.begin_many([(r.request_id, 0) for r in runs], rt.name, rt.instance_id,
+                                 now, s.max_attempts, s.live_window)
+    for r, b in zip(runs, begins):
+        if b.action == "missing":
+            rt.store.create(r.request_id, record_fields(r.req, now, s.request_deadline))
+            b = rt.store.begin(r.request_id, 0, rt.name, rt.instance_id, now, s.max_attempts,
+                               s.live_window)
+        r.begin = b
+
+
+def _ended_run(rt: WorkerRuntime, tally: dict, r: _Run, e: BaseException) -> None:
+    """A run that raised `e` (or could not start): its tap closed, its end or retry settled."""
+    if r.tap is not None:
+        rt.streams.close(r.tap, False)
+    if not isinstance(e, Exception):
+        raise e
+    _settle(rt, tally, r.request_id, r.kwargs, 0,
+            lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool))
+
+
+def _settle(rt: WorkerRuntime, tally: dict, request_id: str, kwargs: object, dispatch: int,
+            step: Callable[[], dict]) -> None:
+    """Run one of service.py's steps for a request and act on its answer: a stored outcome is
+    told to Celery's backend (nobody else will: this task returns no per-request result); a
+    retry is published alone as the request's next dispatch; a stale copy is dropped."""
+    try:
+        stored = step()
+    except StaleDelivery:
+        tally["dropped"] += 1
+        return
+    except GiveBack:  # its last attempt failed here and another worker serves: back, as it is
+        _publish_alone(rt, request_id, kwargs, dispatch, 0.0)
+        tally["retried"] += 1
+        return
+    except (TransientError, WorkerFatalError) as e:
+        decision = e.decision
+        if not isinstance(decision, Retry):
+            raise
+        _publish_alone(rt, request_id, kwargs, dispatch + 1, decision.countdown)
+        tally["retried"] += 1
+        return
+    except VigilError as e:  # its stored error (it ended failed)
+        _tell(rt, request_id, Outcome("FAILED", None, type(e).__name__, str(e)))
+        tally["failed"] += 1
+        return
+    _tell(rt, request_id, Outcome("SUCCEEDED", stored, "", ""))
+    tally["succeeded"] += 1
+
+
+def _finish(rt: WorkerRuntime, tally: dict, done: list, result_key) -> None:
+    """Write every finished run's result in one round trip, each with Celery's result key."""
+    if not done:
+        return
+    results = [(r.request_id, build_result(r.request_id, r.req, out, r.begin.attempts, rt.name),
+                result_key(r.request_id) if result_key else None) for r, out in done]
+    ends = rt.store.finish_many(results, rt.instance_id, time.time())
+    for (r, _), (rid, _, key), (won, stored) in zip(done, results, ends):
+        tally["succeeded" if stored.status == "SUCCEEDED" else "failed"] += 1
+        if won:
+            metrics.request_ended(r.req.pool, stored.status, stored.error)
+        else:
+            metrics.dropped(r.req.pool, "duplicate_result")
+            log.warning("request %s already had a result; this attempt's result was dropped",
+                        rid)
+        if key is None or not key.written:
+            _tell(rt, rid, stored)
+
+
+def _tell(rt: WorkerRuntime, request_id: str, stored: Outcome) -> None:
+    try:
+        tell_backend(rt.ports.backend, request_id, stored)
+    except Exception as e:  # the record is the truth: a waiting r.get() reads it too
+        log.warning("request %s ended, but Celery's result backend could not be told: %s",
+                    request_id, e)
+
+
+def _publish_alone(rt: WorkerRuntime, request_id: str, kwargs: object, dispatch: int,
+                   countdown: float) -> None:
+    """Publish one request of the message again, alone, as `dispatch` after `countdown`."""
+    rec = rt.store.get(request_id) or {}
+    if not isinstance(kwargs, dict):
+        _, stored = end_request(rt.store, request_id, error=RequestError.of(
+            INVALID_REQUEST, "its kwargs are not a mapping"), instance=rt.instance_id)
+        return
+    deadline = float(rec.get("deadline_at") or time.time() + rt.settings.request_deadline)
+    publish(request_id, kwargs, model=kwargs.get("model"), job=kwargs.get("job", "default"),
+            pool=rec.get("pool") or kwargs.get("model"), deadline_at=deadline,
+            dispatch=dispatch, send=rt.ports.send,
+            **({"countdown": countdown} if countdown > 0 else {}))
+
+
+__all__ = ["serve_many", "wire_kwargs"]
