@@ -118,9 +118,10 @@ DEFAULT_STREAM_CHUNK_TOKENS = 64
 DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
-# Task threads (engine slots) of a worker kept for interactive requests: lower tiers may hold
-# at most concurrency - this many of a worker's messages at once (app/state/intake.py), so an
-# interactive request arriving at a worker full of bulk work starts at once.
+# Task threads (engine slots) of a worker kept free of bulk work: the bulk tier may hold at
+# most concurrency - this many of a worker's messages at once (app/state/intake.py), so an
+# interactive request arriving at a worker full of bulk work starts at once. Default-tier
+# requests may use every thread (a fleet that names no tiers loses nothing).
 DEFAULT_INTERACTIVE_SLOTS = 8
 # Bulk work's floor: with a backlog in every tier, lower tiers still get at least this share of
 # a worker's intake (every 1/floor-th pop takes the lowest tier first); 0: strict priority.
@@ -255,8 +256,8 @@ class VigilSettings(BaseSettings):
                                  "engine-progress watchdog.")
     max_canary_failures: int = Field(DEFAULT_MAX_CANARY_FAILURES, ge=1, le=100)
     interactive_slots: int = Field(DEFAULT_INTERACTIVE_SLOTS, ge=0, le=4096, description="A "
-                                   "worker's task threads kept free of default and bulk "
-                                   "requests, for interactive ones (0: none kept).")
+                                   "worker's task threads kept free of bulk requests, for "
+                                   "interactive and default ones (0: none kept).")
     requests_per_message: int = Field(DEFAULT_REQUESTS_PER_MESSAGE, ge=1, le=1024,
                                       description="The most requests `generate_many` puts in "
                                       "one Celery message.")

@@ -29,7 +29,7 @@ async def main(model: str, requests: list[dict]) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from app.local.tiny_model import ensure_model_files
+    from app.requests.model_files import ensure_model_files
     from app.requests.models import get_registry
     from workers.engine.vllm import engine_args, engine_env_defaults
 

@@ -39,7 +39,7 @@ def test_the_pop_order_is_tier_major_then_queues_in_turn_and_the_cap_leaves_step
     assert brpop_keys(["a", "b"], steps, of, 0, None) == \
         ["a", "b", "a:3", "b:3", "a:6", "b:6", "a:9", "b:9"]
     capped = IntakeLimits(lower_cap=2)
-    assert brpop_keys(["a", "b"], steps, of, 2, capped) == ["a", "b"]
+    assert brpop_keys(["a", "b"], steps, of, 2, capped) == ["a", "b", "a:3", "b:3"]
     assert brpop_keys(["a", "b"], steps, of, 1, capped)[-1] == "b:9"
     floor = IntakeLimits(lower_cap=100, floor_every=3)
     orders = [brpop_keys(["a"], steps, of, 0, floor)[0] for _ in range(9)]
@@ -94,8 +94,8 @@ def test_a_worker_takes_interactive_then_default_then_bulk_and_jobs_in_turn(conn
 
 
 @pytest.mark.redis
-def test_at_the_lower_tiers_cap_only_interactive_messages_are_taken(conn):
-    """Given a worker whose cap for lower tiers is 1, holding one bulk message (not acked),
+def test_at_the_bulk_cap_only_higher_tiers_are_taken(conn):
+    """Given a worker whose cap for bulk work is 1, holding one bulk message (not acked),
     then a queued bulk message is not taken while an interactive one is."""
     limit_intake(IntakeLimits(lower_cap=1))
     publish(conn, JOBS[0], "bulk-1", BULK)

@@ -23,6 +23,8 @@ BROKER_PRIORITY = {INTERACTIVE: 0, DEFAULT: 3, BULK: 9}
 # The tier of each of a queue's priority lists, in pop order (app/state/broker.py queue_lists:
 # steps 0, 3, 6, 9); step 6, which Vigil does not publish at, counts as bulk.
 TIER_OF_LIST = (INTERACTIVE, DEFAULT, BULK, BULK)
+# The lowest broker step whose messages are bulk work (6 and 9).
+BULK_FROM_STEP = 6
 
 
 def tier_of_celery_priority(priority: int) -> str:
@@ -35,12 +37,12 @@ def tier_of_celery_priority(priority: int) -> str:
 
 def intake_limits_for(concurrency: int, interactive_slots: int, bulk_floor: float
                       ) -> IntakeLimits:
-    """A worker's intake limits (app/state/intake.py): lower tiers hold at most `concurrency` -
-    `interactive_slots` of its task threads (at least one), and with a backlog everywhere get
-    every round(1 / `bulk_floor`)-th pop first (0: never)."""
+    """A worker's intake limits (app/state/intake.py): the bulk tier holds at most
+    `concurrency` - `interactive_slots` of its task threads (at least one), and with a backlog
+    everywhere the lowest tier gets every round(1 / `bulk_floor`)-th pop first (0: never)."""
     floor_every = round(1 / bulk_floor) if bulk_floor > 0 else 0
     return IntakeLimits(lower_cap=max(1, concurrency - interactive_slots),
-                        floor_every=floor_every)
+                        floor_every=floor_every, capped_from_step=BULK_FROM_STEP)
 
 
 def broker_priority(tier: str | None) -> int:

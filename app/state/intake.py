@@ -7,9 +7,10 @@ first, the queues in turn within a step. Vigil publishes each request at its tie
 first and, within a tier, jobs keep sharing round-robin. For a worker that set its limits
 (`limit_intake`), Vigil's channel (app/state/transport.py) changes two things:
 
-- **reserved slots**: messages of the lower tiers (any step above 0) may be at most `lower_cap`
-  of what this process holds at once; past it, BRPOP names the step-0 lists only, so the
-  engine slots left (worker concurrency - lower_cap) wait for interactive requests;
+- **reserved slots**: messages of the bulk tier (steps from `capped_from_step`, 6, on) may be
+  at most `lower_cap` of what this process holds at once; past it, BRPOP names the higher
+  tiers' lists only, so the engine slots left (worker concurrency - lower_cap) wait for
+  interactive (and default) requests;
 - **the floor**: every `floor_every`-th BRPOP names the lists lowest tier first, so with a
   backlog in every tier the bulk work still gets at least 1/`floor_every` of the intake.
 """
@@ -23,11 +24,13 @@ from typing import Callable, Iterable
 
 @dataclass(frozen=True)
 class IntakeLimits:
-    """A worker's intake limits (module docstring): at most `lower_cap` held messages above
-    step 0, and one BRPOP in `floor_every` lowest tier first (0: never)."""
+    """A worker's intake limits (module docstring): at most `lower_cap` held messages of steps
+    `capped_from_step` and above (the bulk tier), and one BRPOP in `floor_every` lowest tier
+    first (0: never)."""
 
     lower_cap: int
     floor_every: int = 0
+    capped_from_step: int = 6
 
 
 _limits: IntakeLimits | None = None
@@ -46,14 +49,15 @@ def intake_limits() -> IntakeLimits | None:
     return _limits
 
 
-def held_above_zero(delivered: dict, acked: set) -> int:
-    """Messages a channel holds (delivered, not acked) whose priority step is above 0."""
+def held_capped(delivered: dict, acked: set, limits: IntakeLimits) -> int:
+    """Messages a channel holds (delivered, not acked) in the capped tiers (priority step
+    `limits.capped_from_step` and above)."""
     n = 0
     for tag, message in list(delivered.items()):
         if tag in acked:
             continue
         props = getattr(message, "properties", None) or {}
-        if (props.get("priority") or 0) > 0:
+        if (props.get("priority") or 0) >= limits.capped_from_step:
             n += 1
     return n
 
@@ -61,11 +65,11 @@ def held_above_zero(delivered: dict, acked: set) -> int:
 def brpop_keys(queues: Iterable[str], steps: list[int], list_of: Callable[[str, int], str],
                held_lower: int, limits: IntakeLimits | None) -> list[str]:
     """The lists one BRPOP names, in order: kombu's (every step of every queue, low steps
-    first) without limits; with them, the step-0 lists only while `held_lower` is at the cap,
-    and highest step first on every `floor_every`-th poll."""
+    first) without limits; with them, only the steps below the capped ones while `held_lower`
+    is at the cap, and highest step first on every `floor_every`-th poll."""
     queues = list(queues)
     if limits is not None and held_lower >= limits.lower_cap:
-        steps = steps[:1]
+        steps = [s for s in steps if s < limits.capped_from_step]
     elif limits is not None and limits.floor_every:
         with _lock:
             n = next(_polls)

@@ -47,7 +47,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from app.state.intake import brpop_keys, held_above_zero, intake_limits
+from app.state.intake import brpop_keys, held_capped, intake_limits
 from app.state.lua import ACK_DELIVERIES, NOTE_DELIVERY
 
 log = logging.getLogger("vigil.transport")
@@ -274,7 +274,7 @@ class _SharedClient:
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        held = held_above_zero(self.qos._delivered, self.qos._dirty)
+        held = held_capped(self.qos._delivered, self.qos._dirty, limits)
         keys = brpop_keys(queues, self.priority_steps, self._q_for_pri, held, limits)
         self._in_poll = self.client.connection
         self._brpop_sent_at = time.monotonic()
