@@ -230,7 +230,9 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
     logprobs) equals an uninterrupted run's within the tolerance; a request of 2 samples resumes
     each sample from its own streamed tokens and logprobs, as an engine run of its own; the
     structured one is refused resume (logged, its stream restarted) and still ends valid; each
-    ran to its result once by the witness."""
+    ran to its result once by the witness. Then the second worker's EngineCore is SIGKILLed
+    under the same kinds of request: both are re-run in the same attempt, the samples
+    continued, the structured one from its prompt."""
     st = store()
     greedy = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=0.0,
                   ignore_eos=True, logprobs=5, prompt_logprobs=1)
@@ -299,6 +301,25 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
         assert sorted(g["sample"] for g in runs) == [0, 1], runs
         assert_witnessed(st, [r1.id, r2.id, r3.id])
         assert st.raw.zscore(keys.WORKERS, inst) is None  # reaped
+
+        # An engine death inside one attempt: the worker re-runs both on a fresh engine, the
+        # 2-sample request continuing each sample from what the worker read (its attempt stays
+        # 1), the structured one from its prompt.
+        log_before = len(rescuer.log.read_text())
+        r4, r5 = generate.delay(**samples), generate.delay(**{**shaped, "prompt": "again:"})
+        wait_for(lambda: first_chunk(r4, r5), 120, 0.02, "both requests' first chunks")
+        restarts = int(rescuer.entry()["engine_restarts"])
+        for pid in rescuer.engine_core_pids():
+            os.kill(pid, signal.SIGKILL)
+        out4, out5 = r4.get(timeout=300), r5.get(timeout=300)
+        assert int(rescuer.entry()["engine_restarts"]) > restarts
+        assert (out4["attempts"], out5["attempts"]) == (1, 1)
+        assert all(c["completion_tokens"] == 480 and len(c["logprobs"]) == 480
+                   for c in out4["choices"])
+        assert any(c.get("resumed_at") for c in out4["choices"])
+        assert re.fullmatch("[a-z]+", out5["text"]) and "resumed_at" not in out5
+        assert "structured outputs" in rescuer.log.read_text()[log_before:]
+        assert_witnessed(st, [r4.id, r5.id])
     finally:
         victim.stop()
         if rescuer is not None:
