@@ -52,6 +52,10 @@ REDIS_UNAVAILABLE = "redis_unavailable"
 OVERLOADED = "overloaded"
 # The request's LoRA adapter is still being written: retried without using up an attempt.
 LORA_ADAPTER_PENDING = "lora_adapter_pending"
+# A bulk request that yielded its engine slot to an interactive request at a token boundary:
+# back on its queue at once, resuming from its stream, no attempt used (workers/engine/
+# admission.py). Not a failure.
+PREEMPTED = "preempted"
 # The message names a schema_version newer than this worker reads (a newer producer sent it during
 # a rolling upgrade): handed back for a worker that reads it, without using up an attempt.
 SCHEMA_TOO_NEW = "schema_too_new"

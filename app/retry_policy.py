@@ -17,6 +17,7 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | TransientError wedged, worker_lost | until VIGIL_MAX_ATTEMPTS | at once | yes |
 | TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
 | TransientError schema_too_new | until the deadline | backoff on the dispatch | no |
+| TransientError preempted | VIGIL_MAX_PREEMPTIONS times | at once | no |
 | TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
 | WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
 
@@ -31,8 +32,9 @@ import random
 from dataclasses import dataclass
 
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
-                        MEMORY_PRESSURE, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST, RequestError,
-                        TerminalError, TransientError, VigilError, WorkerFatalError)
+                        MEMORY_PRESSURE, PREEMPTED, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST,
+                        RequestError, TerminalError, TransientError, VigilError,
+                        WorkerFatalError)
 from app.settings import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
                           DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
 
@@ -75,6 +77,10 @@ CODE_RULES: dict[str, Rule] = {
     # A message of a schema version this worker does not read: handed back, no attempt used,
     # for a worker that reads it; the deadline bounds the wait.
     SCHEMA_TOO_NEW: Rule(retried=True, uses_attempt=False),
+    # A bulk request that yielded its slot to an interactive one: back at once, resuming from
+    # its stream, no attempt used; VIGIL_MAX_PREEMPTIONS bounds how often (the engine host
+    # never picks one preempted that often), its deadline still rules.
+    PREEMPTED: Rule(retried=True, at_once=True, uses_attempt=False),
     MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
                           memory_window=True),
 }

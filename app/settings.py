@@ -126,6 +126,9 @@ DEFAULT_INTERACTIVE_SLOTS = 8
 # Bulk work's floor: with a backlog in every tier, lower tiers still get at least this share of
 # a worker's intake (every 1/floor-th pop takes the lowest tier first); 0: strict priority.
 DEFAULT_BULK_FLOOR = 0.1
+# A bulk request yields its engine slot to a waiting interactive request at most this many
+# times (each resumes from its stream, losing nothing); past it, it is never picked again.
+DEFAULT_MAX_PREEMPTIONS = 3
 # `generate_many` publishes at most this many requests per Celery message: one message's intake,
 # Celery request and ack for all of them; a request that needs a retry goes back on its own.
 DEFAULT_REQUESTS_PER_MESSAGE = 32
@@ -261,6 +264,9 @@ class VigilSettings(BaseSettings):
     requests_per_message: int = Field(DEFAULT_REQUESTS_PER_MESSAGE, ge=1, le=1024,
                                       description="The most requests `generate_many` puts in "
                                       "one Celery message.")
+    max_preemptions: int = Field(DEFAULT_MAX_PREEMPTIONS, ge=0, le=100, description="How often "
+                                 "one bulk request may yield its engine slot to an "
+                                 "interactive one (0: never preempt).")
     bulk_floor: float = Field(DEFAULT_BULK_FLOOR, ge=0.0, le=1.0, description="The least share "
                               "of a worker's intake that lower tiers get while interactive "
                               "requests wait too (0: strict priority).")

@@ -16,9 +16,9 @@ from typing import Callable
 
 from app import metrics
 from app.celery_ports import CeleryPorts
-from app.errors import (DEADLINE_EXCEEDED, SCHEMA_TOO_NEW, WORKER_LOST, RequestError,
-                        TerminalError, TransientError, VigilError, WorkerFatalError,
-                        error_from_record)
+from app.errors import (DEADLINE_EXCEEDED, PREEMPTED, SCHEMA_TOO_NEW, WORKER_LOST,
+                        RequestError, TerminalError, TransientError, VigilError,
+                        WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.adapters import files_fingerprint
 from app.requests.limits import check_limits
@@ -32,7 +32,7 @@ from app.retry_policy import Attempted, End, decide, exhausted, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
-from workers.engine.host import Aborted, HandedBack
+from workers.engine.host import Aborted, HandedBack, Preempted
 from workers.result import build_result
 from workers.runtime import WorkerRuntime
 
@@ -93,10 +93,11 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     try:
         tap = open_tap(rt, request_id, req, b, adapter)
         out = rt.host.generate(req, spec, attempt_id(request_id, b.attempts),
-                               s.request_timeout, adapter, tap=tap)
+                               s.request_timeout, adapter, tap=tap,
+                               preemptible=preemptible(req, b, s))
         ok = True
-    except (VigilError, Aborted, HandedBack) as e:
-        return after_run_error(rt, request_id, dispatch, b, e, pool)
+    except (VigilError, Aborted, HandedBack, Preempted) as e:
+        return after_run_error(rt, request_id, dispatch, b, e, pool, tap)
     finally:
         if tap is not None:
             rt.streams.close(tap, ok)
@@ -136,12 +137,27 @@ def _refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     return _fail(rt, request_id, e, model if known else "")
 
 
+def preemptible(req, b: Begin, s: VigilSettings) -> bool:
+    """A bulk request may yield its engine slot to an interactive one, VIGIL_MAX_PREEMPTIONS
+    times at most (the record counts them), and only while its tokens can be resumed from its
+    stream (token streams on)."""
+    return req.priority == "bulk" and b.preemptions < s.max_preemptions and \
+        s.stream_flush_ms > 0
+
+
 def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
-                    e: BaseException, pool: str) -> dict:
+                    e: BaseException, pool: str, tap=None) -> dict:
     """What a run that raised `e` ends in: the stored outcome of a request that ended elsewhere
     while it ran (Aborted: a job deleted, a cancel), a retry decided by app/retry_policy.py
-    (raised, carrying its decision: a handed-back run, the fleet's or the worker's fault), or
-    the request's own error written as its end."""
+    (raised, carrying its decision: a handed-back run, a preempted one, whose tokens are
+    written to its stream first from `tap`, the fleet's or the worker's fault), or the
+    request's own error written as its end."""
+    if isinstance(e, Preempted):
+        if tap is not None:
+            rt.streams.write_now(tap)  # every token it made: the next attempt goes on from it
+        e = TransientError.of(PREEMPTED, f"yielded its engine slot to an interactive request "
+                              f"after {tap.written if tap is not None else 0} tokens; resumes "
+                              "from them")
     if isinstance(e, Aborted):
         rec = rt.store.get(request_id) or {}
         if rec.get("status") in ("SUCCEEDED", "FAILED"):
@@ -240,7 +256,8 @@ def _after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: 
     if isinstance(decision, End):
         return _fail(rt, request_id, decision.error, pool)
     if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), now=now,
-                        refund=not decision.uses_attempt, pressure=decision.pressure):
+                        refund=not decision.uses_attempt, pressure=decision.pressure,
+                        preempted=e.code == PREEMPTED):
         metrics.retried(pool, e.code)
         if decision.pressure:
             log.info("request %s: %s; waiting for memory (%.0f s so far)", request_id, e,

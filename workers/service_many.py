@@ -32,7 +32,7 @@ from app.state.store import Outcome
 from workers.result import build_result
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
-                             after_run_error, open_tap)
+                             after_run_error, open_tap, preemptible)
 
 log = logging.getLogger("vigil.service")
 
@@ -92,7 +92,8 @@ def serve_many(rt: WorkerRuntime, items: object,
         try:
             r.tap = open_tap(rt, r.request_id, r.req, r.begin, r.adapter)
             r.pending = rt.host.submit(r.req, r.spec, attempt_id(r.request_id, r.begin.attempts),
-                                       rt.settings.request_timeout, r.adapter, tap=r.tap)
+                                       rt.settings.request_timeout, r.adapter, tap=r.tap,
+                                       preemptible=preemptible(r.req, r.begin, rt.settings))
         except BaseException as e:
             _ended_run(rt, tally, r, e)
             continue
@@ -136,13 +137,15 @@ def _begin(rt: WorkerRuntime, runs: list[_Run]) -> None:
 
 
 def _ended_run(rt: WorkerRuntime, tally: dict, r: _Run, e: BaseException) -> None:
-    """A run that raised `e` (or could not start): its tap closed, its end or retry settled."""
-    if r.tap is not None:
-        rt.streams.close(r.tap, False)
-    if not isinstance(e, Exception):
-        raise e
-    _settle(rt, tally, r.request_id, r.kwargs, 0,
-            lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool))
+    """A run that raised `e` (or could not start): its end or retry settled, its tap closed."""
+    try:
+        if not isinstance(e, Exception):
+            raise e
+        _settle(rt, tally, r.request_id, r.kwargs, 0,
+                lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool, r.tap))
+    finally:
+        if r.tap is not None:
+            rt.streams.close(r.tap, False)
 
 
 def _settle(rt: WorkerRuntime, tally: dict, request_id: str, kwargs: object, dispatch: int,

@@ -308,6 +308,21 @@ class StreamSink:
                 log.warning("request %s: could not restart its token stream: %s",
                             tap.request_id, e)
 
+    def write_now(self, tap: StreamTap) -> bool:
+        """Write `tap`'s pending tokens now, in one round trip (a request that yields its slot:
+        its next attempt goes on from them); True when nothing is left unwritten. A Redis that
+        cannot be reached leaves them pending (and they count as discarded at the close)."""
+        c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
+        if c is None:
+            return tap.unwritten() == 0
+        try:
+            tap.chunk_written(c, self.streams.append_many([c])[0])
+        except Exception as e:
+            tap.chunk_written(c, None)
+            log.warning("request %s: could not write its tokens before it yielded: %s",
+                        tap.request_id, e)
+        return tap.unwritten() == 0
+
     def wake(self) -> None:
         """A tap has a full chunk: flush now."""
         self._wake.set()

@@ -79,12 +79,13 @@ return 1
 # `history`.
 # -> {'missing'} | {'done', status, result, error_kind, error} | {'stale', dispatch}
 #  | {'busy', owner} | {'expired'} | {'avoid'} | {'exhausted', attempts, last_error}
-#  | {'run', attempts, streamed (tokens in the request's token stream)}
+#  | {'run', attempts, streamed (tokens in the request's token stream), preemptions (times it
+#     yielded its slot to an interactive request)}
 BEGIN = HISTORY_HELPERS + """
 local rec = KEYS[1]
 -- One read of every field the decision needs (HMGET gives false for a missing one).
 local r = redis.call('HMGET', rec, 'status', 'begin_token', 'dispatch', 'instance',
-                     'deadline_at', 'attempts', 'last_error', 'streamed')
+                     'deadline_at', 'attempts', 'last_error', 'streamed', 'preemptions')
 local st = r[1]
 if not st then return {'missing'} end
 if st == 'SUCCEEDED' or st == 'FAILED' then
@@ -94,7 +95,7 @@ if st == 'SUCCEEDED' or st == 'FAILED' then
   return {'done', st, f[1] or '', f[2] or '', f[3] or ''}
 end
 if st == 'RUNNING' and r[2] == ARGV[8] then
-  return {'run', r[6], r[8] or '0'}  -- this begin already ran (reply lost)
+  return {'run', r[6], r[8] or '0', r[9] or '0'}  -- this begin already ran (reply lost)
 end
 local current = tonumber(r[3] or '0')
 local dispatch = tonumber(ARGV[2])
@@ -123,7 +124,7 @@ if ARGV[10] == '1' and st == 'PENDING' then
   h = read_history(rec)
   local last = h[#h]
   if last and last.instance == ARGV[4] and last.outcome == 'retry'
-      and last.error ~= 'lora_adapter_pending' then
+      and last.error ~= 'lora_adapter_pending' and last.error ~= 'preempted' then
     redis.call('SREM', KEYS[2], ARGV[1])  -- given back: this worker no longer holds it
     return {'avoid'}
   end
@@ -143,7 +144,7 @@ h[#h + 1] = {attempt = attempts, dispatch = dispatch, worker = ARGV[3], instance
              error = cjson.null}
 write_history(rec, h)
 redis.call('SADD', KEYS[2], ARGV[1])
-return {'run', tostring(attempts), r[8] or '0'}
+return {'run', tostring(attempts), r[8] or '0', r[9] or '0'}
 """
 
 # KEYS[1] record, KEYS[2] inflight set of the finishing instance, KEYS[3] stats,
@@ -238,7 +239,8 @@ return out
 
 # KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
 # now, refund ('1': the attempt is given back), pressure ('1': a start refused for memory
-# pressure: `pressure_since` keeps when the squeeze began; '0' forgets it). Hands a RUNNING
+# pressure: `pressure_since` keeps when the squeeze began; '0' forgets it), preempted ('1': it
+# yielded its slot to an interactive request: `preemptions` counts it). Hands a RUNNING
 # request back to the queue for a retry, closing its attempt in `history` (outcome 'retry', the
 # code of last_error); a no-op (0) if it is no longer ours.
 # The id stays in this worker's in-flight set: the retry's message is an ETA message that this
@@ -261,6 +263,7 @@ if ARGV[7] == '1' then
 else
   redis.call('HDEL', KEYS[1], 'pressure_since')
 end
+if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[1], 'preemptions', 1) end
 close_attempt(KEYS[1], ARGV[2], ARGV[5], 'retry', ARGV[4])
 return 1
 """

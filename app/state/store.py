@@ -64,6 +64,7 @@ class Begin:
     last_error: str = ""
     streamed: int = 0  # run: tokens already in the request's token stream (a resume point)
     token: str = ""  # run: this claim's begin token (fences its token stream writes)
+    preemptions: int = 0  # run: times it yielded its slot to an interactive request
 
 
 def shared_store() -> "RequestStore":
@@ -267,7 +268,8 @@ class RequestStore(ManyCalls):
         if action == "done":
             return Begin("done", outcome=Outcome.from_reply(*reply[1:5]))
         if action == "run":
-            return Begin("run", attempts=int(reply[1]), streamed=int(reply[2]), token=token)
+            return Begin("run", attempts=int(reply[1]), streamed=int(reply[2]), token=token,
+                         preemptions=int(reply[3]) if len(reply) > 3 else 0)
         if action == "exhausted":
             return Begin("exhausted", attempts=int(reply[1]), last_error=reply[2].decode())
         return Begin(action)
@@ -336,19 +338,21 @@ class RequestStore(ManyCalls):
                 for i in range(0, len(reply), 6)]
 
     def release(self, request_id: str, instance: int, next_dispatch: int, last_error: str, *,
-                now: float | None = None, refund: bool = False, pressure: bool = False) -> bool:
+                now: float | None = None, refund: bool = False, pressure: bool = False,
+                preempted: bool = False) -> bool:
         """Put a RUNNING request of this instance back to PENDING for a retry (dispatch bumped),
         closing its attempt 'retry' at `now` (default: the clock). With `refund`, the attempt is
         not counted against max_attempts (the request was not at fault and did not run: e.g. its
         LoRA adapter is still being written, or no engine could start for memory pressure); its
         deadline still bounds it. With `pressure`, the record keeps when the memory squeeze
-        began (`pressure_since`, the first such release); any other release forgets it."""
+        began (`pressure_since`, the first such release); any other release forgets it. With
+        `preempted`, the record counts one more preemption (`preemptions`)."""
         now = time.time() if now is None else now
         return bool(self._call(
             self._release,
             keys=[keys.request(request_id), keys.inflight(instance)],
             args=[request_id, instance, next_dispatch, last_error, now, "1" if refund else "0",
-                  "1" if pressure else "0"],
+                  "1" if pressure else "0", "1" if preempted else "0"],
         ))
 
     def get(self, request_id: str) -> dict[str, str] | None:

@@ -38,11 +38,17 @@ log = logging.getLogger("vigil.engine")
 # that answers every request at once with one of these would otherwise keep taking requests.
 FAST_FAILURES = frozenset({ALLOCATION_FAILED, ENGINE_ERROR})
 ABORTED = "aborted"
+PREEMPTED = "preempted"
 STALLED = "stalled"
 
 
 class HandedBack(Exception):
     """The worker is stopping and handed this request back to the queue: drop this delivery."""
+
+
+class Preempted(Exception):
+    """This bulk request yielded its engine slot to an interactive one at a token boundary (its
+    tokens are in its tap): the caller hands it back to resume from them (workers/service.py)."""
 
 
 class Aborted(Exception):
@@ -156,6 +162,8 @@ class LoopBridge:
             kind, reason = self._why.pop(fut, ("", ""))
             if kind == ABORTED:
                 raise Aborted(engine_request_id) from None
+            if kind == PREEMPTED:
+                raise Preempted(engine_request_id) from None
             if kind == STALLED:
                 self._on_failure(f"stall: {reason}")
                 raise TransientError.of(WEDGED, reason) from None
@@ -193,13 +201,14 @@ class LoopBridge:
         with self._lock:
             return {request_id_of(rid) for rid in self._futures.values()}
 
-    def cancel_requests(self, request_ids: set[str]) -> int:
+    def cancel_requests(self, request_ids: set[str], kind: str = ABORTED) -> int:
         """Cancel the requests of these Vigil request ids (engine ids are `<id>-<attempt>`);
-        their callers get `Aborted`. Returns how many it found."""
+        their callers get `Aborted` (or `Preempted`, with that `kind`). Returns how many it
+        found."""
         with self._lock:
             hits = [f for f, rid in self._futures.items() if request_id_of(rid) in request_ids]
             for f in hits:
-                self._why[f] = (ABORTED, "aborted")
+                self._why[f] = (kind, kind)
         for f in hits:
             f.cancel()
         return len(hits)

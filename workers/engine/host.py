@@ -30,11 +30,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, WorkerFatalError
+from app.request_ids import request_id_of
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.admission import Admission
-from workers.engine.bridge import STALLED, Aborted, HandedBack, LoopBridge
+from workers.engine.bridge import (PREEMPTED, STALLED, Aborted, HandedBack, LoopBridge,
+                                   Preempted)
 from workers.engine.classify import classify, death_cause, is_engine_dead
 from workers.engine.host_state import HostEvents, HostState, HostStats
 from workers.engine.lora import AdapterCache, lane_of
@@ -45,7 +47,7 @@ from workers.engine.ticket import Ticket
 from workers.engine.watchdog import StallWatchdog, Watched
 
 __all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents", "HostStats",
-           "Pending"]
+           "Pending", "Preempted"]
 
 log = logging.getLogger("vigil.engine")
 
@@ -119,7 +121,8 @@ class EngineHost:
 
     # -- entry points for task threads --------------------------------------------------------
     def generate(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-                 timeout: float, adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
+                 timeout: float, adapter: AdapterRef | None = None, tap=None,
+                 preemptible: bool = False) -> EngineOutput:
         """Run one request to completion in the warm engine (loading it if needed).
 
         Raises a classified VigilError; HandedBack / Aborted as the bridge says. `timeout` bounds
@@ -129,18 +132,22 @@ class EngineHost:
         more `timeout` plus `start_bound`: past that the attempt is given up as
         TransientError(engine_restarting), which is no evidence of a wedge. With a `tap`
         (workers/streaming.py) the tokens are streamed as they come, and every run (a re-run
-        after an engine death too) continues from the tokens the tap holds."""
-        return self.result(self.submit(req, spec, engine_request_id, timeout, adapter, tap))
+        after an engine death too) continues from the tokens the tap holds. A `preemptible`
+        (bulk) request may yield its slot to an interactive one at a token boundary: it then
+        raises Preempted, its tokens in its tap (`_preempt_for`)."""
+        return self.result(self.submit(req, spec, engine_request_id, timeout, adapter, tap,
+                                       preemptible))
 
     def submit(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-               timeout: float, adapter: AdapterRef | None = None, tap=None) -> "Pending":
+               timeout: float, adapter: AdapterRef | None = None, tap=None,
+               preemptible: bool = False) -> "Pending":
         """Start `generate`'s request without waiting for it: many requests of one thread run
         together this way (a message carrying many, workers/service_many.py); `result` waits.
         Raises HandedBack when the host takes nothing new."""
         arrived = self._st.clock()
         fut = self._bridge.submit(
-            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout, tap),
-            engine_request_id)
+            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout, tap,
+                                   preemptible), engine_request_id)
         bound = timeout + timeout + self.start_bound(spec)
         return Pending(fut, engine_request_id, time.monotonic() + bound, bound)
 
@@ -248,7 +255,7 @@ class EngineHost:
             "lora_loads": self._adapters.loads, "lora_evictions": self._adapters.evictions,
             "lora_refused": self._adapters.refused,
             "warm_adapters": ",".join(self._adapters.warm),
-            "stalls": self.stalls,
+            "stalls": self.stalls, "preemptions": stats.preemptions,
             "engine_steps": steps, "engine_step_outputs": outputs,
         }
 
@@ -259,9 +266,12 @@ class EngineHost:
 
     # -- one request, on the loop ---------------------------------------------------------------
     async def _generate(self, req, spec, engine_request_id, arrived, adapter,
-                        timeout: float, tap=None) -> EngineOutput:
-        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap)
+                        timeout: float, tap=None, preemptible: bool = False) -> EngineOutput:
+        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
+                   preemptible=preemptible)
         engine = await self._admission.acquire(spec, arrived, lane_of(spec, adapter))
+        if t.urgent:
+            self._preempt_for(t, engine)
         try:
             while True:
                 if adapter is not None:
@@ -284,6 +294,7 @@ class EngineHost:
         the engine empty before every casualty of a death is registered as a suspect."""
         st = self._st
         t.runs += 1
+        st.running[t] = time.monotonic()
         outcome, value = "cancelled", None
         args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
         try:
@@ -311,6 +322,7 @@ class EngineHost:
                 outcome, value = "error", classify(e)
                 value.__cause__ = e
         finally:
+            st.running.pop(t, None)
             async with st.cond:
                 st.release_slot()
                 t.last = outcome
@@ -336,6 +348,31 @@ class EngineHost:
                 st.release_slot()
                 st.cond.notify_all()
             raise
+
+    # -- preemption -------------------------------------------------------------------------------
+    def _preempt_for(self, urgent: Ticket, engine) -> None:
+        """An interactive request was admitted to an engine whose batch is full (as many runs
+        as its `max_num_seqs`): the youngest preemptible bulk run (the one started last, whose
+        KV cache costs least to rebuild) yields its slot at the engine's next token boundary.
+        Its tokens so far are read into its tap first (nothing is lost), then its run is
+        cancelled with reason PREEMPTED: its caller hands it back to resume from them."""
+        st = self._st
+        seqs = getattr(engine, "max_num_seqs", None)
+        running = [x for x in st.running if x is not urgent]
+        if not seqs or len(running) < seqs:
+            return  # a slot is free: it starts at the next step anyway
+        pick = [x for x in running if x.preemptible and not x.preempting and not x.gone
+                and getattr(x.req, "priority", None) == "bulk"]
+        if not pick:
+            return
+        victim = max(pick, key=lambda x: st.running[x])
+        victim.preempting = True
+        read_now = getattr(engine, "read_now", None)
+        if read_now is not None:
+            read_now(victim.engine_request_id())
+        if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
+            st.stats.preemptions += 1
+            log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
 
     # -- stalls (the watchdog's view and its verdict) ---------------------------------------------
     def _watched(self) -> Watched:

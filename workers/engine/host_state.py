@@ -63,6 +63,7 @@ class HostStats:
     served: int = 0
     poisoned: int = 0
     canaries: int = 0
+    preemptions: int = 0
 
 
 class HostState:
@@ -93,6 +94,8 @@ class HostState:
         self.streak = DeathStreak(death_limit)
         self.counted_death: object = None
         self.suspects: list[Ticket] = []
+        # preemption: the tickets running in the engine now -> when their run started
+        self.running: dict[Ticket, float] = {}
         self.recovery: asyncio.Task | None = None
         self.fatal: WorkerFatalError | None = None
         self.fatal_handled = False

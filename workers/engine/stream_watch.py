@@ -146,19 +146,33 @@ class StreamWatch:
         self.ticks += 1
         op = self._llm.output_processor
         for request_id, run in list(self._runs.items()):
+            self._read_request(op, request_id, run)
+
+    def read_one(self, request_id: str) -> None:
+        """Read one request's new tokens now, out of turn (before it is preempted: every token
+        it made is then in its tap), with each of its samples' engine requests
+        (`<id>~<sample>`). Call on the engine's loop."""
+        if self._llm is None:
+            return
+        op = self._llm.output_processor
+        for key, run in list(self._runs.items()):
+            if key == request_id or key.startswith(request_id + "~"):
+                self._read_request(op, key, run)
+
+    def _read_request(self, op, request_id: str, run: WatchedRun) -> None:
+        if run.cut is not None:
+            return
+        internal = op.external_req_ids.get(request_id)
+        if not internal:
+            return
+        # n > 1: one request state per sample (vLLM's child requests); else the last one.
+        for iid in (list(internal) if run.samples > 1 else internal[-1:]):
+            state = op.request_states.get(iid)
+            if state is None:  # not in yet, or finished: the final output has the rest
+                continue
+            self._read(run, state)
             if run.cut is not None:
-                continue
-            internal = op.external_req_ids.get(request_id)
-            if not internal:
-                continue
-            # n > 1: one request state per sample (vLLM's child requests); else the last one.
-            for iid in (list(internal) if run.samples > 1 else internal[-1:]):
-                state = op.request_states.get(iid)
-                if state is None:  # not in yet, or finished: the final output has the rest
-                    continue
-                self._read(run, state)
-                if run.cut is not None:
-                    break
+                break
 
     @staticmethod
     def _read(run: WatchedRun, state) -> None:

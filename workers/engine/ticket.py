@@ -25,7 +25,16 @@ class Ticket:
     adapter_engine: object = None  # the engine whose adapter use count holds this ticket
     timeout: float = float("inf")  # the longest one run may take inside the engine
     tap: object = None  # the request's token stream tap (workers/streaming.py), if streamed
+    # A bulk request that may still yield its engine slot to an interactive one (its record's
+    # preemptions are under VIGIL_MAX_PREEMPTIONS), and whether it is yielding now.
+    preemptible: bool = False
+    preempting: bool = False
     extra: dict = field(default_factory=dict)
+
+    @property
+    def urgent(self) -> bool:
+        """An interactive request: it may make a bulk one yield its slot."""
+        return getattr(self.req, "priority", None) == "interactive"
 
     def engine_request_id(self) -> str:
         """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""

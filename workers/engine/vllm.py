@@ -194,6 +194,12 @@ class VllmEngine:
         """Batches of outputs EngineCore sent so far: the stall watchdog's proof of progress."""
         return self.steps.steps
 
+    def read_now(self, request_id: str) -> None:
+        """Read `request_id`'s tokens into its tap now (workers/engine/stream_watch.py): the
+        engine host calls it on the loop right before the request yields its slot."""
+        if self._watch is not None:
+            self._watch.read_one(request_id)
+
     def kill(self) -> None:
         """SIGKILL this engine's EngineCore: a stopped or wedged process ignores a polite stop."""
         for pid in engine_core_pids():
