@@ -48,6 +48,7 @@ HUGE_MODEL = "huge-llama"  # says it needs 100,000 GiB: no worker can ever take 
 CORRUPT_MODEL = "corrupt-llama"  # a model dir whose config.json is garbage
 MISSING_MODEL = "missing-llama"  # a registered path with nothing there
 SLOW_START_MODEL = "slow-start-llama"  # tiny-llama's weights, for workers started together
+TIERS_MODEL = "tiers-llama"  # tiny-llama's weights, an engine batch of 4 (tiers, preemption)
 
 
 def fault_test_models(cache_dir: Path) -> list[dict]:
@@ -69,6 +70,8 @@ def fault_test_models(cache_dir: Path) -> list[dict]:
          "kv_cache_floor_gib": 0.25},
         {"name": HUGE_MODEL, **tiny, "memory_gib": 100000.0},
         {"name": SLOW_START_MODEL, **tiny, "memory_gib": 2.0},
+        {"name": TIERS_MODEL, **tiny, "memory_gib": 2.0,
+         "engine_args": {**tiny["engine_args"], "max_num_seqs": 4}},
         {"name": CORRUPT_MODEL, "path": str(corrupt), "max_model_len": MAX_POSITIONS},
         {"name": MISSING_MODEL, "path": str(cache_dir / "missing-weights"),
          "max_model_len": MAX_POSITIONS},
