@@ -16,7 +16,7 @@ def overhead(bench) -> dict:
     {"median_us": {side: us}, "median_worker_cpu_ms": {side: ms}}; the workers it started are
     stopped before it returns."""
     from bench.noop_app import PROFILES, make_app
-    from tasks.inference import generate
+    from tasks.inference import generate, generate_many
 
     a = bench.args
     n = a.overhead_requests
@@ -33,12 +33,27 @@ def overhead(bench) -> dict:
     try:
         bench.wait_engine(bench.redis.client(), "bench-instant", inst, inst_log)
         sides = {"vigil": lambda i: generate.delay(model=MODEL, prompt=f"hello there {i}",
-                                                   max_tokens=1)}
+                                                   max_tokens=1),
+                 # generate_many: the same requests, 32 per Celery message (submitted in
+                 # slices of 512, so the producer and the worker overlap as for .delay).
+                 "vigil-many": "many"}
         for profile, (proc, task) in noops.items():
             sides[f"noop-{profile}"] = (lambda t: lambda i: t.delay(i))(task)
+        def many(count: int) -> list:
+            out = []
+            for start in range(0, count, 512):
+                out += generate_many([{"model": MODEL, "prompt": f"hello there {i}",
+                                       "max_tokens": 1} for i in range(start,
+                                                                       min(count, start + 512))])
+            return out
+
+        def submit_all(side, submit, count):
+            return many(count) if submit == "many" else [submit(i) for i in range(count)]
+
         for side, submit in sides.items():  # warm: connections, threads, imports
-            collect([submit(i) for i in range(200)])
-        pids = {"vigil": inst.pid, **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
+            collect(submit_all(side, submit, 200))
+        pids = {"vigil": inst.pid, "vigil-many": inst.pid,
+                **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
         times: dict[str, list[float]] = {s: [] for s in sides}
         cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
         bench.cpu.add("redis", bench.redis.proc.pid)
@@ -46,8 +61,8 @@ def overhead(bench) -> dict:
             for side, submit in sides.items():
                 bench.cpu.add("worker", pids[side])
 
-                def go():
-                    return collect([submit(i) for i in range(n)])[1]
+                def go(side=side, submit=submit):
+                    return collect(submit_all(side, submit, n))[1]
 
                 wall, errors, cpu = bench.measure(go)
                 bench.cpu.remove("worker")

@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one-session", action="store_true",
                    help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
                         "instead of app.local.embedded's one session per process")
+    p.add_argument("--many", action="store_true",
+                   help="one more side (part 1): the same requests through generate_many "
+                        "(many requests per Celery message: app/requests/submit_many.py)")
     p.add_argument("--bare-celery", action="store_true",
                    help="a third side: a bare Celery worker with a warm vLLM engine in a process "
                         "global (bench/bare_engine_app.py), what Celery alone reaches here")
@@ -193,7 +196,7 @@ class Bench:
 
     # -- part 1 -----------------------------------------------------------------------------
     def throughput(self) -> dict:
-        from tasks.inference import generate
+        from tasks.inference import generate, generate_many
 
         a = self.args
         metrics_port = _free_port()
@@ -228,7 +231,8 @@ class Bench:
             collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
                      for p in warm])
             direct.run_round(999, len(warm), 8)
-            sides = ["celery", "direct"] + (["bare"] if bare else []) + (
+            sides = ["celery", "direct"] + (["many"] if a.many else []) + (
+                ["bare"] if bare else []) + (
                 ["celery+lp", "direct+lp"] if a.logprobs is not None else [])
             if bare:
                 bare.warm(warm, 8)
@@ -240,15 +244,15 @@ class Bench:
             steps: dict[str, list[Steps]] = {side: [] for side in sides}
 
             def celery_side(k: int, prompts: list[str], side: str = "celery",
-                            logprobs: int | None = None) -> None:
+                            logprobs: int | None = None, many: bool = False) -> None:
                 submit_s = []
                 extra = {} if logprobs is None else {"logprobs": logprobs}
 
                 def celery_round():
                     t0 = time.perf_counter()
-                    rs = self.submit_all(
-                        generate, [dict(model=MODEL, prompt=p, max_tokens=a.max_tokens,
-                                        ignore_eos=True, **extra) for p in prompts])
+                    items = [dict(model=MODEL, prompt=p, max_tokens=a.max_tokens,
+                                  ignore_eos=True, **extra) for p in prompts]
+                    rs = generate_many(items) if many else self.submit_all(generate, items)
                     submit_s.append(time.perf_counter() - t0)
                     values, errors = collect(rs)
                     return sum(v["completion_tokens"] for v in values), len(values), errors
@@ -280,6 +284,7 @@ class Bench:
                              f"{_errors_note(errors)} | {st.describe()}", ok)
 
             runs = {"celery": celery_side, "direct": direct_side, "bare": bare_side,
+                    "many": lambda k, p: celery_side(k, p, "many", a.logprobs, many=True),
                     "celery+lp": lambda k, p: celery_side(k, p, "celery+lp", a.logprobs),
                     "direct+lp": lambda k, p: direct_side(k, p, "direct+lp", a.logprobs)}
             for k in range(a.rounds):  # each side goes first in turn
@@ -307,8 +312,12 @@ class Bench:
                 out[f"{side}_lp_cost"] = [w / wo for w, wo in zip(rates[f"{side}+lp"],
                                                                    rates[side])]
             out["lp_ratios"] = [c / d for c, d in zip(rates["celery+lp"], rates["direct+lp"])]
+        if a.many:
+            out["many_ratios"] = [m / d for m, d in zip(rates["many"], rates["direct"])]
         if bare:
             out["bare_ratios"] = [b / d for b, d in zip(rates["bare"], rates["direct"])]
+            if a.many:
+                out["many_bare_ratios"] = [m / b for m, b in zip(rates["many"], rates["bare"])]
             out["celery_bare_ratios"] = [c / b for c, b in zip(rates["celery"], rates["bare"])]
         if a.lora_rounds:
             out["lora"] = self.lora_cost()
@@ -375,7 +384,8 @@ class Bench:
                 summary.append(f"overhead ratio vigil/noop-bare {med['vigil'] / med['noop-bare']:.2f}"
                                f" (vigil/noop-vigil-conf {med['vigil'] / med['noop-vigil-conf']:.2f};"
                                f" worker CPU per request vigil/noop-bare "
-                               f"{mcpu['vigil'] / mcpu['noop-bare']:.2f})")
+                               f"{mcpu['vigil'] / mcpu['noop-bare']:.2f}, vigil-many/noop-bare "
+                               f"{mcpu['vigil-many'] / mcpu['noop-bare']:.2f})")
             ratio = None
             if not a.skip_throughput:
                 t = self.throughput()
@@ -393,6 +403,11 @@ class Bench:
                     summary.append(f"  with/without direct {_spread(t['direct_lp_cost'], '')}")
                     summary.append(f"  ratio celery/direct with logprobs "
                                    f"{_spread(t['lp_ratios'], '')}")
+                if "many_ratios" in t:
+                    summary.append(f"  ratio many/direct per round {_spread(t['many_ratios'], '')}")
+                if "many_bare_ratios" in t:
+                    summary.append(f"  ratio many/bare per round "
+                                   f"{_spread(t['many_bare_ratios'], '')}")
                 if "bare_ratios" in t:
                     summary.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
                     summary.append(f"  ratio celery/bare per round "
