@@ -23,6 +23,7 @@ from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
 from app.requests.publish import republisher
 from app.requests.submit import submit_request
+from app.requests.submit_many import submit_many
 from app.settings import get_settings
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store
@@ -173,6 +174,10 @@ def batch_tick() -> dict:
         submit_request(kwargs, request_id, settings=s, registry=get_registry(), store=store,
                        ports=ports)
 
+    def submit_many_lines(lines: list[tuple[str, dict]]) -> None:
+        submit_many([kw for _, kw in lines], [rid for rid, _ in lines], settings=s,
+                    registry=get_registry(), store=store, ports=ports)
+
     def end_job(name: str, reason: str, code: str) -> int:
         return delete_job(store, ports, name, reason, code=code)
 
@@ -189,5 +194,6 @@ def batch_tick() -> dict:
             return {}
         driver = BatchDriver(store.batches(), store, s, submit=submit,
                              end_requests=end_requests, end_job=end_job,
-                             render_chat=_render_chat, chat_budget=rest_of_context)
+                             render_chat=_render_chat, chat_budget=rest_of_context,
+                             submit_many=submit_many_lines)
         return driver.advance_all(time.time())

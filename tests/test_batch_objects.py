@@ -22,6 +22,8 @@ from app.fleet.outcomes import end_request, end_requests_failed
 from app.local.embedded import EmbeddedRedis, stop_process
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
+from app.requests.batch_file import request_id_for
+from app.requests.submit_many import submit_many
 from app.settings import load_settings
 from app.state import keys
 from app.state.batches import BatchStore
@@ -57,16 +59,36 @@ class Fleet:
         self.store = RequestStore(client, 3600)
         self.bs = BatchStore(client)
         self.sent: list[str] = []
+        self.messages: list[list[str]] = []  # the request ids of each message published
+        self.many_calls = 0
+        self.publish_fails_after: int | None = None  # messages, then OSError on every publish
         self.now = T0
         self.driver = BatchDriver(self.bs, self.store, self.settings, submit=self.submit,
                                   end_requests=self.end_requests, end_job=self.end_job,
                                   render_chat=lambda m, msgs: [5, 6, 7],
-                                  chat_budget=lambda m, n: None)
+                                  chat_budget=lambda m, n: None, submit_many=self.submit_many)
 
     def submit(self, rid: str, kwargs: dict) -> None:
         submit_request(kwargs, rid, settings=self.settings, registry=get_registry(),
                        store=self.store, ports=RecordingPorts(),
                        send=lambda *a, **kw: self.sent.append(rid))
+        self.messages.append([rid])
+
+    def submit_many(self, lines: list[tuple[str, dict]]) -> None:
+        fleet = self
+        self.many_calls += 1
+
+        class Ports(RecordingPorts):
+            def send_many(self, kwargs, task_id, **options):
+                if fleet.publish_fails_after is not None \
+                        and len(fleet.messages) >= fleet.publish_fails_after:
+                    raise OSError("connection reset by peer")
+                ids = [x["id"] for x in kwargs["requests"]]
+                fleet.sent.extend(ids)
+                fleet.messages.append(ids)
+
+        submit_many([kw for _, kw in lines], [rid for rid, _ in lines], settings=self.settings,
+                    registry=get_registry(), store=self.store, ports=Ports())
 
     def end_requests(self, ids: list[str], code: str, reason: str) -> int:
         return end_requests_failed(self.store, ids, TerminalError.of(code, reason), now=self.now)
@@ -313,6 +335,51 @@ def test_a_line_refused_at_submit_becomes_an_error_line_and_the_batch_goes_on(fl
     b = fleet.obj(bid)
     codes = {x["custom_id"]: x["error"]["code"] for x in fleet.content(b["error_file_id"])}
     assert codes == {"nomodel": "model_not_found", "toomany": "invalid_request"}
+
+
+def test_a_window_goes_out_many_requests_to_a_message(redis_db1_url):
+    """Given ten lines and four requests a message, one tick submits the window through
+    submit_many: three messages (4, 4, 2), one record per line, none published twice."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), requests_per_message=4)
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(10))))
+    assert fleet.tick() == {bid: "in_progress"}
+    assert [len(m) for m in fleet.messages] == [4, 4, 2] and fleet.many_calls == 1
+    assert len(set(fleet.sent)) == 10 == len(fleet.sent)
+    assert fleet.until_ended(bid, work=True) == "completed"
+    assert fleet.obj(bid)["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
+
+
+def test_a_chunk_with_a_line_refused_at_submit_goes_line_by_line(redis_db1_url):
+    """Given a chunk whose one line submit refuses (all or nothing for submit_many), the
+    chunk is submitted line by line: the good lines go out once each, the bad one becomes an
+    error line."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), requests_per_message=4)
+    bid = fleet.create(jsonl(line("a"), line("b", model="gpt-9"), line("c"), line("d")))
+    fleet.tick()
+    assert fleet.many_calls == 1 and [len(m) for m in fleet.messages] == [1, 1, 1]
+    assert fleet.until_ended(bid, work=True) == "completed"
+    b = fleet.obj(bid)
+    assert b["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    assert len(fleet.sent) == 3 == len(set(fleet.sent))
+
+
+def test_a_publish_that_fails_midway_pauses_and_no_line_goes_twice(redis_db1_url):
+    """Given Redis failing after submit_many's first message, the tick keeps what went out
+    (in flight), deletes the records of what did not, and pauses at the first line that did
+    not; the next tick submits the rest, and every line is published exactly once."""
+    fleet = Fleet(redis.Redis.from_url(redis_db1_url), requests_per_message=2)
+    fleet.publish_fails_after = 1
+    bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(5))))
+    assert fleet.tick() == {bid: "in_progress"}
+    assert len(fleet.messages) == 1 and len(fleet.sent) == 2
+    assert set(fleet.bs.inflight(bid)) == set(fleet.sent)
+    job = fleet.bs.get(bid)["job"]
+    rest = {request_id_for(job, f"q{i}") for i in range(5)} - set(fleet.sent)
+    assert len(rest) == 3 and all(fleet.store.get(rid) is None for rid in rest)
+    fleet.publish_fails_after = None
+    assert fleet.until_ended(bid, work=True) == "completed"
+    assert len(fleet.sent) == 5 == len(set(fleet.sent))
+    assert fleet.obj(bid)["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
 
 
 def test_a_deleted_job_fails_the_batchs_remaining_lines_job_deleted(redis_db1_url):

@@ -9,8 +9,10 @@ process advances batches at a time). Each step:
 - records each ended request's output line once (a Lua HSETNX on the line number), in order of
   completion, and counts it (`request_counts`); a request whose record vanished (lost in a
   Redis crash) is submitted again under its id;
-- submits lines through `submit_request` as the batch's job (`batch_<hex>`, or the one `vigil
-  batch FILE` named), at most its window in flight; a line's request id is fixed by (job,
+- submits lines as the batch's job (`batch_<hex>`, or the one `vigil batch FILE` named), a
+  chunk at a time through `submit_many` (many requests per message; a chunk the fleet refuses
+  whole, for one bad line or a pending cap, goes line by line through `submit_request`), at
+  most its window in flight; a line's request id is fixed by (job,
   custom_id), so a step that stopped halfway and runs again re-attaches to what it already
   submitted instead of submitting it twice;
 - ends the batch: `completed` when every line is recorded (through `finalizing`); `expired`
@@ -25,8 +27,8 @@ import json
 import logging
 from collections.abc import Callable
 
-from app.errors import (BATCH_CANCELLED, BATCH_EXPIRED, RequestError, TerminalError,
-                        TransientError, error_from_record)
+from app.errors import (BATCH_CANCELLED, BATCH_EXPIRED, REDIS_UNAVAILABLE, RequestError,
+                        TerminalError, TransientError, error_from_record)
 from app.fleet.batches import (CANCELLED, CANCELLING, COMPLETED, EXPIRED, FAILED, FINALIZING,
                                IN_PROGRESS, MAX_LISTED_ERRORS, READ_CHUNK, VALIDATING)
 from app.requests import batch_file as fmt
@@ -39,6 +41,10 @@ log = logging.getLogger("vigil.batches")
 # submit(request_id, kwargs): app/requests/submit.py's submit_request with this process's
 # settings, registry and store (raises RequestError / TerminalError / TransientError).
 Submit = Callable[[str, dict], None]
+# submit_many([(request_id, kwargs)]): app/requests/submit_many.py's submit_many, all or
+# nothing (raises as `submit` does), except that a TransientError(redis_unavailable) carries
+# `.submitted`, the handles (an `.id` each) of those published before it.
+SubmitMany = Callable[[list[tuple[str, dict]]], None]
 # end_job(job, reason, code): app/fleet/jobs.py's delete_job; -1 when someone else is ending it.
 EndJob = Callable[[str, str, str], int]
 # end_requests(request_ids, code, reason): fail these open requests TerminalError(code) once
@@ -55,9 +61,11 @@ class BatchDriver:
 
     def __init__(self, bs: BatchStore, store: RequestStore, settings: VigilSettings, *,
                  submit: Submit, end_requests: EndRequests, end_job: EndJob,
-                 render_chat: fmt.RenderChat, chat_budget: fmt.ChatBudget):
+                 render_chat: fmt.RenderChat, chat_budget: fmt.ChatBudget,
+                 submit_many: SubmitMany | None = None):
         self.bs, self.store, self.s = bs, store, settings
         self.submit, self.end_requests, self.end_job = submit, end_requests, end_job
+        self.submit_many = submit_many
         self.render_chat, self.chat_budget = render_chat, chat_budget
 
     def advance_all(self, now: float) -> dict[str, str]:
@@ -249,22 +257,23 @@ class BatchDriver:
         cursor, submitted = int(b["cursor"]), 0
         while room > 0 and cursor < nlines:
             stop = min(nlines, cursor + min(room, READ_CHUNK))
-            entries, failures, next_cursor = {}, [], stop
+            lines, failures = [], []  # lines: (n, request id, custom_id, kind, kwargs)
             for n, text in self._unrecorded(b, cursor, stop):
                 cid, obj = fmt.read_custom_id(text or "", n)  # validated: cannot fail
                 rid = fmt.request_id_for(b["job"], cid)
                 try:
                     kind, kwargs = fmt.to_request(obj, n, b["job"], self.render_chat,
                                                   self.chat_budget)
-                    self.submit(rid, kwargs)
                 except (RequestError, TerminalError) as err:
                     failures.append(self._error(n, rid, cid, err.code, err.detail))
                     continue
-                except TransientError as err:  # overloaded, Redis: this line on the next tick
-                    log.info("batch %s: submitting paused at line %d: %s", b["id"], n, err)
-                    next_cursor = n - 1
-                    break
-                entries[rid] = {"n": n, "c": cid, "k": kind}
+                lines.append((n, rid, cid, kind, kwargs))
+            done, more_failures, paused_at = self._submit_lines(b, lines)
+            failures += more_failures
+            entries = {rid: {"n": n, "c": cid, "k": kind}
+                       for n, rid, cid, kind, _ in lines if rid in done}
+            next_cursor = stop if paused_at is None else paused_at - 1
+            failures = [f for f in failures if f[0] <= next_cursor]  # the rest: next tick
             self.bs.record(b["id"], failures)  # before the cursor passes them
             self.bs.add_inflight(b["id"], entries, next_cursor)
             submitted += len(entries)
@@ -273,6 +282,40 @@ class BatchDriver:
                 break
             cursor = next_cursor
         return submitted
+
+    def _submit_lines(self, b: dict, lines: list) -> tuple[set[str], list, int | None]:
+        """Submit `lines` ((n, id, custom_id, kind, kwargs)): through `submit_many` when the
+        driver has it, else (or when the chunk is refused whole) one by one. Returns (the ids
+        submitted, error lines for those refused, the line submitting paused at on an overload
+        or an unreachable Redis, or None). A line after the pause that went out anyway is
+        re-attached when the cursor reaches it again (its id is fixed)."""
+        if not lines:
+            return set(), [], None
+        if self.submit_many is not None and len(lines) > 1:
+            try:
+                self.submit_many([(rid, kwargs) for _, rid, _, _, kwargs in lines])
+                return {rid for _, rid, *_ in lines}, [], None
+            except TransientError as err:
+                if err.code == REDIS_UNAVAILABLE:
+                    sent = {getattr(h, "id", h) for h in getattr(err, "submitted", ())}
+                    first = next((n for n, rid, *_ in lines if rid not in sent), lines[-1][0])
+                    log.info("batch %s: submitting paused at line %d: %s", b["id"], first, err)
+                    return sent, [], first
+                # overloaded: as many as fit go line by line, below
+            except (RequestError, TerminalError):
+                pass  # one line is wrong (or the job ended): each line answers for itself
+        done, failures = set(), []
+        for n, rid, cid, _, kwargs in lines:
+            try:
+                self.submit(rid, kwargs)
+            except (RequestError, TerminalError) as err:
+                failures.append(self._error(n, rid, cid, err.code, err.detail))
+                continue
+            except TransientError as err:  # overloaded, Redis: this line on the next tick
+                log.info("batch %s: submitting paused at line %d: %s", b["id"], n, err)
+                return done, failures, n
+            done.add(rid)
+        return done, failures, None
 
     # ending ----------------------------------------------------------------------------
     def _end_early(self, b: dict, now: float, status: str, code: str, reason: str) -> str:
