@@ -10,7 +10,7 @@ retries), JSON, results in Redis; kombu's stock Redis transport. With `BENCH_BAR
 `vigil-conf`, the Celery settings Vigil uses instead (as bench/noop_app.py's profile of that
 name: acks_late and the rest, and `-l INFO`), still none of Vigil's code. The engine is vLLM's AsyncLLM
 built by the same function as the Vigil worker's and the direct engine's
-(workers/engine/vllm.py `engine_args`), on an asyncio loop of its own thread, at the first task;
+(workers/engine/vllm_args.py `engine_args`), on an asyncio loop of its own thread, at the first task;
 each task thread hands its prompt to that loop and blocks on the answer. Nothing else: no
 records, no leases, no recovery, no token streams. Whatever fails, fails.
 """
@@ -47,14 +47,15 @@ class WarmEngine:
         return self
 
     def _build(self) -> None:
-        from workers.engine.vllm import engine_env_defaults
+        from workers.engine.vllm_args import engine_env_defaults
 
         engine_env_defaults()  # before vLLM is imported, as the Vigil worker does
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from app.requests.models import get_registry
-        from workers.engine.vllm import StepCounter, engine_args
+        from workers.engine.vllm import StepCounter
+            from workers.engine.vllm_args import engine_args
 
         spec = get_registry().get(MODEL)
         loop = asyncio.new_event_loop()

@@ -69,7 +69,8 @@ def direct_server(lora: bool = True) -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engine.vllm import StepCounter, engine_args, engine_env_defaults
+    from workers.engine.vllm import StepCounter
+    from workers.engine.vllm_args import engine_args, engine_env_defaults
 
     engine_env_defaults()
     from vllm.engine.arg_utils import AsyncEngineArgs

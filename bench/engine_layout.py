@@ -4,7 +4,7 @@
 
 vLLM 0.32 on the CPU starts a model process below EngineCore (its "mp" executor) even for one
 device; on a GPU with one device it runs the model in EngineCore itself (UniProcExecutor).
-workers/engine/vllm.py `executor_args` asks for the GPU's layout on the CPU too. This bench
+workers/engine/vllm_args.py `executor_args` asks for the GPU's layout on the CPU too. This bench
 measures what that changes, with the worker's own engine args (`engine_args`, LoRA lanes
 included), each layout in a fresh process (a cold import, as a worker's engine start):
 
@@ -39,7 +39,7 @@ def measure_layout(layout: str, n: int, tokens: int) -> dict:
 
     import psutil
 
-    from workers.engine.vllm import engine_args, engine_env_defaults
+    from workers.engine.vllm_args import engine_args, engine_env_defaults
 
     engine_env_defaults()
     from vllm import SamplingParams

@@ -67,7 +67,8 @@ def main() -> int:
     from workers.engine.host import EngineHost, HostEvents
     from workers.engine.kinds import engine_factory
     from workers.engine.memory import plan_memory, probe_memory, worker_device
-    from workers.engine.vllm import engine_core_pids, engine_env_defaults
+    from workers.engine.vllm import engine_core_pids
+    from workers.engine.vllm_args import engine_env_defaults
 
     engine_env_defaults()
     model = build_tiny_llama(tmp / "model", hidden_size=HIDDEN)

@@ -8,7 +8,7 @@ the continuation is computed by a prefill over the prefix, where the uninterrupt
 the same positions one decode step at a time, in other batches; floating-point sums in another
 order can turn a near-tie of the greedy choice the other way.
 
-One vLLM engine on the worker's own args (workers/engine/vllm.py `engine_args`, no LoRA lanes),
+One vLLM engine on the worker's own args (workers/engine/vllm_args.py `engine_args`, no LoRA lanes),
 in this process, with the prefix cache off (a resume runs on another worker: a cold cache). `--prompts` different prompts run greedy (temperature 0, `ignore_eos`) for
 `--tokens` tokens, all at once (a busy engine's batch); then, as the baseline of the same run, the
 same requests again, all at once: how often a plain rerun is token-identical. Then for each cut
@@ -49,7 +49,7 @@ async def measure(n: int, tokens: int, cuts: list[float], say) -> float:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from app.requests.models import get_registry
-    from workers.engine.vllm import engine_args
+    from workers.engine.vllm_args import engine_args
 
     spec = get_registry().get(MODEL)
     # No prefix cache: a resume lands on another worker, whose cache does not hold the prefix, so
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VIGIL_CACHE_DIR", tempfile.mkdtemp(prefix="vigil-resume-"))
     from app.requests.model_files import ensure_model_files
     from app.requests.models import get_registry
-    from workers.engine.vllm import engine_env_defaults
+    from workers.engine.vllm_args import engine_env_defaults
 
     ensure_model_files(get_registry().get(MODEL))  # builds tiny-llama on first use
     engine_env_defaults()

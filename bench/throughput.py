@@ -16,7 +16,7 @@ Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` toke
 (ignore_eos, so every request is the same length), through `generate.delay` and one
 `vigil worker --cpu`, against the same prompts given all at once (asyncio.gather) to an AsyncLLM
 in a long-lived subprocess built from the same engine args (one function builds both:
-workers/engine/vllm.py, `engine_args`, LoRA lanes and KV cache size included). The sides take
+workers/engine/vllm_args.py, `engine_args`, LoRA lanes and KV cache size included). The sides take
 turns going first; the engines stay warm and an idle one costs nothing. Each round is
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
@@ -224,7 +224,7 @@ class Bench:
             self.say(f"engines ready after {time.monotonic() - t0:.0f} s (direct AsyncLLM built "
                      f"in {info['ready']} s, max_num_seqs {info['max_num_seqs']}); worker "
                      f"concurrency {a.concurrency}")
-            self.say(f"engine args, both sides (workers/engine/vllm.py engine_args): "
+            self.say(f"engine args, both sides (workers/engine/vllm_args.py engine_args): "
                      f"{info['args']}; the worker's KV cache: {_worker_kv(wlog)}")
             # warm-up: one small round each (first steps, connections, thread start-up)
             warm = make_prompts(min(a.requests, 128), 999)

@@ -1,5 +1,5 @@
 """A witness outside Vigil: run requests on a vLLM AsyncLLM built directly from
-workers/engine/vllm.py's `engine_args` (the recipe the worker's engine uses), with
+workers/engine/vllm_args.py's `engine_args` (the recipe the worker's engine uses), with
 SamplingParams written here by hand rather than by Vigil's mapping, and print vLLM's raw
 answer as JSON (tests/test_generation_contract_e2e.py compares it with Vigil's result).
 
@@ -31,7 +31,7 @@ async def main(model: str, requests: list[dict]) -> None:
 
     from app.requests.model_files import ensure_model_files
     from app.requests.models import get_registry
-    from workers.engine.vllm import engine_args, engine_env_defaults
+    from workers.engine.vllm_args import engine_args, engine_env_defaults
 
     engine_env_defaults()
     spec = get_registry().get(model)

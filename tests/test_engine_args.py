@@ -1,11 +1,11 @@
-"""Unit tests: where the model runs (workers/engine/vllm.py `chooses_executor`, `executor_args`).
+"""Unit tests: where the model runs (workers/engine/vllm_args.py `chooses_executor`, `executor_args`).
 
 On the CPU Vigil runs the model inside EngineCore (measured: bench/engine_layout.py); a registry
 entry that chooses the executor itself keeps vLLM's choice. The engine side is exercised by every
 worker-tier test; these check the rule without importing vLLM."""
 from __future__ import annotations
 
-from workers.engine.vllm import chooses_executor
+from workers.engine.vllm_args import chooses_executor
 
 
 def test_one_device_and_no_executor_named_leaves_the_choice_to_vigil():

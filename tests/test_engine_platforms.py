@@ -21,7 +21,7 @@ from app.requests.models import ModelSpec, load_registry
 from app.settings import SettingsError, load_settings
 from tests.fake_nvml import FakeCard, FakeNvml
 from workers.engine.memory import GiB, plan_memory, probe_memory
-from workers.engine.vllm import engine_args
+from workers.engine.vllm_args import engine_args
 
 H200 = dict(total=141 * GiB, name="NVIDIA H200")
 

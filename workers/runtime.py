@@ -30,7 +30,7 @@ from app.state.streams import TokenStreams
 from workers.engine.host import EngineHost, HostEvents
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MiB, MemoryPlan, plan_memory, probe_memory, worker_device
-from workers.engine.vllm import engine_env_defaults
+from workers.engine.vllm_args import engine_env_defaults
 from workers.engine.witness import Witness
 from workers.heartbeat import Heartbeat, device_fields
 from workers.held import HeldRequests

@@ -11,10 +11,8 @@ import os
 
 import psutil
 
-from app.errors import INVALID_MODEL_CONFIG, RequestError
 from app.requests.adapters import AdapterRef
 from app.requests.model_files import ensure_model_files
-from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.classify import classify_core_failure
@@ -24,118 +22,9 @@ from workers.engine.output import EngineOutput, Sample
 from workers.engine.resume import Seam, fast_decoder, logprob_decoder, refusal, unsound
 from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
+from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.witness import Witness
-
-
-def engine_env_defaults() -> None:
-    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
-
-    Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/engine/memory.py
-    # picks for each engine start (an operator who sets it fixes the size instead).
-    # With the model in a process of its own (vLLM's "mp" executor: several GPUs, or a registry
-    # entry asking for it), vLLM gives that process 5 s to exit after a polite stop, then
-    # SIGTERMs it; on a loaded host its exit takes longer, and a SIGTERMed one may leave its
-    # shared-memory queue behind (docs/failure-modes.md, "Kills under load"). 20 s stays inside
-    # the engine host's 30 s shutdown budget (workers/engine/host.py).
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool = True,
-                platform: str | None = None) -> dict:
-    """The AsyncEngineArgs (besides `model`) of an engine for `spec`: the one recipe for the
-    worker's engine and the benchmark's direct engine (bench/direct_engine.py), so the two
-    cannot drift. The registry's engine args, the memory plan's KV cache size (without a plan:
-    the registry's `kv_cache_gib` as it is, since vLLM's own CPU default, 90% of the node, fails
-    on any shared host), no periodic stats logging, and the LoRA lanes when the model serves
-    adapters (`lora=False` leaves them out: for measuring what they cost). The registry's
-    `structured_outputs_config` (a JSON object there) becomes vLLM's config object.
-
-    Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
-    dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
-    under what the registry says; on CUDA, one tensor-parallel rank per card of the worker (the
-    plan's probe). Refuses, as `invalid_model_config`, an entry that cannot run here (float32
-    with LoRA on CUDA) and a `tensor_parallel_size` other than the worker's number of cards."""
-    platform = platform or (plan.probe.device if plan is not None else _current_platform())
-    if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
-            "kv_cache_memory_bytes" not in spec.engine_args and \
-            "gpu_memory_utilization" not in spec.engine_args and platform != "cuda" and \
-            not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
-    else:
-        plan_args = plan.engine_args if plan is not None else {}
-    problem = spec.platform_problem(platform)
-    if problem:
-        raise RequestError.of(INVALID_MODEL_CONFIG, problem)
-    cards = plan.probe.cards if plan is not None else ()
-    small = min(cards, key=lambda c: c.total) if cards else None
-    defaults = batch_defaults(platform, small.total if small else None,
-                              small.name if small else "")
-    if cards:
-        asked = int(spec.engine_args.get("tensor_parallel_size", len(cards)))
-        if asked != len(cards):
-            raise RequestError.of(INVALID_MODEL_CONFIG, (
-                f"model {spec.name} asks for tensor_parallel_size {asked}, but this worker has "
-                f"{len(cards)} card(s): serve it with workers of {asked} cards (--gpu, --pools)"))
-        if len(cards) > 1:
-            defaults["tensor_parallel_size"] = len(cards)
-    args = {"disable_log_stats": True, **executor_args(spec, platform), **defaults,
-            **spec.engine_args, **plan_args}
-    dtype = spec.dtype_on(platform)
-    if dtype is not None:
-        args["dtype"] = dtype
-    if isinstance(args.get("structured_outputs_config"), dict):
-        # The registry is JSON; AsyncEngineArgs wants vLLM's config object (LLM converts it
-        # itself, AsyncEngineArgs does not).
-        from vllm.config import StructuredOutputsConfig
-
-        args["structured_outputs_config"] = StructuredOutputsConfig(
-            **args["structured_outputs_config"])
-    if spec.max_loras and lora:
-        args = {"enable_lora": True, "max_loras": spec.max_loras,
-                "max_lora_rank": spec.max_lora_rank, **args}
-    return args
-
-
-def _current_platform() -> str:
-    """vLLM's platform here: "cuda" or "cpu" (what an engine built without a plan runs on)."""
-    from vllm.platforms import current_platform
-
-    return "cuda" if current_platform.is_cuda() else "cpu"
-
-
-def executor_args(spec: ModelSpec, platform: str | None = None) -> dict:
-    """Where the model runs: inside EngineCore on the CPU, for an engine on one device.
-
-    On a GPU with one device vLLM runs the model in EngineCore itself (its UniProcExecutor); on
-    the CPU it always starts a model process of its own below EngineCore (the "mp" executor),
-    which costs a second vLLM import at every engine start, a shared-memory queue between the
-    two on every step, and a second core spinning while requests are in flight. Vigil asks for
-    the GPU's layout on the CPU too (bench/engine_layout.py on tiny-llama: engine start 0.52x,
-    generation 0.82x, memory 0.79x, the same greedy tokens; docs/performance.md). A registry
-    entry that chooses the executor itself keeps vLLM's choice (`chooses_executor`)."""
-    if chooses_executor(spec.engine_args):
-        return {}
-    if (platform or _current_platform()) != "cpu":
-        return {}
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-    return {"distributed_executor_backend": UniProcExecutor}
-
-
-def chooses_executor(engine_args: dict) -> bool:
-    """True when registry engine args choose where the model runs: they name an executor, or
-    ask for more than one device (tensor, pipeline or data parallelism)."""
-    return "distributed_executor_backend" in engine_args or any(
-        int(engine_args.get(k, 1)) > 1
-        for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
 
 
 class StepCounter:
