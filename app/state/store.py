@@ -1,4 +1,5 @@
-"""Vigil's request state in Redis: the record, the in-flight sets, the set-once result.
+"""Vigil's request state in Redis: the record, its attempts, the set-once result (the in-flight
+sets: app/state/store_holds.py; many at once: app/state/store_many.py).
 
 Every multi-step change is one Lua script, so a crash between steps cannot leave a record half
 updated, and two writers of a result cannot both win.
@@ -10,21 +11,22 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import redis
 
 from app.settings import get_settings
-from app.state import broker, jobs, keys
+from app.state import jobs, keys
 from app.state.batches import BatchStore
 from app.state.calls import Calls
-from app.state.conn import connect, server_run
+from app.state.conn import connect
 from app.state.health import HealthLedger
 from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
+from app.state.store_holds import HoldCalls
 from app.state.store_many import ManyCalls
 
 # RequestStore.create outcomes
@@ -80,7 +82,7 @@ def shared_store() -> "RequestStore":
 _shared: "RequestStore | None" = None
 
 
-class RequestStore(ManyCalls):
+class RequestStore(HoldCalls, ManyCalls):
     """The request records and worker in-flight sets. Methods raise TransientError(redis_unavailable)
     when Redis cannot be reached, never a bare redis exception."""
 
@@ -170,48 +172,6 @@ class RequestStore(ManyCalls):
     def pool_queues(self, pool: str) -> list[str]:
         """Every queue of `pool`: its own, then one per job that has requests there (sorted)."""
         return self._call(pool_queues, self._r, pool)
-
-    def hold(self, request_id: str, instance: int | str) -> None:
-        """Note that this worker instance holds a request's message (received, not yet begun),
-        so the reaper finds it if the worker dies before running it. A worker's consumer notes
-        it as it takes the message (`delivery_holder`); this is the same write on its own."""
-        self._call(self._r.sadd, keys.inflight(instance), request_id)
-
-    @staticmethod
-    def delivery_holder(instance: int | str, task: str, many_task: str | None = None
-                        ) -> Callable[[dict], tuple[str, str | tuple[str, ...]] | None]:
-        """For app/state/transport.py `hold_deliveries`: a message of `task` with a usable id is
-        held by this worker instance (its in-flight set, as `hold` writes it), and a message of
-        `many_task` under each request id its `vigil_ids` header names; others are not."""
-        key = keys.inflight(instance)
-
-        def holder(headers: dict) -> tuple[str, str | tuple[str, ...]] | None:
-            rid = headers.get("id")
-            if headers.get("task") == task and isinstance(rid, str) and rid:
-                return key, rid
-            if many_task is not None and headers.get("task") == many_task:
-                ids = headers.get("vigil_ids")
-                if isinstance(ids, list) and ids and all(isinstance(i, str) and i for i in ids):
-                    return key, tuple(ids)
-            return None
-
-        return holder
-
-    def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
-                now: float | None = None, reason: str | None = None) -> bool:
-        """Mark a dead worker's RUNNING request PENDING under `dispatch` (then publish that
-        dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock)
-        with `reason` (default: worker_lost, reaped). False when it had already ended or moved
-        on."""
-        now = time.time() if now is None else now
-        args = [request_id, dead_instance, dispatch, now] + ([reason] if reason else [])
-        return bool(self._call(self._requeue,
-                               keys=[keys.request(request_id), keys.inflight(dead_instance)],
-                               args=args))
-
-    def inflight_ids(self, instance: int | str) -> list[str]:
-        """A worker instance's in-flight request ids (bounded by its concurrency)."""
-        return [r.decode() for r in self._call(self._r.smembers, keys.inflight(instance))]
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         """Take the named lock for `ttl_s` unless someone else holds it."""
@@ -410,51 +370,6 @@ class RequestStore(ManyCalls):
             return [m.decode() for m in self._call(self._r.zrange, keys.DEADLINES, 0, -1)]
         return sorted({m.decode() for p in pools
                        for m in self._call(self._r.smembers, keys.pool_requests(p))})
-
-    def message_missing(self, request_id: str, queue: str, limit: int = 10_000) -> bool:
-        """True when no worker holds the request and its message is neither in `queue` (read
-        from the head, at most `limit` entries) nor fetched and unacked: its message is gone.
-        False when it is somewhere, or when the queue is longer than `limit` and the message
-        was not among the entries read (then nobody can tell cheaply)."""
-        if request_id in self.held_ids():
-            return False
-        pos, length = self._call(broker.position, self._r, queue, request_id, limit=limit)
-        if pos is not None or length > limit:
-            return False
-        return request_id not in self._call(broker.queued_ids, self._r, [], unacked=True)
-
-    def held_ids(self) -> set[str]:
-        """Every request id some worker instance's in-flight set holds (SCAN over the sets)."""
-        held: set[str] = set()
-        for key in self._r.scan_iter(match=keys.inflight("*"), count=1000):
-            held.update(m.decode() for m in self._call(self._r.smembers, key))
-        return held
-
-    def holders(self, request_id: str, instances: list[str]) -> list[str]:
-        """Those of `instances` whose in-flight set holds the request (one round trip)."""
-        if not instances:
-            return []
-        pipe = self._call.pipeline()
-        for i in instances:
-            pipe.sismember(keys.inflight(i), request_id)
-        return [i for i, held in zip(instances, self._call(pipe.execute)) if held]
-
-    def held_count(self, instance: int | str) -> int:
-        """How many requests a worker instance holds."""
-        return int(self._call(self._r.scard, keys.inflight(instance)))
-
-    def redis_run(self) -> tuple[str, float]:
-        """The running Redis server's run_id and when it started (app/state/conn.py)."""
-        return self._call(server_run, self._r)
-
-    def audited_run_id(self) -> str | None:
-        """The Redis run_id the last complete restart audit covered (None before the first)."""
-        seen = self._call(self._r.get, keys.REDIS_RUN_ID)
-        return seen.decode() if seen is not None else None
-
-    def mark_audited(self, run_id: str) -> None:
-        """Record that the restart audit for Redis run `run_id` is complete."""
-        self._call(self._r.set, keys.REDIS_RUN_ID, run_id)
 
     def created_at(self, request_id: str) -> float | None:
         """When the request was submitted (None without a record)."""
