@@ -27,7 +27,7 @@ import redis
 
 from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.state import keys
-from app.state.lua import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
+from app.state.lua_fleet import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
 
 HEALTHY = "HEALTHY"
 SUSPECT = "SUSPECT"

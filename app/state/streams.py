@@ -32,7 +32,7 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls
-from app.state.lua import STREAM_APPEND
+from app.state.lua_fleet import STREAM_APPEND
 
 APPENDED, FENCED, OFF_SEQUENCE = 1, 0, -1
 

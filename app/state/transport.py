@@ -48,7 +48,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from app.state.intake import brpop_keys, held_capped, intake_limits
-from app.state.lua import ACK_DELIVERIES, NOTE_DELIVERY
+from app.state.lua_fleet import ACK_DELIVERIES, NOTE_DELIVERY
 
 log = logging.getLogger("vigil.transport")
 
@@ -260,7 +260,7 @@ class _SharedClient:
         return self._vigil_client_and_scripts()[0]
 
     def _vigil_scripts(self):
-        """(note a delivery, ack a delivery) on the shared client (app/state/lua.py)."""
+        """(note a delivery, ack a delivery) on the shared client (app/state/lua_fleet.py)."""
         return self._vigil_client_and_scripts()[1:]
 
     def _brpop_start(self, timeout=None):
