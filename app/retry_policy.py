@@ -35,8 +35,8 @@ from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PEND
                         MEMORY_PRESSURE, PREEMPTED, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST,
                         RequestError, TerminalError, TransientError, VigilError,
                         WorkerFatalError)
-from app.settings import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
-                          DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
+from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
+                                   DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
 
 # A request waiting for memory (memory_pressure) is tried again at least this often, so it
 # starts soon after a co-tenant lets go of the card.

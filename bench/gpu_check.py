@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from app.devices import DEVICE_ORDER, NvmlMissing, load_nvml, read_cards  # noqa: E402
 from app.errors import TransientError  # noqa: E402
 from app.requests.models import ModelSpec  # noqa: E402
-from app.settings import DEFAULT_GPU_HEADROOM_MIB  # noqa: E402
+from app.settings_defaults import DEFAULT_GPU_HEADROOM_MIB  # noqa: E402
 from workers.engine.memory import GiB, MiB, plan_memory, probe_memory  # noqa: E402
 
 EXIT_NO_GPU = 77  # automake's "skipped"

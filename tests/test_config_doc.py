@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from app.local.embedded import REPO
 from app.ops.config_doc import COMMAND, field_rows, render
-from app.settings import ENV_PREFIX, VigilSettings
+from app.settings import VigilSettings
+from app.settings_defaults import ENV_PREFIX
 
 
 def test_the_configuration_reference_is_up_to_date_with_the_settings_object():

@@ -14,7 +14,7 @@ from app.devices import (GpuSpecError, NvmlMissing, cuda_versions, gpu_label, no
                          parse_gpu_spec, read_cards, version_problem, visible_devices)
 from app.errors import TransientError, WorkerFatalError
 from app.requests.models import ModelSpec
-from app.settings import DEFAULT_GPU_HEADROOM_MIB
+from app.settings_defaults import DEFAULT_GPU_HEADROOM_MIB
 from tests.fake_nvml import FakeCard, FakeNvml
 from workers.engine.memory import GiB, MiB, plan_memory, probe_memory, worker_device
 from workers.heartbeat import device_fields

@@ -14,7 +14,7 @@ from app.fleet.handback import Republish, hand_back_one
 from app.fleet.message_audit import audit_after_reap
 from app.fleet.outcomes import Backend
 from app.fleet.timed_lock import timed_lock
-from app.settings import DEFAULT_WORKER_REGISTRATION_GRACE_S
+from app.settings_defaults import DEFAULT_WORKER_REGISTRATION_GRACE_S
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.housekeeping")

@@ -4,8 +4,8 @@
 
 Every field of `VigilSettings` (app/settings.py) becomes one row: its `VIGIL_*` variable, type,
 default, bounds (the field's ge/gt/le/lt), and a description made of the field's `description`
-and the comment above the `DEFAULT_*` constant it defaults to. The derived values are the
-settings' properties, described by their docstrings. tests/test_config_doc.py fails when the
+and the comment above the `DEFAULT_*` constant it defaults to (app/settings_defaults.py). The
+derived values are the settings' properties, described by their docstrings. tests/test_config_doc.py fails when the
 file is out of date, or when a field has neither a description nor a commented constant.
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pydantic.types import PathType
 from pydantic_core import PydanticUndefined
 from pydantic_settings import NoDecode
 
-from app import settings as settings_module
-from app.settings import ENV_PREFIX, SECRET_FIELDS, VigilSettings
+from app import settings_defaults as defaults_module
+from app.settings import SECRET_FIELDS, VigilSettings
+from app.settings_defaults import ENV_PREFIX
 
 COMMAND = "python -m app.ops.config_doc > docs/configuration.md"
 
@@ -47,8 +48,9 @@ Lists are comma-separated.
 
 
 def _module_comments() -> dict[str, str]:
-    """Constant name -> the comment block directly above its assignment in app/settings.py."""
-    source = inspect.getsource(settings_module)
+    """Constant name -> the comment block directly above its assignment in
+    app/settings_defaults.py."""
+    source = inspect.getsource(defaults_module)
     lines = source.splitlines()
     out = {}
     for node in ast.parse(source).body:

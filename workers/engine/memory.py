@@ -27,7 +27,7 @@ import psutil
 from app.devices import Card, read_cards, visible_entries
 from app.errors import MEMORY_PRESSURE, TransientError
 from app.requests.models import ModelSpec
-from app.settings import DEFAULT_GPU_HEADROOM_MIB
+from app.settings_defaults import DEFAULT_GPU_HEADROOM_MIB
 
 GiB = 1 << 30
 MiB = 1 << 20
