@@ -95,6 +95,26 @@ def test_a_workers_call_gives_up_redis_unavailable_after_the_grace(store, clock)
         producer._call(down)
 
 
+HANDED_OUT = {  # what a store hands out -> (one read through it, the client command it makes)
+    "health ledger": (lambda s: s.health_ledger(window=60, threshold=3).read(1), "hgetall"),
+    "batch objects": (lambda s: s.batches().file("f1"), "hgetall"),
+    "token streams": (lambda s: s.streams().entries("r1"), "xrange"),
+    "worker registry": (lambda s: s.workers.entries(), "zrange"),
+}
+
+
+@pytest.mark.parametrize("made", sorted(HANDED_OUT))
+def test_what_a_store_hands_out_rides_out_an_outage_under_its_policy(store, clock, monkeypatch,
+                                                                      made):
+    """Given a worker's store, when Redis refuses two calls of the health ledger, the batch
+    objects, the token streams or the worker registry it hands out, then each is retried after
+    0.1 and 0.2 s as the store's own calls are (app/state/calls.py): nothing is raised."""
+    read, command = HANDED_OUT[made]
+    monkeypatch.setattr(store.raw, command, flaky(getattr(store.raw, command), 2))
+    read(store)
+    assert clock.slept == [0.1, 0.2]
+
+
 def test_a_pipeline_cut_mid_execute_is_sent_again_with_its_commands(store):
     """Given a worker's store and a pipeline of two begins (and a read), when the connection is
     lost inside the pipeline's execute (redis-py then empties the pipeline), then the outage

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import redis
 
-from app.errors import REDIS_UNAVAILABLE, TransientError
 from app.state import keys
+from app.state.calls import Calls, decoded
 from app.state.lua_fleet import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
 
 HEALTHY = "HEALTHY"
@@ -37,9 +37,6 @@ STATES = (HEALTHY, SUSPECT, QUARANTINED, RESTARTING)
 # A ledger outlives its worker's registry entry by this much (read by `vigil status` after a
 # crash); the reaper and a clean stop delete it.
 LEDGER_TTL_S = 7 * 86400
-
-
-
 
 
 @dataclass(frozen=True)
@@ -56,22 +53,20 @@ class Health:
 
 
 class HealthLedger:
-    """Read and change per-worker ledgers (`vigil:health:{instance}`). Methods raise
-    TransientError(redis_unavailable) when Redis cannot be reached."""
+    """Read and change per-worker ledgers (`vigil:health:{instance}`). Every call goes through
+    `calls`, the outage policy of the store it came from (`RequestStore.health_ledger`; without
+    one, a policy that does not wait): methods raise TransientError(redis_unavailable) when
+    Redis cannot be reached within it."""
 
-    def __init__(self, client: redis.Redis, *, window: float, threshold: int):
+    def __init__(self, client: redis.Redis, calls: Calls | None = None, *, window: float,
+                 threshold: int):
         self.r = client
+        self._call = calls or Calls(client)
         self.window = window
         self.threshold = threshold
         self._failure = client.register_script(HEALTH_FAILURE)
         self._success = client.register_script(HEALTH_SUCCESS)
         self._canary = client.register_script(HEALTH_CANARY)
-
-    def _call(self, fn, *a, **kw):
-        try:
-            return fn(*a, **kw)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise TransientError.of(REDIS_UNAVAILABLE, f"cannot reach Redis: {e}") from None
 
     def failure(self, instance: int | str, now: float, reason: str) -> tuple[str, int, bool]:
         """Count one failure proven by traffic. Returns (state, streak, became_quarantined):
@@ -89,7 +84,7 @@ class HealthLedger:
 
     def restarting(self, instance: int | str, now: float) -> None:
         """The quarantined worker is restarting its engine."""
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self._call.pipeline(transaction=True)
         pipe.hset(keys.health(instance), mapping={"state": RESTARTING, "updated_at": now})
         pipe.expire(keys.health(instance), LEDGER_TTL_S)
         self._call(pipe.execute)
@@ -103,8 +98,7 @@ class HealthLedger:
 
     def read(self, instance: int | str) -> Health:
         """The ledger (a worker never reported on reads HEALTHY)."""
-        raw = self._call(self.r.hgetall, keys.health(instance))
-        f = {k.decode(): v.decode() for k, v in raw.items()}
+        f = decoded(self._call(self.r.hgetall, keys.health(instance)))
 
         def num(name):
             return float(f[name]) if f.get(name) else None

@@ -28,6 +28,7 @@ from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
 from app.state.store_holds import HoldCalls
 from app.state.store_many import ManyCalls
+from app.state.streams import TokenStreams
 
 # RequestStore.create outcomes
 JOB_DELETED = -1
@@ -162,12 +163,20 @@ class RequestStore(HoldCalls, ManyCalls):
         return self._r
 
     def health_ledger(self, *, window: float, threshold: int) -> HealthLedger:
-        """The health ledger (app/state/health.py) on this store's client."""
-        return HealthLedger(self._r, window=window, threshold=threshold)
+        """The health ledger (app/state/health.py) on this store's client, under this store's
+        outage policy."""
+        return HealthLedger(self._r, self._call, window=window, threshold=threshold)
 
     def batches(self) -> BatchStore:
-        """The batch objects (app/state/batches.py) on this store's client."""
-        return BatchStore(self._r)
+        """The batch objects (app/state/batches.py) on this store's client, under this store's
+        outage policy."""
+        return BatchStore(self._r, self._call)
+
+    def streams(self) -> TokenStreams:
+        """The token streams (app/state/streams.py) on this store's client, under this store's
+        outage policy: a worker's checkpoint read or flush rides out a Redis restart as its
+        record writes do (the flusher has a thread of its own; the tokens wait in the taps)."""
+        return TokenStreams(self._r, self._call)
 
     def pool_queues(self, pool: str) -> list[str]:
         """Every queue of `pool`: its own, then one per job that has requests there (sorted)."""
