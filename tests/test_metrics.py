@@ -133,7 +133,7 @@ def test_the_collector_reads_engine_health_and_queues_when_scraped(runtime):
     scrape shows the idle engine, HEALTHY, the queue depth and the held request; after one
     served request the engine's load and generation counters moved."""
     rt = runtime()
-    rt.client.lpush("vigil.pool.tiny-llama", "m1", "m2")
+    rt.store.raw.lpush("vigil.pool.tiny-llama", "m1", "m2")
     rt.store.hold("x", rt.instance_id)
     c = metrics_server.WorkerCollector(rt)
     s = scrape(c)

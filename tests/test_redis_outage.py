@@ -115,6 +115,19 @@ def test_what_a_store_hands_out_rides_out_an_outage_under_its_policy(store, cloc
     assert clock.slept == [0.1, 0.2]
 
 
+def test_the_store_without_grace_fails_at_once_on_the_same_client(store, clock, monkeypatch):
+    """Given a worker's store, when Redis refuses a registry read made through
+    `without_grace()` (the heartbeat's, the engine loop's), then it raises
+    TransientError(redis_unavailable) at once, with no pause, on the store's own client."""
+    monkeypatch.setattr(store.raw, "zrange", flaky(store.raw.zrange, 1))
+    with pytest.raises(TransientError) as e:
+        store.without_grace().workers.entries()
+    assert e.value.code == REDIS_UNAVAILABLE and clock.slept == []
+    assert store.without_grace().raw is store.raw
+    producer = RequestStore(store.raw, store.result_ttl)
+    assert producer.without_grace() is producer
+
+
 def test_a_pipeline_cut_mid_execute_is_sent_again_with_its_commands(store):
     """Given a worker's store and a pipeline of two begins (and a read), when the connection is
     lost inside the pipeline's execute (redis-py then empties the pipeline), then the outage

@@ -140,6 +140,17 @@ def runtime(settings):
         rt.host.shutdown(1)
 
 
+def test_a_workers_state_comes_from_its_store_under_the_store_policy_or_none(runtime):
+    """Given a worker runtime with an outage grace, then its health ledger rides out an outage
+    under its store's policy (app/state/calls.py), and its heartbeat's registry under none
+    (`RequestStore.without_grace`: the next beat tries again)."""
+    rt = runtime(redis_outage_grace=30.0)
+    assert rt.store.outage_grace == 30.0
+    assert rt.health.ledger._call is rt.store._call
+    assert rt.heartbeat.registry._call is rt.store.without_grace()._call
+    assert rt.store.without_grace().outage_grace == 0
+
+
 def test_serve_runs_once_and_a_duplicate_returns_the_stored_result(runtime):
     rt = runtime()
     create(rt.store, "s1")

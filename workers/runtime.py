@@ -20,13 +20,9 @@ from app.errors import WorkerFatalError
 from app.requests.publish import republisher
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
 from app.settings import VigilSettings, get_settings
-from app.state.calls import Calls
-from app.state.conn import connect
-from app.state.health import HEALTHY, HealthLedger
+from app.state.health import HEALTHY
 from app.state.queues import pool_of
-from app.state.registry import WorkerRegistry
-from app.state.store import RequestStore
-from app.state.streams import TokenStreams
+from app.state.store import open_store
 from workers.engine.host import EngineHost, HostEvents
 from workers.engine.kinds import ENGINES, MODEL_ENGINES, engine_factory
 from workers.engine.memory import MiB, MemoryPlan, plan_memory, probe_memory, worker_device
@@ -63,9 +59,9 @@ class WorkerRuntime:
         self.name = name
         self.instance_id = new_instance_id()
         self.registry = registry or get_registry()
-        self.client = connect(settings)
-        # Writes ride out a Redis restart (a finished generation is not thrown away).
-        self.store = RequestStore(self.client, settings.result_ttl, settings.redis_outage_grace)
+        # Writes ride out a Redis restart (a finished generation is not thrown away); so do the
+        # token streams and the health ledger, which the store hands out under its policy.
+        self.store = open_store(settings, settings.redis_outage_grace)
         engine = engine or settings.engine
         if engine not in ENGINES:
             raise ValueError(f"VIGIL_ENGINE must be one of {sorted(ENGINES)}, got {engine!r}")
@@ -90,11 +86,8 @@ class WorkerRuntime:
         # Token streams (workers/streaming.py), for the engines that stream (the real one).
         self.streams: StreamSink | None = None
         if settings.stream_flush_ms > 0 and engine in MODEL_ENGINES:
-            # Under the store's outage policy: a checkpoint read or a flush rides out a Redis
-            # restart (the flusher has a thread of its own; the tokens wait in the taps).
-            self.streams = StreamSink(
-                TokenStreams(self.client, Calls(self.client, settings.redis_outage_grace)),
-                settings.stream_flush_ms, settings.stream_chunk_tokens)
+            self.streams = StreamSink(self.store.streams(), settings.stream_flush_ms,
+                                      settings.stream_chunk_tokens)
         self.held = HeldRequests(
             name, self.instance_id, self.store, self.host, self.streams,
             republisher(ports.send), ports.backend, ports.bus, settings.max_attempts,
@@ -102,8 +95,8 @@ class WorkerRuntime:
                 unregister=False))
         self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(
-            HealthLedger(self.client, window=settings.failure_window,
-                         threshold=settings.failure_threshold),
+            self.store.health_ledger(window=settings.failure_window,
+                                     threshold=settings.failure_threshold),
             self.instance_id, name, self.host,
             QuarantineActions(pools=lambda: self.pools or list(self.configured_pools),
                               consume=self.held.consume_pools,
@@ -111,7 +104,9 @@ class WorkerRuntime:
                               canary_spec=self.canary_spec, leave=self.held.leave),
             on_change=lambda: self.heartbeat.poke(), canary_timeout=settings.request_timeout,
             max_canary_failures=settings.max_canary_failures)
-        self.heartbeat = Heartbeat(WorkerRegistry(self.client), self.instance_id, name,
+        # No outage grace: a beat that cannot land is retried by the next one, and its failure
+        # is how the heartbeat sees Redis come back.
+        self.heartbeat = Heartbeat(self.store.without_grace().workers, self.instance_id, name,
                                    settings.heartbeat_interval, self._heartbeat_fields,
                                    on_redis_back=self.held.reclaim_orphans,
                                    after_beat=self.held.abort_ended)
@@ -152,7 +147,7 @@ class WorkerRuntime:
         """True when another live worker's engine holds `model` now: a start of it that fails
         here is then this worker's fault, not the model's. False when Redis cannot say."""
         try:  # no outage grace: this runs on the engine loop, which must not wait on Redis
-            entries = WorkerRegistry(self.client).entries()
+            entries = self.store.without_grace().workers.entries()
         except Exception as e:
             log.warning("cannot read the registry: %s", e)
             return False

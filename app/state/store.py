@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import redis
 
-from app.settings import get_settings
+from app.settings import VigilSettings, get_settings
 from app.state import jobs, keys
 from app.state.batches import BatchStore
 from app.state.calls import Calls
@@ -70,13 +70,19 @@ class Begin:
     preemptions: int = 0  # run: times it yielded its slot to an interactive request
 
 
+def open_store(settings: VigilSettings, outage_grace: float = 0.0) -> "RequestStore":
+    """A store on a new client of `settings`' Redis (app/state/conn.py `connect`), its calls
+    riding out an outage of up to `outage_grace` seconds (a worker's VIGIL_REDIS_OUTAGE_GRACE;
+    0, producers and operator tools: they fail at once). How code outside app/state/ reaches
+    Redis: through the store and what it hands out, never a client of its own."""
+    return RequestStore(connect(settings), settings.result_ttl, outage_grace)
+
+
 def shared_store() -> "RequestStore":
     """This process's store for `get_settings()`, built on first use (producers, beat tasks)."""
     global _shared
     if _shared is None:
-
-        s = get_settings()
-        _shared = RequestStore(connect(s), s.result_ttl)
+        _shared = open_store(get_settings())
     return _shared
 
 
@@ -109,6 +115,8 @@ class RequestStore(HoldCalls, ManyCalls):
         self._release = client.register_script(RELEASE)
         self._unlock = client.register_script(UNLOCK)
         self._requeue = client.register_script(REQUEUE)
+        # The same store under no grace (`without_grace`): itself when it has none.
+        self._no_grace = self if outage_grace <= 0 else RequestStore(client, result_ttl)
 
     def create(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
                max_per_job: int = 0, max_per_pool: int = 0) -> int:
@@ -161,6 +169,14 @@ class RequestStore(HoldCalls, ManyCalls):
         witness outside the code it checks). Product code outside app/state/ never uses it: it
         goes through this store's methods and views (tests/test_layers.py)."""
         return self._r
+
+    def without_grace(self) -> "RequestStore":
+        """This store on the same client under no outage grace, whatever its own: a call that
+        cannot reach Redis raises TransientError(redis_unavailable) at once. The one other
+        policy, for the callers that must not wait on Redis: a worker's heartbeat (the next
+        beat tries again, and a beat that failed is how it sees Redis come back) and reads made
+        on the engine loop."""
+        return self._no_grace
 
     def health_ledger(self, *, window: float, threshold: int) -> HealthLedger:
         """The health ledger (app/state/health.py) on this store's client, under this store's
