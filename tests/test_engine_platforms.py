@@ -208,8 +208,7 @@ def test_vigil_worker_gpu_execs_celery_with_the_cards_order_and_threads(monkeypa
                  "torch_cuda": "13.0"})
 
     monkeypatch.setattr(cli, "check_gpus", check)
-    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
-    monkeypatch.setattr(cli, "connect", lambda s: None)
+    monkeypatch.setattr(cli, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     assert cli.main(["worker", "--gpu", "1", "--pools", "tiny-llama"]) == 0

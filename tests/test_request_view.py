@@ -185,7 +185,7 @@ def test_describe_shows_history_and_result_summary_without_the_text_unless_asked
                                           "finish_reason": "length", "prompt_tokens": 3,
                                           "completion_tokens": 2, "attempts": 2,
                                           "worker": "b@h"})
-    v = describe("r1", client=store.raw, settings=settings, registry=get_registry())
+    v = describe("r1", store=store, settings=settings, registry=get_registry())
     assert v["status"] == "SUCCEEDED" and v["job"] == "eval-7" and v["waiting"] is None
     assert [(h["worker"], h["outcome"], h["error"]) for h in v["history"]] == [
         ("a@h", "retry", "engine_restarting"), ("b@h", "succeeded", None)]
@@ -193,7 +193,7 @@ def test_describe_shows_history_and_result_summary_without_the_text_unless_asked
                            "completion_tokens": 2, "attempts": 2, "worker": "b@h",
                            "text_chars": 12}
     assert "secret" not in json.dumps(v) and "hello" not in json.dumps(v)  # nor the prompt
-    shown = describe("r1", client=store.raw, settings=settings, registry=get_registry(),
+    shown = describe("r1", store=store, settings=settings, registry=get_registry(),
                      show_text=True)
     assert shown["result"]["text"] == "secret words" and shown["result"]["token_ids"] == [1, 2]
 
@@ -202,7 +202,7 @@ def test_describe_shows_the_error_code_of_a_failed_request(store, settings):
     create(store, "r1")
     store.finish("r1", 0, time.time(), error_kind="RequestError",
                  error="prompt_too_long: 700 tokens > 512")
-    v = describe("r1", client=store.raw, settings=settings, registry=get_registry())
+    v = describe("r1", store=store, settings=settings, registry=get_registry())
     assert v["error"] == {"kind": "RequestError", "code": "prompt_too_long",
                           "message": "prompt_too_long: 700 tokens > 512"}
 

@@ -142,7 +142,7 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     assert res["text"] == unbroken["text"] and res["finish_reason"] == "stop"
     assert res["resumed_at"] == [k] and res["attempts"] == 2
     assert "".join(ch["text"] for ch in chunks) == res["text"]
-    view = describe("seam-1", client=app.vigil_redis, settings=get_settings(),
+    view = describe("seam-1", store=app.vigil_store, settings=get_settings(),
                     registry=get_registry())  # what `vigil request seam-1` shows
     assert view["resumed_at"] == [k] and view["tokens_so_far"] == len(res["token_ids"])
 

@@ -17,9 +17,8 @@ import threading
 import time
 from typing import Callable
 
-import redis
-
 from app.errors import TransientError, WorkerFatalError
+from app.state.calls import REDIS_ERRORS
 from app.state.registry import WorkerRegistry
 
 log = logging.getLogger("vigil.heartbeat")
@@ -72,7 +71,7 @@ class Heartbeat:
         self.has_pinged = True
         try:
             self.beat()
-        except (redis.RedisError, TransientError) as e:
+        except REDIS_ERRORS as e:
             log.warning("could not write the worker's readiness now (%s): the next heartbeat "
                         "will", e)
             self.poke()
@@ -97,7 +96,7 @@ class Heartbeat:
             try:
                 self.beat()
                 self._watch_redis()
-            except (redis.RedisError, TransientError) as e:  # blips must not kill the heartbeat
+            except REDIS_ERRORS as e:  # blips must not kill the heartbeat
                 log.warning("heartbeat failed: %s", e)
                 self._failed = True
             else:

@@ -23,10 +23,9 @@ from app.fleet.snapshot import collect
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 from app.state import keys
-from app.state.conn import connect
 from app.state.health import QUARANTINED, RESTARTING
 from app.state.queues import DEFAULT_JOB, job_queue_name
-from app.state.store import RequestStore, shared_store
+from app.state.store import RequestStore, open_store, shared_store
 
 # The most queue entries a position lookup reads.
 SCAN_LIMIT = 10_000
@@ -68,8 +67,7 @@ def why_waiting(request_id: str, *, store: RequestStore | None = None,
     person or a poll every few seconds, not for a tight loop over thousands of requests.
     """
     if store is None:
-        store = (shared_store() if settings is None
-                 else RequestStore(connect(settings), settings.result_ttl))
+        store = shared_store() if settings is None else open_store(settings)
     settings = settings or get_settings()
     registry = registry or get_registry()
     rec = store.get(request_id)

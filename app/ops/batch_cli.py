@@ -26,7 +26,7 @@ from app.errors import INVALID_REQUEST, RequestError, TransientError
 from app.fleet import batches
 from app.settings import get_settings
 from app.state.batches import BatchStore
-from app.state.conn import connect
+from app.state.store import open_store
 
 SUBCOMMANDS = ("submit", "status", "list", "cancel", "results")
 # How often `status --watch` reads the batch.
@@ -63,7 +63,7 @@ def add_parsers(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one batch-object subcommand; returns the exit status (module docstring)."""
-    bs = BatchStore(connect(get_settings()))
+    bs = open_store(get_settings()).batches()
     try:
         return _COMMANDS[args.batch_cmd](bs, args)
     except (RequestError, batches.BatchNotFound, TransientError) as e:

@@ -33,7 +33,7 @@ from app.ops.batch_cli import first_url
 from app.requests import batch_file as batch
 from app.settings import VigilSettings, get_settings
 from app.state.batches import BatchStore
-from app.state.conn import connect
+from app.state.store import open_store
 
 DEFAULT_WINDOW = 512
 POLL_INTERVAL_S = 1.0
@@ -188,7 +188,7 @@ def run_command(src: str | Path, job: str | None = None, output: str | Path | No
     complete, or the command stopped early (interrupted, Redis unreachable: the batch goes on;
     rerun the same command to follow it), 2 when it could not start (bad options or files)."""
     settings = get_settings()
-    return run_file(lambda: BatchStore(connect(settings)), settings, src, job, output, errors,
+    return run_file(lambda: open_store(settings).batches(), settings, src, job, output, errors,
                     window, quiet)
 
 

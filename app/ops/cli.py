@@ -41,10 +41,9 @@ from app.ops.status import run_status
 from app.requests.engine_defaults import worker_concurrency
 from app.requests.models import get_registry
 from app.settings import SettingsError, get_settings
-from app.state.batches import BatchStore
-from app.state.conn import connect, preflight
+from app.state.conn import preflight
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues, pool_queue
-from app.state.store import RequestStore
+from app.state.store import open_store
 
 # Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
 # clocks; Vigil revokes nothing (requests end through their records: app/fleet/outcomes.py).
@@ -182,7 +181,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                              cards) if args.gpu is not None else asked
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
-    preflight(s, connect(s))
+    preflight(s)
     os.environ.update(env)
     if threads != asked:  # the worker's Redis pools are sized from it: say what Celery runs
         os.environ["VIGIL_WORKER_CONCURRENCY"] = str(threads)
@@ -208,7 +207,7 @@ def housekeeper_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
 
 def _cmd_housekeeper(args: argparse.Namespace) -> int:
     s = get_settings()
-    preflight(s, connect(s))  # bad credentials or TLS stop it here, by name
+    preflight(s)  # bad credentials or TLS stop it here, by name
     os.environ["VIGIL_ROLE"] = "housekeeper"  # its worker hooks build no engine (lifecycle.py)
     argv = housekeeper_argv(args, s.housekeeper_concurrency)
     os.execv(argv[0], argv)  # signals reach Celery directly
@@ -255,7 +254,7 @@ def flower_command(args: argparse.Namespace, settings) -> tuple[list[str], dict[
 def _cmd_metrics(args: argparse.Namespace) -> int:
     s = get_settings()
     try:
-        metrics_exporter.serve(RequestStore(connect(s), s.result_ttl), get_registry(), s,
+        metrics_exporter.serve(open_store(s), get_registry(), s,
                                args.port, args.address)
     except KeyboardInterrupt:
         return 0
@@ -281,7 +280,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_job(args: argparse.Namespace) -> int:
-    store = RequestStore(connect(get_settings()), get_settings().result_ttl)
+    store = open_store(get_settings())
     try:
         if args.job_cmd == "create":
             store.jobs.create(args.name, replicas=args.replicas, lease_s=args.lease)
@@ -335,7 +334,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"vigil api: OpenAI Files and Batches on http://{address}:{args.port}/v1",
           file=sys.stderr)
-    serve(args, settings, BatchStore(connect(settings)))
+    serve(args, settings, open_store(settings).batches())
     return 0
 
 

@@ -15,24 +15,22 @@ import sys
 import time
 from typing import Any
 
-import redis
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from app.errors import TransientError, VigilError
+from app.errors import VigilError
 from app.fleet.waiting import error_code, num, waiting_for, when
 from app.redis_url import redacted_url
 from app.requests.models import ModelRegistry, get_registry
 from app.settings import VigilSettings, get_settings
 from app.state import keys
-from app.state.conn import connect
-from app.state.store import RequestStore
-from app.state.streams import TokenStreams
+from app.state.calls import REDIS_ERRORS
+from app.state.store import RequestStore, open_store
 
 
-def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
+def describe(request_id: str, *, store: RequestStore, settings: VigilSettings,
              registry: ModelRegistry, now: float | None = None,
              show_text: bool = False) -> dict[str, Any] | None:
     """One request as plain JSON-ready data, or None without a record: its fields (never the
@@ -40,7 +38,6 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
     `show_text`), the error ({kind, code, message}) and, while it has no outcome, `waiting`
     (why_waiting's dict)."""
     now = time.time() if now is None else now
-    store = RequestStore(client, settings.result_ttl)
     rec = store.get(request_id)
     if rec is None:
         return None
@@ -77,7 +74,7 @@ def describe(request_id: str, *, client: redis.Redis, settings: VigilSettings,
                         "message": message}
     else:
         out["waiting"] = waiting_for(request_id, rec, store, settings, registry, now)
-        cp = TokenStreams(client).checkpoint(request_id) if out["tokens_so_far"] else None
+        cp = store.streams().checkpoint(request_id) if out["tokens_so_far"] else None
         if cp is not None:
             out["resumed_at"] = cp.resumed_at
     return out
@@ -140,9 +137,9 @@ def run_request(request_id: str, as_json: bool = False, show_text: bool = False)
     s = get_settings()
     console = Console()
     try:
-        view = describe(request_id, client=connect(s), settings=s, registry=get_registry(),
+        view = describe(request_id, store=open_store(s), settings=s, registry=get_registry(),
                         show_text=show_text)
-    except (redis.RedisError, OSError, TransientError) as e:  # the store raises TransientError
+    except (*REDIS_ERRORS, OSError) as e:
         console.print(f"[red]cannot reach Redis at {redacted_url(s.redis_url)}: "
                       f"{type(e).__name__}[/]")
         return 1

@@ -12,19 +12,17 @@ from __future__ import annotations
 import json
 import time
 
-import redis
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from app.errors import TransientError
 from app.fleet.snapshot import collect
 from app.redis_url import redacted_url
 from app.requests.models import get_registry
 from app.settings import get_settings
-from app.state.conn import connect
-from app.state.store import RequestStore
+from app.state.calls import REDIS_ERRORS
+from app.state.store import open_store
 
 GiB = 1 << 30
 
@@ -117,7 +115,7 @@ def run_status(as_json: bool = False, watch: float | None = None, wide: bool = F
     """Print the fleet once (or every `watch` seconds; `wide`: every column); 0 on success, 1 if
     Redis is unreachable."""
     s = get_settings()
-    store = RequestStore(connect(s), s.result_ttl)
+    store = open_store(s)
     reg = get_registry()
     console = Console()
     try:
@@ -132,7 +130,7 @@ def run_status(as_json: bool = False, watch: float | None = None, wide: bool = F
             while True:
                 time.sleep(watch)
                 live.update(render(collect(store, s, reg), wide), refresh=True)
-    except (redis.RedisError, TransientError) as e:  # the store's calls raise TransientError
+    except REDIS_ERRORS as e:
         console.print(f"[red]cannot reach Redis at {redacted_url(s.redis_url)}: "
                       f"{type(e).__name__}[/]")
         return 1

@@ -20,6 +20,12 @@ from app.retry_policy import OutagePolicy
 
 log = logging.getLogger("vigil.store")
 
+# What a call through app/state/ may raise when Redis fails it: TransientError(redis_unavailable)
+# when Redis cannot be reached or refuses the credentials, or one of redis' own errors for a
+# command Redis answered with an error (a READONLY replica after a failover, a WRONGTYPE). Code
+# outside app/state/ catches these, never redis-py's classes by name: it does not import redis.
+REDIS_ERRORS: tuple[type[Exception], ...] = (TransientError, redis.RedisError)
+
 
 class Calls:
     """Runs Redis calls for one client under one outage policy (module docstring)."""

@@ -123,12 +123,13 @@ def describe_failure(settings: VigilSettings, err: BaseException) -> str | None:
     return None
 
 
-def preflight(settings: VigilSettings, client: redis.Redis) -> None:
-    """PING Redis once; raise SettingsError when it refuses the credentials or the TLS
-    handshake fails (`describe_failure`), so a misconfigured process stops at once instead of
-    retrying forever. An unreachable Redis passes: Celery waits for it at start."""
+def preflight(settings: VigilSettings, client: redis.Redis | None = None) -> None:
+    """PING Redis once (on `client`, else on a new one, `connect`); raise SettingsError when it
+    refuses the credentials or the TLS handshake fails (`describe_failure`), so a misconfigured
+    process stops at once instead of retrying forever. An unreachable Redis passes: Celery
+    waits for it at start."""
     try:
-        client.ping()
+        (client or connect(settings)).ping()
     except (redis.ConnectionError, redis.TimeoutError) as e:
         why = describe_failure(settings, e)
         if why:
