@@ -28,7 +28,7 @@ from app.retry_policy import SUBMIT_PUBLISH_RETRY
 from app.settings import VigilSettings, get_settings
 from app.state import conn as redis_conn
 from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
-from app.state.store import RequestStore
+from app.state.store import RequestStore, open_store
 from app.state.streams import TokenStreams
 from app.state.transport import transport_for
 
@@ -77,23 +77,20 @@ class VigilCelery(Celery):
         return CeleryPorts(self)
 
     @cached_property
-    def vigil_redis(self):
-        """A client for Vigil's state in this app's Redis, built on first use."""
-        return redis_conn.connect(self.vigil_settings or get_settings())
-
-    @cached_property
     def vigil_store(self) -> RequestStore:
-        """Vigil's request records in this app's Redis (results look at them while waiting)."""
-        return RequestStore(self.vigil_redis, (self.vigil_settings or get_settings()).result_ttl)
+        """Vigil's request records in this app's Redis, opened on first use (results look at
+        them while waiting)."""
+        return open_store(self.vigil_settings or get_settings())
 
     @cached_property
     def vigil_streams(self) -> TokenStreams:
-        """The token streams in this app's Redis (results read them in `stream()`)."""
-        return TokenStreams(self.vigil_redis)
+        """The token streams in this app's Redis, from its store (results read them in
+        `stream()`)."""
+        return self.vigil_store.streams()
 
     def vigil_why_waiting(self, request_id: str) -> dict | None:
         """Why an open request waits (app/fleet/waiting.py), read with this app's settings,
-        registry and Redis client; None once it has ended or without a record."""
+        registry and store; None once it has ended or without a record."""
         return waiting.why_waiting(request_id, store=self.vigil_store,
                                    settings=self.vigil_settings, registry=self.vigil_registry)
 

@@ -42,7 +42,7 @@ REAP_TIMEOUT_S = 8
 
 
 def store() -> RequestStore:
-    return RequestStore(app.vigil_redis, get_settings().result_ttl)
+    return RequestStore(app.vigil_store.raw, get_settings().result_ttl)
 
 
 def direct(model: str, requests: list[dict]) -> list[dict]:
@@ -168,13 +168,13 @@ def test_an_uncompilable_schema_is_refused_before_anything_is_published(warm_wor
     """A schema valid by its metaschema but not compilable by tiny-llama's backend (a $ref to
     nothing) fails invalid_request in the producer: no record, no message."""
     rid = f"uncompilable-{uuid.uuid4()}"
-    before = app.vigil_redis.llen("vigil.pool.tiny-llama")
+    before = app.vigil_store.raw.llen("vigil.pool.tiny-llama")
     with pytest.raises(RequestError, match=r"^invalid_request: structured \(json\) cannot be "
                                            r"compiled by tiny-llama's structured-output"):
         generate.apply_async(kwargs=dict(model="tiny-llama", prompt="x", structured={
             "json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}),
             task_id=rid)
-    assert store().get(rid) is None and app.vigil_redis.llen("vigil.pool.tiny-llama") == before
+    assert store().get(rid) is None and app.vigil_store.raw.llen("vigil.pool.tiny-llama") == before
 
 
 def test_hostile_version_2_fields_sent_around_the_producer_end_typed(warm_worker):

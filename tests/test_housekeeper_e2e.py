@@ -54,7 +54,7 @@ def producer(redis_url: str):
     """A Celery app and store of this test's Redis, and a submit through the real producer path."""
     settings = load_settings(redis_url=redis_url)
     private = create_app(settings)
-    store = RequestStore(private.vigil_redis, settings.result_ttl)
+    store = RequestStore(private.vigil_store.raw, settings.result_ttl)
 
     def submit(**kwargs):
         r = submit_request(kwargs, settings=settings, registry=get_registry(), store=store,
@@ -87,7 +87,7 @@ def test_the_housekeeper_sweeps_with_no_worker_and_beside_a_worker_whose_threads
     with pytest.raises(TerminalError, match="^deadline_exceeded: "):
         lonely.get(timeout=60)
     assert ended_within(store, lonely.id) <= BOUND_S
-    assert WorkerRegistry(private.vigil_redis).entries() == []  # the housekeeper is no worker
+    assert WorkerRegistry(private.vigil_store.raw).entries() == []  # the housekeeper is no worker
 
     busy = RunningWorker(redis_server, "busy@testhost", tmp_path, pools=SLOW_START_MODEL,
                          concurrency=2, VIGIL_ENGINE="drill", VIGIL_DRILL="slow_start=10",

@@ -259,7 +259,7 @@ def test_get_answers_from_the_record_or_says_request_lost(monkeypatch):
     from app.requests import async_result
 
     monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
-    store = RequestStore(app.vigil_redis, 60)
+    store = RequestStore(app.vigil_store.raw, 60)
     rid = f"outage-{uuid.uuid4()}"
     create(store, rid)
     store.begin(rid, 0, "w", 99, time.time(), 3)
@@ -370,7 +370,7 @@ def test_waiting_in_get_renews_the_job_lease(monkeypatch):
 
     monkeypatch.setattr(async_result, "RECORD_CHECK_S", 0.2)
     monkeypatch.setattr(async_result, "_touched", {})
-    client = app.vigil_redis
+    client = app.vigil_store.raw
     store = RequestStore(client, 60)
     job = f"lease-{uuid.uuid4().hex[:8]}"
     create_job(client, job, now=time.time() - 3600)

@@ -63,13 +63,13 @@ def resubmit_after_a_ghost_attempt(rid: str, kw: dict, token_ids: list[int], tex
                                    fingerprint: str = ""):
     """Record `rid` as if a worker ran attempt 1, streamed `token_ids` (releasing `text`) and
     was reaped: the reaper's requeue and republish send it to the live worker as attempt 2."""
-    store = RequestStore(app.vigil_redis, get_settings().result_ttl)
+    store = RequestStore(app.vigil_store.raw, get_settings().result_ttl)
     req = parse_request(kw)
     assert store.create(rid, record_fields(req, time.time(), 600))
     b = store.begin(rid, 0, "ghost@nowhere", GHOST, time.time(), 3)
     assert b.action == "run"
     counts = [0] * (len(token_ids) - 1) + [len(text)]
-    assert TokenStreams(app.vigil_redis).append_many([Chunk(
+    assert TokenStreams(app.vigil_store.raw).append_many([Chunk(
         rid, b.token, 1, 0, token_ids, text, counts, prompt_ids=PROMPT,
         adapter_fingerprint=fingerprint)]) == [1]
     assert store.requeue(rid, GHOST, 1)
@@ -93,7 +93,7 @@ def test_a_request_streams_its_tokens_and_the_chunks_add_up_to_its_result(warm_w
     assert [t for c in chunks for t in c["token_ids"]] == res["token_ids"]
     offsets = [c["offset"] for c in chunks]
     assert offsets == [sum(len(c["token_ids"]) for c in chunks[:i]) for i in range(len(chunks))]
-    finished_at = float(RequestStore(app.vigil_redis, 3600).get(r.id)["finished_at"])
+    finished_at = float(RequestStore(app.vigil_store.raw, 3600).get(r.id)["finished_at"])
     streamed = [c for c, t in zip(chunks, arrived) if not c.get("final") and t < finished_at]
     print(f"\n{len(chunks) - 1} chunks streamed before the end, then the final one")
     assert streamed, "no chunk reached the reader before the request ended"

@@ -357,9 +357,9 @@ def test_stream_reads_to_the_result_from_any_process_that_knows_the_id(redis_ser
     the tail from the result, whose text the chunks add up to exactly."""
     from app import app
 
-    store = RequestStore(app.vigil_redis, 3600)
+    store = RequestStore(app.vigil_store.raw, 3600)
     token = running(store, "s1")
-    ts = TokenStreams(app.vigil_redis)
+    ts = TokenStreams(app.vigil_store.raw)
     ts.append_many([chunk("s1", token, 0, [1, 2], "ab", prompt_ids=[5])])
     got = []
 
@@ -374,16 +374,16 @@ def test_stream_reads_to_the_result_from_any_process_that_knows_the_id(redis_ser
     assert [c["offset"] for c in got] == [0, 2, 3]
     assert "".join(c["text"] for c in got) == "abcde"
     assert got[-1]["result"]["token_ids"] == [1, 2, 3, 4, 5]
-    app.vigil_redis.delete(keys.request("s1"), keys.stream("s1"))
+    app.vigil_store.raw.delete(keys.request("s1"), keys.stream("s1"))
 
 
 @pytest.mark.redis
 def test_stream_of_a_failed_request_raises_its_error_after_its_chunks(redis_server):
     from app import app
 
-    store = RequestStore(app.vigil_redis, 3600)
+    store = RequestStore(app.vigil_store.raw, 3600)
     token = running(store, "s2")
-    TokenStreams(app.vigil_redis).append_many([chunk("s2", token, 0, [1], "a",
+    TokenStreams(app.vigil_store.raw).append_many([chunk("s2", token, 0, [1], "a",
                                                      prompt_ids=[5])])
     store.finish("s2", 11, time.time(), error_kind="TerminalError",
                  error="deadline_exceeded: too late")
@@ -392,7 +392,7 @@ def test_stream_of_a_failed_request_raises_its_error_after_its_chunks(redis_serv
         for c in app.AsyncResult("s2").stream(timeout=30):
             chunks.append(c)
     assert chunks == [{"offset": 0, "text": "a", "token_ids": [1]}]
-    app.vigil_redis.delete(keys.request("s2"), keys.stream("s2"))
+    app.vigil_store.raw.delete(keys.request("s2"), keys.stream("s2"))
 
 
 @pytest.mark.redis
@@ -401,9 +401,9 @@ def test_stream_gives_up_at_its_timeout_even_while_chunks_arrive(redis_server):
 
     from app import app
 
-    store = RequestStore(app.vigil_redis, 3600)
+    store = RequestStore(app.vigil_store.raw, 3600)
     token = running(store, "s3")
-    ts = TokenStreams(app.vigil_redis)
+    ts = TokenStreams(app.vigil_store.raw)
     stop = threading.Event()
 
     def write():
@@ -424,7 +424,7 @@ def test_stream_gives_up_at_its_timeout_even_while_chunks_arrive(redis_server):
         stop.set()
         writer.join(5)
     assert time.monotonic() - started < 10
-    app.vigil_redis.delete(keys.request("s3"), keys.stream("s3"))
+    app.vigil_store.raw.delete(keys.request("s3"), keys.stream("s3"))
 
 
 @pytest.mark.redis
