@@ -131,7 +131,7 @@ def tell_backend_many(backend: Backend, outcomes: list[tuple[str, Outcome]]) -> 
                 result=backend.encode_result(value, shape[0]), state=shape[0], traceback=None,
                 request=None)
         items.append((backend.get_key_for_task(rid), backend.encode({**meta, "task_id": rid})))
-    set_and_publish_many(backend.client, items, backend.expires)
+    set_and_publish_many(backend, items)
 
 
 # Stands for the result in the meta that `result_key_for` encodes, then cuts around.

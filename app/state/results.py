@@ -27,13 +27,14 @@ class ResultKey:
 
 
 
-def set_and_publish_many(client: redis.Redis, items: list[tuple[bytes | str, bytes | str]],
-                         expires_s: int | None) -> int:
-    """SET each (key, value) with `expires_s` (None: no expiry) and PUBLISH it on its key, in
-    one script call; returns how many were written."""
+def set_and_publish_many(backend, items: list[tuple[bytes | str, bytes | str]]) -> int:
+    """SET each (key, value) with Celery's Redis result `backend`'s expiry (its `expires`; None:
+    no expiry) and PUBLISH it on its key, in one script call on the backend's own client (its
+    `client`, which only app/state/ touches); returns how many were written."""
     if not items:
         return 0
-    args: list = [int(expires_s or 0)]
+    client: redis.Redis = backend.client
+    args: list = [int(backend.expires or 0)]
     for key, value in items:
         args += [key, value]
     return int(_set_and_publish_many(client)(keys=[], args=args, client=client))
