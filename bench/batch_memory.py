@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+import redis
+
 from app.fleet import batches
 from app.local.embedded import EmbeddedRedis
 from app.requests import batch_file as fmt
@@ -31,7 +33,7 @@ def measure(n: int, text_bytes: int) -> dict:
     upload took; the output lines' bytes and the Redis memory recording them took."""
     rds = EmbeddedRedis().start()
     try:
-        client = rds.client()
+        client = redis.Redis.from_url(rds.url)
         bs = BatchStore(client)
         settings = load_settings(redis_url=rds.url)
 

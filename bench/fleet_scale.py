@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import redis
+
 from app.fleet.reaper import reap_workers
 from app.fleet.reconcile import reconcile_pools
 from app.fleet.snapshot import collect
@@ -81,7 +83,7 @@ def timed(store: RequestStore, fn) -> tuple[float, int, object]:
 
 def passes(rds: EmbeddedRedis, n_workers: int, n_pools: int) -> dict[str, tuple[float, int]]:
     """Build a fleet on a flushed database and time the three passes over it."""
-    rds.client().flushall()
+    redis.Redis.from_url(rds.url).flushall()
     settings = load_settings(redis_url=rds.url, worker_reap_timeout=REAP_TIMEOUT)
     store = RequestStore(connect(settings), 3600)
     now = time.time()

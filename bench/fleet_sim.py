@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 
 def produce(url: str, tag: str, window: int, seconds: float, done) -> None:
     """Keep `window` requests open for `seconds`; put (completed, errors) into `done`."""
@@ -72,7 +74,7 @@ def run(workers: int, producers: int, window: int, seconds: float, tmp: Path) ->
             [sys.executable, "-m", "celery", "-A", "app", "beat", "-s",
              str(tmp / f"beat{workers}")], embedded.vigil_env(rds.url, **env),
             tmp / f"beat{workers}.log"))
-        client = rds.client()
+        client = redis.Redis.from_url(rds.url)
         embedded.wait_for(lambda: client.zcard("vigil:workers") == workers, 120, 0.5,
                           "the workers to register")
         ctx = mp.get_context("spawn")  # fresh interpreters: their settings read their own env

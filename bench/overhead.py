@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+import redis
+
 from bench.celery_stock import stock_worker_argv
 from bench.cpu_meter import _errors_note, _fmt_cpu, collect
 from bench.direct_engine import MODEL
@@ -31,7 +33,7 @@ def overhead(bench) -> dict:
         bench.procs.append(proc)
         noops[profile] = (proc, make_app(profile, bench.redis.url).tasks["bench.noop"])
     try:
-        bench.wait_engine(bench.redis.client(), "bench-instant", inst, inst_log)
+        bench.wait_engine(redis.Redis.from_url(bench.redis.url), "bench-instant", inst, inst_log)
         sides = {"vigil": lambda i: generate.delay(model=MODEL, prompt=f"hello there {i}",
                                                    max_tokens=1),
                  # generate_many: the same requests, 32 per Celery message (submitted in

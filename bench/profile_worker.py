@@ -27,6 +27,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import redis
+
 MODEL = "tiny-llama"
 SLICE = 512  # requests per submit call (generate_many) or per loop of .delay
 
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         feeder.start()
         time.sleep(3)  # the queue filled
         raw = tmp / "profile.txt"
-        r = redis_server.client()
+        r = redis.Redis.from_url(redis_server.url)
         before = _finished(r)
         subprocess.run([spy, "record", "--pid", str(worker.pid), "--duration",
                         str(int(a.seconds)), "--rate", str(a.rate), "--format", "raw",

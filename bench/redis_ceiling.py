@@ -22,6 +22,8 @@ import argparse
 import multiprocessing as mp
 import time
 
+import redis
+
 from app.local.embedded import EmbeddedRedis
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
@@ -62,7 +64,7 @@ def step(rds: EmbeddedRedis, procs: int, seconds: float) -> tuple[float, float]:
     """(requests/s, Redis CPU as a fraction of one core) with `procs` clients."""
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
-    c = rds.client()
+    c = redis.Redis.from_url(rds.url)
     cpu0, t0 = redis_cpu(c), time.monotonic()
     ps = [ctx.Process(target=client, args=(rds.url, f"p{procs}-{k}", seconds, done))
           for k in range(procs)]
@@ -86,7 +88,7 @@ def open_memory(rds: EmbeddedRedis, n: int) -> float:
     settings = load_settings(redis_url=rds.url)
     app = create_app(settings)
     store = RequestStore(connect(settings), settings.result_ttl)
-    c = rds.client()
+    c = redis.Redis.from_url(rds.url)
     c.flushall()
     m0 = c.info("memory")["used_memory"]
     prompt = "a prompt of about two hundred bytes, " * 5

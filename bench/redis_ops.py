@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from bench import redis_counter
 
 
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         for submit in sides.values():  # warm-up: the workers are up, connections open
             values, errors = collect([submit(i) for i in range(100)])
             assert not errors, errors[:3]
-        client = rds.client()
+        client = redis.Redis.from_url(rds.url)
         rows: dict[str, dict] = {}
         for side, submit in sides.items():
             w0 = redis_counter.ask(counts[side])

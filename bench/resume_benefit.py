@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from app.local.embedded import free_port
 from bench.throughput import stop_all
 
@@ -93,7 +95,7 @@ class Benefit:
             pools=POOLS[side], **env)
 
     def wait_ready(self, names: list[str], timeout: float = 600) -> None:
-        r = self.redis.client()
+        r = redis.Redis.from_url(self.redis.url)
 
         def ready():
             up = set()
@@ -108,7 +110,7 @@ class Benefit:
         from app.state.store import RequestStore
         from tasks.inference import generate
 
-        store = RequestStore(self.redis.client(), 3600)
+        store = RequestStore(redis.Redis.from_url(self.redis.url), 3600)
         r = generate.delay(**{**kw, "model": POOLS[side]})
         began = None
         while began is None:

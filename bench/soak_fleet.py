@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import redis
+
 from app.local.embedded import (REPO, EmbeddedRedis, start_housekeeper, start_process,
                                 start_worker, stop_process, vigil_env, wait_for)
 
@@ -53,7 +55,7 @@ class Fleet:
     def start_redis(self) -> str:
         """Start the private append-only Redis; returns its URL."""
         self.redis = EmbeddedRedis(appendonly=True).start()
-        self.client = self.redis.client()
+        self.client = redis.Redis.from_url(self.redis.url)
         return self.redis.url
 
     def make_this_process_a_client(self) -> None:

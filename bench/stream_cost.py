@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+import redis
+
 from bench.cpu_meter import _errors_note, _fmt_cpu, collect
 from bench.direct_engine import MODEL, make_prompts
 from bench.redis_ops import server_stats as command_counts
@@ -99,7 +101,7 @@ class StreamCost(Bench):
                      f"{self.tmp}")
             on, on_log = self._worker("bench-stream", MODEL, **stream_env)
             off, off_log = self._worker("bench-nostream", TWIN, VIGIL_STREAM_FLUSH_MS="0")
-            r = self.redis.client()
+            r = redis.Redis.from_url(self.redis.url)
             self.wait_engine(r, "bench-stream", on, on_log)
             self.wait_engine(r, "bench-nostream", off, off_log)
             sides = {"streamed": MODEL, "unstreamed": TWIN}

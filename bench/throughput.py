@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from app.local.embedded import free_port as _free_port
 from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, renice_engine
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
@@ -211,7 +213,7 @@ class Bench:
 
             bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency)
             self.procs.append(bare.proc)
-        r = self.redis.client()
+        r = redis.Redis.from_url(self.redis.url)
         try:
             t0 = time.monotonic()
             info = direct.wait_ready()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from app.local.embedded import EmbeddedRedis
+from tests.redis_servers import LocalRedis
 
-_redis: EmbeddedRedis | None = None
+_redis: LocalRedis | None = None
 UNSERVED_MODEL = "unserved-model"
 # One model cache for the run (the tiny model is built once, ~5 s); reuse the developer's cache
 # when VIGIL_TEST_CACHE_DIR is set.
@@ -27,7 +27,7 @@ WITNESS_DIR = Path(tempfile.mkdtemp(prefix="vigil-witness-"))
 
 def pytest_configure(config):
     global _redis
-    _redis = EmbeddedRedis().start()
+    _redis = LocalRedis().start()
     os.environ["VIGIL_REDIS_URL"] = _redis.url
     os.environ["VIGIL_CACHE_DIR"] = str(CACHE_DIR)
     os.environ["VIGIL_WITNESS_DIR"] = str(WITNESS_DIR)
@@ -84,7 +84,7 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> EmbeddedRedis:
+def redis_server() -> LocalRedis:
     assert _redis is not None
     return _redis
 

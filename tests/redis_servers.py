@@ -17,9 +17,19 @@ from pathlib import Path
 
 import redis
 
-from app.local.embedded import free_port, redis_server_path, stop_process, wait_for
+from app.local.embedded import (EmbeddedRedis, free_port, redis_server_path, stop_process,
+                                wait_for)
 
 SENTINEL_MASTER = "vigil-test-master"
+
+
+class LocalRedis(EmbeddedRedis):
+    """app/local's private redis-server, with a plain client for the tests that look at Redis
+    directly (a witness outside the code it checks); the harness itself hands out none."""
+
+    def client(self) -> redis.Redis:
+        """A new client on this server."""
+        return redis.Redis.from_url(self.url)
 
 
 @dataclass(frozen=True)

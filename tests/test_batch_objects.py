@@ -19,7 +19,7 @@ from app.fleet import batches
 from app.fleet.batch_tick import BatchDriver
 from app.fleet.jobs import end_job
 from app.fleet.outcomes import end_request, end_requests_failed
-from app.local.embedded import EmbeddedRedis, stop_process
+from app.local.embedded import stop_process
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
 from app.requests.batch_file import request_id_for
@@ -30,6 +30,7 @@ from app.state.batches import BatchStore
 from app.state.store import RequestStore
 from tests.conftest import CACHE_DIR
 from tests.conftest import RecordingPorts
+from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.redis
 T0 = 1_800_000_000.0
@@ -410,7 +411,7 @@ def test_lists_are_newest_first_and_forget_expired_batches(fleet):
 def test_a_batch_survives_a_redis_restart_with_aof(tmp_path):
     """Given a batch in progress on a Redis with AOF, when Redis restarts, then the next ticks
     carry on from where it was: nothing submitted twice, every line recorded once."""
-    rds = EmbeddedRedis(appendonly=True).start()
+    rds = LocalRedis(appendonly=True).start()
     try:
         fleet = Fleet(rds.client(), batch_window=2)
         bid = fleet.create(jsonl(*(line(f"q{i}") for i in range(4))))

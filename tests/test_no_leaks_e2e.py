@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from app.local.embedded import (EmbeddedRedis, start_process, start_worker, stop_process,
-                                vigil_env, wait_for)
+from app.local.embedded import start_process, start_worker, stop_process, vigil_env, wait_for
 from app.state import keys
+from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.worker
 N = 1000
@@ -76,7 +76,7 @@ def test_after_a_thousand_requests_and_the_result_ttl_redis_holds_only_config_an
     expires within the result TTL and nothing else is left: no queue, in-flight set, deadline
     entry, per-job request set or lock. After the TTL only configuration and the registries of
     the live worker and jobs remain; after the worker stops, its registry entries are gone too."""
-    redis_server = EmbeddedRedis().start()
+    redis_server = LocalRedis().start()
     r = redis_server.client()
     worker = beat = None
     try:

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from app.local.embedded import EmbeddedRedis, start_process, stop_process, vigil_env, wait_for
+from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.state import keys
 from app.state.store import RequestStore
 from tests.conftest import (CACHE_DIR, RunningWorker, assert_each_ran_to_a_result_once,
                             assert_witnessed)
+from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.worker
 N = 240
@@ -46,7 +47,7 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
     a result except, at most, ones accepted within the fsync window before the crash, which
     end `request_lost` (or, taken by the worker before the crash, succeed in a record their
     finish recreated, run once by the engines' witness); none runs to a result twice."""
-    rds = EmbeddedRedis(appendonly=True).start()
+    rds = LocalRedis(appendonly=True).start()
     client = rds.client()
     env = {"VIGIL_CACHE_DIR": str(CACHE_DIR), "VIGIL_DEADLINE_SWEEP_INTERVAL": "2",
            "VIGIL_WORKER_REAP_TIMEOUT": "8", "VIGIL_ALLOW_SHORT_REAP_TIMEOUT": "1",

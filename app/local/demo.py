@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import redis
 import requests
 from rich.console import Console
 
@@ -26,7 +25,8 @@ from app.local.embedded import (REPO, EmbeddedRedis, free_port, start_housekeepe
                                 start_worker, stop_process, vigil_env, wait_for)
 from app.requests.model_files import ensure_model_files
 from app.requests.models import TINY_LLAMA, get_registry
-from app.state.registry import WorkerRegistry
+from app.settings import load_settings
+from app.state.store import RequestStore, open_store
 
 
 def _flower_ok(port: int, auth: tuple[str, str]) -> bool:
@@ -83,9 +83,10 @@ def run_demo(n: int = 100, max_tokens: int = 32, keep: bool = False,
                                          VIGIL_FLOWER_PASSWORD=fpass, **env),
                                logs / "flower.log")
         procs.append(flower)
-        client = rds.client()
+        # The fleet's settings (vigil_env: this environment, on the private Redis).
+        store = open_store(load_settings(redis_url=rds.url))
         with console.status("starting the worker and loading the engine (about 20-40 s)..."):
-            wait_for(lambda: _engine_ready(client, worker), 300, 0.5, "the worker's engine")
+            wait_for(lambda: _engine_ready(store, worker), 300, 0.5, "the worker's engine")
         console.print("worker [bold]demo-cpu[/] is up with a warm engine; sending prompts")
         rc = subprocess.call([sys.executable, "-m", "app.local.demo_producer", "--n", str(n),
                               "--max-tokens", str(max_tokens)],
@@ -123,7 +124,7 @@ def _wait_flower(port: int, auth: tuple[str, str]) -> bool:
         return False
 
 
-def _engine_ready(client: redis.Redis, worker: subprocess.Popen) -> bool:
+def _engine_ready(store: RequestStore, worker: subprocess.Popen) -> bool:
     if worker.poll() is not None:
         raise RuntimeError(f"the worker exited with code {worker.returncode}")
-    return any(e.engine_loads >= 1 for e in WorkerRegistry(client).entries())
+    return any(e.engine_loads >= 1 for e in store.workers.entries())

@@ -136,6 +136,19 @@ def preflight(settings: VigilSettings, client: redis.Redis | None = None) -> Non
             raise SettingsError(f"invalid settings: VIGIL_REDIS_URL: {why}") from None
 
 
+def answers_ping(url: str, timeout: float = 0.5) -> bool:
+    """True when a Redis at `url` answers PING (connecting within `timeout` seconds); False
+    while it cannot be reached or is still loading its data (a server being started,
+    app/local/embedded.py). The client it pings on is closed before it returns."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
 def connect(settings: VigilSettings) -> redis.Redis:
     """A Redis client for Vigil's state with bounded timeouts (an unreachable Redis fails fast).
 
