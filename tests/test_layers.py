@@ -1,7 +1,9 @@
 """Unit tier: the house in floors (docs/architecture.md, "The map"). Every import of app/,
 workers/ and tasks/ is read with `ast`; the test fails on an import that goes up a floor, on an
 import circle, on a function-level import that is not of a heavy optional package or of the
-lazily built Celery app, and on Redis calls outside app/state/."""
+lazily built Celery app, on Redis calls or a Redis client outside app/state/, and on a worker or
+task module that imports the dev harness or the operator tools. The map itself must list every
+module once."""
 from __future__ import annotations
 
 import ast
@@ -209,18 +211,84 @@ def _name(node) -> str:
     return ast.unparse(node)
 
 
+def client_makers() -> tuple[set[str], set[str]]:
+    """What app/state/ has that hands out a Redis client or connection pool (its return
+    annotation names a redis-py type): (module-level functions, e.g. conn.connect; methods and
+    properties, e.g. RequestStore.raw)."""
+    functions, methods = set(), set()
+    for m, path in MODULES.items():
+        if not m.startswith("app.state"):
+            continue
+        tree = ast.parse(path.read_text())
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns
+                    and "redis." in ast.unparse(node.returns)):
+                (functions if node in top else methods).add(node.name)
+    return functions, methods
+
+
+MAKERS, MAKER_METHODS = client_makers()
+# A state object's client (`r`, `_r`, `client`, `_client`) or its outage policy (`_call`).
+STATE_INSIDES = {"r", "_r", "client", "_client", "_call"} | MAKER_METHODS
+
+
+def test_app_states_client_makers_are_found():
+    """The rules below know what hands out a client: if these names move, they must follow."""
+    assert {"connect", "state_pool"} <= MAKERS and "raw" in MAKER_METHODS
+
+
 @pytest.mark.parametrize("pkg", ["app", "workers", "tasks"])
 def test_only_app_state_reaches_a_stores_client_or_its_outage_policy(pkg):
-    """`x.r` (a state object's Redis client), `x.raw` (the store's client, for tests and
-    benches) and `x._call` (its outage policy) outside app/state/: code there goes through the
-    store's methods and views (app/state/views.py), so every read and write rides out an outage
-    the one way app/state/calls.py promises."""
+    """`x.r` or `x.client` (a state object's Redis client, Celery's result backend's),
+    `x.raw` (the store's client, for tests and benches) and `x._call` (its outage policy)
+    outside app/state/: code there goes through the store's methods and views
+    (app/state/views.py), so every read and write rides out an outage the one way
+    app/state/calls.py promises."""
     bad = []
     for m, path in MODULES.items():
         if not m.startswith(pkg) or m.startswith("app.state"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in ("r", "raw", "_call"):
+            if isinstance(node, ast.Attribute) and node.attr in STATE_INSIDES:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     assert not bad, "a store's client or outage policy reached from outside app/state/:\n" + \
         "\n".join(bad)
+
+
+@pytest.mark.parametrize("pkg", ["app", "workers", "tasks"])
+def test_only_app_state_holds_a_redis_client(pkg):
+    """Outside app/state/, no module imports redis-py (to build a client, `redis.Redis(...)`,
+    `from_url`, or to name its types) or calls what app/state/ has that hands out a client
+    (`connect`, `state_pool`): it opens a store (`open_store`) and uses what the store hands
+    out, so no reader or writer of Redis skips the outage policy (app/state/calls.py). What
+    it catches is app/state/calls.py's REDIS_ERRORS. (bench/ and tests/, instruments, may.)"""
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith(pkg) or m.startswith("app.state"):
+            continue
+        tree = ast.parse(path.read_text())
+        state_modules = set()  # names bound to an app/state module here (`conn`, `redis_conn`)
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "redis":
+                        bad.append(f"{where} import {a.name}")
+                    elif a.name.startswith("app.state.") and a.asname:
+                        state_modules.add(a.asname)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] == "redis":
+                    bad.append(f"{where} from {node.module} import ...")
+                elif node.module.startswith("app.state"):
+                    for a in node.names:
+                        if a.name in MAKERS:
+                            bad.append(f"{where} from {node.module} import {a.name}")
+                        elif f"{node.module}.{a.name}" in MODULES:
+                            state_modules.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in MAKERS
+                    and (isinstance(node.value, ast.Name) and node.value.id in state_modules
+                         or ast.unparse(node.value).startswith("app.state."))):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "a Redis client made or held outside app/state/:\n" + "\n".join(bad)

@@ -1,10 +1,17 @@
 """Calls to Redis that fail one way: `TransientError(redis_unavailable)`, never a bare redis
 exception, optionally riding out an outage first.
 
-Every reader and writer in app/state/ goes through one `Calls` per client. With `outage_grace` > 0
-(workers), a call that cannot reach Redis is retried with doubling pauses (app/retry_policy.py,
-`OutagePolicy`) for up to that many seconds (a Redis restart, a failover, a restarted Redis still reading its AOF) before it raises:
-a finished generation is not thrown away for a restart. Every Lua script is written so that
+Every reader and writer of Vigil's state in app/state/ goes through a `Calls`: its store's
+(app/state/store.py), which the store's views and everything it hands out share (the batch
+objects, the token streams, the health ledger), or, for the callers that must not wait on Redis
+(a worker's heartbeat, the engine loop's reads), the store's one other policy, no grace at all
+(`RequestStore.without_grace`). Code outside app/state/ holds no client to go around it
+(tests/test_layers.py). With `outage_grace` > 0 (workers), a call that cannot reach Redis is
+retried with doubling pauses (app/retry_policy.py, `OutagePolicy`) for up to that many seconds
+(a Redis restart, a failover, a restarted Redis still reading its AOF) before it raises: a
+finished generation is not thrown away for a restart. (Celery's result keys are not Vigil's
+state: app/state/results.py writes them on the result backend's own client and raises redis'
+own errors; a caller that cannot write them logs it, the record being the truth.) Every Lua script is written so that
 running it again after a lost reply is harmless (it finds its own change and reports it).
 """
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Views on the request store: kombu's queues, the job records and the housekeeping runs, read and
 written through the store's one client under its one outage policy (app/state/calls.py).
 
-Code outside app/state/ never holds a Redis client: it asks a `RequestStore` (app/state/store.py)
-and these views (`store.broker`, `store.jobs`, `store.housekeeping`), so every read and write of Redis rides out an
-outage the same way and fails the same way (TransientError(redis_unavailable)).
-tests/test_layers.py fails on a `.r.` or `._call` outside app/state/.
+Code outside app/state/ never holds a Redis client: it opens a `RequestStore` (app/state/store.py
+`open_store`) and asks it and these views (`store.broker`, `store.jobs`, `store.housekeeping`,
+`store.fleet`, `store.workers`) and what it hands out (`store.batches()`, `store.streams()`,
+`store.health_ledger()`), so every read and write of Redis rides out an outage the same way and
+fails the same way (TransientError(redis_unavailable)). tests/test_layers.py fails on an import
+of redis-py, a call of `connect`, or a `.r`, `.client`, `.raw` or `._call` outside app/state/.
 """
 from __future__ import annotations
 
