@@ -122,6 +122,16 @@ def test_app_never_imports_workers_or_tasks_and_engines_import_no_other_worker_m
     assert not bad, "\n".join(bad)
 
 
+def test_workers_and_tasks_never_import_the_dev_harness_or_the_operator_tools():
+    """workers/ and tasks/ run in production processes: they import neither app.local (the dev
+    harness: a private redis-server, the demo, tiny-llama's adapters) nor app.ops (the operator
+    tools). The floors alone would let them (both floors are below workers')."""
+    bad = [f"{path.relative_to(REPO)}:{line} {target}" for m, path in MODULES.items()
+           if m.split(".")[0] in ("workers", "tasks") for target, _, line in imports(path)
+           if target.startswith(("app.local", "app.ops"))]
+    assert not bad, "\n".join(bad)
+
+
 def test_imports_inside_functions_are_only_heavy_packages():
     """No import hides inside a function (the Celery app included: what code below it needs
     of it comes down as its ports, app/celery_ports.py), except heavy optional packages."""
