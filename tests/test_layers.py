@@ -7,6 +7,8 @@ module once."""
 from __future__ import annotations
 
 import ast
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -302,3 +304,37 @@ def test_only_app_state_holds_a_redis_client(pkg):
                          or ast.unparse(node.value).startswith("app.state."))):
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     assert not bad, "a Redis client made or held outside app/state/:\n" + "\n".join(bad)
+
+
+def map_entries() -> list[str]:
+    """The paths docs/architecture.md's map lists ("## The map": a tree of folders and files,
+    two spaces a level, descriptions in a column of their own)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## The map", 1)[1].split("```", 2)[1]
+    folders: list[str] = []
+    out = []
+    for line in block.splitlines():
+        m = re.match(r"^( *)([a-z0-9_]+(?:\.py|/))(?:\s|$)", line)
+        if not m or len(m.group(1)) % 2 or len(m.group(1)) > 2 * len(folders):
+            continue  # a description's own line, in the description column
+        level = len(m.group(1)) // 2
+        del folders[level:]
+        if m.group(2).endswith("/"):
+            folders.append(m.group(2))
+        else:
+            out.append("".join(folders) + m.group(2))
+    return out
+
+
+def test_the_map_lists_every_module_once():
+    """docs/architecture.md's map names every .py of app/, workers/ and tasks/ (but the
+    packages' __init__.py) exactly once, and nothing that is not there: a module added, moved
+    or removed without the map fails here."""
+    listed = Counter(map_entries())
+    on_disk = {str(p.relative_to(REPO)) for p in MODULES.values() if p.name != "__init__.py"}
+    assert len(listed) > 60
+    missing = sorted(on_disk - set(listed))
+    gone = sorted(set(listed) - on_disk)
+    twice = sorted(p for p, n in listed.items() if n > 1)
+    assert not (missing or gone or twice), (f"not in the map: {missing}; in the map but not on "
+                                            f"disk: {gone}; listed more than once: {twice}")
