@@ -5,28 +5,32 @@ string still knows what happened. The classes live here, importable by producers
 alike: Celery rebuilds a worker's exception in the producer only if the class imports there
 (docs/field-notes.md), so `r.get()` raises these very types.
 
-| class            | retried?                                   | codes                                   |
+| class            | whose fault                                | codes                                   |
 | ---------------- | ------------------------------------------ | --------------------------------------- |
-| RequestError     | never: the request itself is wrong         | invalid_request, model_not_found,       |
+| RequestError     | the request's: it is wrong as sent         | invalid_request, model_not_found,       |
 |                  |                                            | invalid_model_config,                   |
 |                  |                                            | lora_adapter_invalid,                   |
 |                  |                                            | prompt_too_long, token_out_of_vocab,    |
 |                  |                                            | poison_request, unsupported_version     |
-| TransientError   | yes, jittered backoff, max_attempts        | memory_pressure, allocation_failed,     |
+| TransientError   | the fleet's, for now: a passing condition  | memory_pressure, allocation_failed,     |
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
-|                  |                                            | lora_adapter_pending, schema_too_new    |
-|                  |                                            | (no attempt used);                      |
+|                  |                                            | lora_adapter_pending, schema_too_new,   |
+|                  |                                            | preempted;                              |
 |                  |                                            | overloaded (raised by `.delay` only:    |
 |                  |                                            | the caller retries; nothing was sent)   |
-| WorkerFatalError | requeued elsewhere; the worker leaves      | cuda_context_lost, repeated_engine_death|
+| WorkerFatalError | the worker's: it leaves                    | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed, engine_start_failed      |
-| TerminalError    | never: Vigil ended the request itself      | deadline_exceeded, job_deleted,         |
+| TerminalError    | none: Vigil ended the request itself       | deadline_exceeded, job_deleted,         |
 |                  |                                            | attempts_exhausted, cancelled,          |
 |                  |                                            | batch_cancelled,                        |
 |                  |                                            | batch_expired, request_lost             |
 |                  |                                            | (raised by `r.get()`: Redis has no      |
 |                  |                                            | record of the request)                  |
+
+What happens to a request after each code (retried or not, how soon, whether it uses an
+attempt) is not said here: one table decides it, app/retry_policy.py (`decide`).
+tests/test_retry_policy.py checks that this table lists each code under its class.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ kind of failure cannot land without a decision."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -56,6 +57,25 @@ TABLE = {
 def test_every_error_code_is_in_the_table():
     codes = {v for k, v in vars(errors).items() if k.isupper() and isinstance(v, str)}
     assert codes == set(TABLE), f"codes without a decision: {codes - set(TABLE)}"
+
+
+def test_the_error_modules_own_table_lists_each_code_under_its_class():
+    """app/errors.py's docstring table (class, whose fault, codes) lists every code once, under
+    the class this table raises it as; what happens after each is not in it (one table
+    decides: app/retry_policy.py). A code added without its row, or under another class, fails
+    here."""
+    cls, listed = None, {}
+    for line in errors.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 3:
+            continue
+        cls = cells[0] or cls
+        for word in re.findall(r"[a-z_]+", cells[2]):
+            if word in TABLE:
+                assert word not in listed, f"{word} listed twice"
+                listed[word] = cls
+    assert listed == {code: row[0].__name__ for code, row in TABLE.items()}
+    assert "retried?" not in errors.__doc__  # no second copy of the decisions
 
 
 @pytest.mark.parametrize("code", sorted(TABLE))
