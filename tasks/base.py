@@ -46,14 +46,11 @@ class VigilTask(Task):
     reject_on_worker_lost = True
     # Expected outcomes: logged at INFO without a traceback, not as worker errors.
     throws = (RequestError, TerminalError, TransientError)
-
-    @property
-    def max_retries(self) -> int:
-        """Retries of failures that use an attempt: VIGIL_MAX_ATTEMPTS - 1. The request's record
-        counts them (workers/service.py ends the request attempts_exhausted at the bound);
-        Celery's own `retries` counts every dispatch, including waits that used no attempt and
-        copies a reaper or a stopping worker republished, so it never ends a request itself."""
-        return get_settings().max_attempts - 1
+    # No bound on Celery's own count of retries: the request's record counts the attempts
+    # (app/retry_policy.py `decide` ends a request out of them, BEGIN refuses one more), while
+    # Celery's `retries` counts every dispatch, waits that used no attempt and copies a reaper or
+    # a stopping worker republished included, so it never ends a request itself.
+    max_retries = None
 
     @property
     def resultrepr_maxsize(self) -> int:
@@ -74,14 +71,14 @@ class VigilTask(Task):
         (app/retry_policy.py): the one the worker's service made and the error carries, or, for
         an error that escaped the service undecided (Redis unreachable mid-delivery: no attempt
         counted), one made here on the dispatch. The record has already counted the attempt and
-        named that dispatch (workers/service.py), so Celery's count of retries is not a bound."""
+        named that dispatch (workers/service.py), so Celery's count of retries is not a bound:
+        none is passed on (`max_retries`, above), whatever Celery's autoretry hands in."""
         if isinstance(exc, VigilError):
             dispatch = self.request.retries or 0
             decision = exc.decision
             if not isinstance(decision, Retry):
                 decision = decide(exc, Attempted(None, dispatch), get_settings(), 0.0)
-            countdown, eta = getattr(decision, "countdown", 0.0), None
-            max_retries = dispatch + 1
+            countdown, eta, max_retries = getattr(decision, "countdown", 0.0), None, None
         return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
                              countdown=countdown, max_retries=max_retries, **options)
 

@@ -58,7 +58,7 @@ SCRIPTS = {
 @pytest.fixture()
 def scripted(celery_app, monkeypatch):
     """The scripted task on `celery_app`, registered before the worker starts; its deliveries
-    (dispatch, eta, when it raised) by case. VIGIL_MAX_ATTEMPTS=1 (max_retries 0): Celery's own
+    (dispatch, eta, when it raised) by case. VIGIL_MAX_ATTEMPTS=1 (one attempt): Celery's own
     count of retries must not end a request the record still allows."""
     monkeypatch.setenv("VIGIL_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("VIGIL_RETRY_BACKOFF", str(BACKOFF_S))
@@ -96,9 +96,9 @@ def eta_s(delivery: dict) -> float | None:
 def test_a_wedge_is_retried_at_once_a_pending_adapter_after_backoff_a_request_error_never(
         scripted, celery_app, inprocess_worker):
     """Given a task that raises wedged, then lora_adapter_pending, then prompt_too_long, when a
-    real worker runs it with max_retries 0, then the wedge's retry (dispatch 1) carries no eta,
-    the pending adapter's (dispatch 2) an eta within the backoff of when it raised, and the
-    request error ends it: FAILURE with RequestError, three deliveries in all."""
+    real worker runs it with VIGIL_MAX_ATTEMPTS=1, then the wedge's retry (dispatch 1) carries
+    no eta, the pending adapter's (dispatch 2) an eta within the backoff of when it raised, and
+    the request error ends it: FAILURE with RequestError, three deliveries in all."""
     r = send(celery_app, "at_once_backoff_request_error")
     with pytest.raises(RequestError, match="^prompt_too_long"):
         r.get(timeout=30, propagate=True)
