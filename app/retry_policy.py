@@ -6,7 +6,8 @@ that asks the question asks it here: the worker's service after a failed attempt
 (workers/service.py), the task's one retry path (tasks/base.py: the countdown of an error that
 escaped the service undecided, e.g. Redis unreachable mid-delivery), and the hand-back of a
 dead or stopping worker's requests (app/fleet/handback.py). Celery's autoretry lists
-(tasks/inference.py) are derived from the same table (`RETRIED`, `NEVER_RETRIED`).
+(tasks/inference.py) are derived from the same table (`RETRIED`, `NEVER_RETRIED`), and the
+bound on preemptions is asked here too, before a run (`may_preempt`, workers/service.py).
 
 The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 
@@ -17,9 +18,18 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | TransientError wedged, worker_lost | until VIGIL_MAX_ATTEMPTS | at once | yes |
 | TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
 | TransientError schema_too_new | until the deadline | backoff on the dispatch | no |
-| TransientError preempted | VIGIL_MAX_PREEMPTIONS times | at once | no |
+| TransientError preempted | VIGIL_MAX_PREEMPTIONS times (`may_preempt`) | at once | no |
 | TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
 | WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
+
+Two bounds are also kept where a delivery is claimed, so that no copy of a request runs past
+them, whichever path brought it (a retry, a redelivery, a reaper's or an audit's republish):
+the BEGIN script (app/state/lua.py), atomically with the claim, does not run a request past
+its deadline (`expired`: it ends deadline_exceeded) nor one that has used VIGIL_MAX_ATTEMPTS
+attempts (`exhausted`: it ends with `exhausted()`'s error, worded here). `decide` bounds the
+retry after a failure; BEGIN is the gate before the next run. The preemption bound works before
+a run too: a request is never preempted once it has been VIGIL_MAX_PREEMPTIONS times
+(`may_preempt`), so `decide` never sees a preemption past it.
 
 The outage policies: how long a reader or writer of Redis rides out an outage before it raises
 (`OutagePolicy`, used by app/state/calls.py), the same bound in kombu's terms for a worker's own
@@ -35,8 +45,9 @@ from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PEND
                         MEMORY_PRESSURE, PREEMPTED, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST,
                         RequestError, TerminalError, TransientError, VigilError,
                         WorkerFatalError)
-from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
-                                   DEFAULT_RETRY_BACKOFF_MAX_S, DEFAULT_RETRY_BACKOFF_S)
+from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_PREEMPTIONS,
+                                   DEFAULT_MEMORY_PRESSURE_WINDOW_S, DEFAULT_RETRY_BACKOFF_MAX_S,
+                                   DEFAULT_RETRY_BACKOFF_S)
 
 # A request waiting for memory (memory_pressure) is tried again at least this often, so it
 # starts soon after a co-tenant lets go of the card.
@@ -78,8 +89,8 @@ CODE_RULES: dict[str, Rule] = {
     # for a worker that reads it; the deadline bounds the wait.
     SCHEMA_TOO_NEW: Rule(retried=True, uses_attempt=False),
     # A bulk request that yielded its slot to an interactive one: back at once, resuming from
-    # its stream, no attempt used; VIGIL_MAX_PREEMPTIONS bounds how often (the engine host
-    # never picks one preempted that often), its deadline still rules.
+    # its stream, no attempt used; VIGIL_MAX_PREEMPTIONS bounds how often (`may_preempt`: a
+    # request preempted that often is not preempted again), its deadline still rules.
     PREEMPTED: Rule(retried=True, at_once=True, uses_attempt=False),
     MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
                           memory_window=True),
@@ -103,12 +114,13 @@ def rule_for(error: VigilError) -> Rule:
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds a decision reads (VigilSettings has all four, and is accepted as they are)."""
+    """The bounds a decision reads (VigilSettings has all five, and is accepted as they are)."""
 
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     memory_pressure_window: float = DEFAULT_MEMORY_PRESSURE_WINDOW_S
     retry_backoff: float = DEFAULT_RETRY_BACKOFF_S
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX_S
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,13 @@ def decide(error: VigilError, state: Attempted, settings: Limits, now: float,
             and state.attempts >= settings.max_attempts:
         return End(exhausted(state.attempts, str(error)))
     return Retry(countdown(rule, state, settings, rng), rule.uses_attempt, rule.memory_window)
+
+
+def may_preempt(preemptions: int, settings: Limits) -> bool:
+    """Whether a request preempted `preemptions` times may yield its engine slot once more (the
+    `preempted` row's bound): only while that is fewer than VIGIL_MAX_PREEMPTIONS. Asked before
+    a run (workers/service.py), not after: a request at the bound runs to its end where it is."""
+    return preemptions < settings.max_preemptions
 
 
 def countdown(rule: Rule, state: Attempted, settings: Limits,

@@ -13,7 +13,8 @@ import pytest
 from app import errors
 from app.errors import RequestError, TerminalError, TransientError, WorkerFatalError
 from app.retry_policy import (MEMORY_RETRY_MAX_S, NEVER_RETRIED, RETRIED, Attempted, End, Limits,
-                              OutagePolicy, Retry, backoff, decide, rule_for)
+                              OutagePolicy, Retry, backoff, decide, may_preempt, rule_for)
+from app.settings import load_settings
 
 LIMITS = Limits(max_attempts=3, memory_pressure_window=300.0, retry_backoff=2.0,
                 retry_backoff_max=1000.0)
@@ -116,6 +117,18 @@ def test_an_attempt_given_back_is_bounded_by_time_not_attempts():
     d = decide(squeeze, Attempted(0, 9, pressure_since=NOW - 300), LIMITS, NOW)
     assert isinstance(d, End) and d.error.code == "attempts_exhausted"
     assert "VIGIL_MEMORY_PRESSURE_WINDOW 300 s" in str(d.error)
+
+
+def test_a_request_is_preempted_at_most_max_preemptions_times():
+    """The preempted row's bound (asked before a run): a request may yield its slot while it
+    was preempted fewer than VIGIL_MAX_PREEMPTIONS times, never at or past it; the settings
+    carry the bound as Limits does; each preemption itself is retried at once, no attempt
+    used (the table above)."""
+    assert [may_preempt(n, Limits(max_preemptions=3)) for n in range(5)] == \
+        [True, True, True, False, False]
+    assert not may_preempt(0, Limits(max_preemptions=0))
+    settings = load_settings(max_preemptions=1)
+    assert may_preempt(0, settings) and not may_preempt(1, settings)
 
 
 def test_a_deadline_already_past_ends_a_retryable_error():

@@ -28,7 +28,7 @@ from app.request_ids import attempt_id
 from app.requests.schemas import newer_version, parse_request
 from app.requests.submit import (adapter_for, check_prompt_size, provisional_fields,
                                  record_fields, wire_kwargs)
-from app.retry_policy import Attempted, End, decide, exhausted, rule_for
+from app.retry_policy import Attempted, End, decide, exhausted, may_preempt, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
@@ -139,10 +139,9 @@ def _refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
 
 def preemptible(req, b: Begin, s: VigilSettings) -> bool:
     """A bulk request may yield its engine slot to an interactive one, VIGIL_MAX_PREEMPTIONS
-    times at most (the record counts them), and only while its tokens can be resumed from its
-    stream (token streams on)."""
-    return req.priority == "bulk" and b.preemptions < s.max_preemptions and \
-        s.stream_flush_ms > 0
+    times at most (app/retry_policy.py `may_preempt`; the record counts them), and only while
+    its tokens can be resumed from its stream (token streams on)."""
+    return req.priority == "bulk" and may_preempt(b.preemptions, s) and s.stream_flush_ms > 0
 
 
 def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
