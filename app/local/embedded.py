@@ -116,16 +116,23 @@ def start_process(argv: list[str], env: dict[str, str], log_path: Path | None = 
             out.close()
 
 
-def start_worker(redis_url: str, name: str, log_path: Path | None = None,
-                 concurrency: int | None = None, pools: str | None = None,
-                 **env: str) -> subprocess.Popen:
-    """A real `vigil worker --cpu` process (a Celery threads-pool worker)."""
+def worker_command(name: str, concurrency: int | None = None, pools: str | None = None
+                   ) -> list[str]:
+    """The command line of `vigil worker --cpu` called `name` (pure)."""
     argv = [sys.executable, "-m", "app.ops.cli", "worker", "--cpu", "--name", name]
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
     if pools:
         argv += ["--pools", pools]
-    return start_process(argv, vigil_env(redis_url, **env), log_path)
+    return argv
+
+
+def start_worker(redis_url: str, name: str, log_path: Path | None = None,
+                 concurrency: int | None = None, pools: str | None = None,
+                 **env: str) -> subprocess.Popen:
+    """A real `vigil worker --cpu` process (a Celery threads-pool worker)."""
+    return start_process(worker_command(name, concurrency, pools), vigil_env(redis_url, **env),
+                         log_path)
 
 
 def start_housekeeper(redis_url: str, log_path: Path | None = None, **env: str
