@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -52,6 +53,12 @@ def configure_vllm_logging(cache_dir: Path, level: str) -> None:
     tmp.write_text(json.dumps(vllm_logging_config(level)))
     os.replace(tmp, path)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    vllm_logger = sys.modules.get("vllm.logger")
+    if vllm_logger is not None:
+        # vLLM configures its loggers once, when it is imported: a worker forked from a process
+        # that had imported it already (the test suite's, tests/worker_zygote.py) applies the
+        # config now, as an import would have.
+        vllm_logger._configure_vllm_root_logger()
 
 
 class _DropLine(logging.Filter):
