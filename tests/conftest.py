@@ -20,13 +20,22 @@ UNSERVED_MODEL = "unserved-model"
 # One model cache for the run (the tiny model is built once, ~5 s); reuse the developer's cache
 # when VIGIL_TEST_CACHE_DIR is set.
 CACHE_DIR = Path(os.environ.get("VIGIL_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="vigil-test-"))
+# pytest-xdist's processes inherit it from the controller: one model cache for all of them
+# (model_files.py builds a model under a file lock, so two processes never build it twice).
+os.environ.setdefault("VIGIL_TEST_CACHE_DIR", str(CACHE_DIR))
 # Every worker of the run writes down each generation its engine finished here (the witness,
 # workers/engine/witness.py); the exactly-once checks compare it with the stored results.
 WITNESS_DIR = Path(tempfile.mkdtemp(prefix="vigil-witness-"))
 
 
+# The run's scheduling across xdist processes: longest modules first, `alone` tests.
+pytest_plugins = ["tests.suite_schedule"]
+
+
 def pytest_configure(config):
     global _redis
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test: each of its processes starts its own Redis
     _redis = LocalRedis().start()
     os.environ["VIGIL_REDIS_URL"] = _redis.url
     os.environ["VIGIL_CACHE_DIR"] = str(CACHE_DIR)
@@ -79,6 +88,8 @@ def fault_test_models(cache_dir: Path) -> list[dict]:
 
 
 def pytest_unconfigure(config):
+    if _zygote is not None:
+        _zygote.stop()
     if _redis is not None:
         _redis.stop()
 
@@ -155,19 +166,36 @@ def worker_entry(client, name: str) -> dict[str, str] | None:
     return None
 
 
+_zygote = None  # tests/worker_zygote.py: this process' pre-imported parent of its workers
+
+
+def forked_worker(redis_url: str, name: str, log: Path, concurrency: int | None,
+                  pools: str | None, **env):
+    """A real `vigil worker --cpu` (app/local/embedded.py's command line and environment),
+    forked from this test process' zygote so that it skips importing vLLM again
+    (tests/worker_zygote.py); VIGIL_TEST_FORK_WORKERS=0 starts it with a plain exec instead."""
+    global _zygote
+    from app.local.embedded import REPO, start_worker, vigil_env, worker_command
+    from tests.worker_zygote import Zygote
+
+    if os.environ.get("VIGIL_TEST_FORK_WORKERS", "1") == "0":
+        return start_worker(redis_url, name, log, concurrency=concurrency, pools=pools, **env)
+    if _zygote is None:
+        _zygote = Zygote.start(vigil_env(redis_url), REPO)
+    return _zygote.spawn(worker_command(name, concurrency, pools), vigil_env(redis_url, **env),
+                         REPO, log)
+
+
 class RunningWorker:
     """A real `vigil worker --cpu` subprocess (Celery threads pool, vLLM CPU engine)."""
 
     def __init__(self, redis_server, name: str, tmp: Path, pools: str = "tiny-llama",
                  concurrency: int = 64, **env):
-        from app.local.embedded import start_worker
-
         self.name = name
         self.log = tmp / f"{name.split('@')[0]}.log"
         self.client = redis_server.client()
         env.setdefault("VIGIL_HEARTBEAT_INTERVAL", "1")
-        self.proc = start_worker(redis_server.url, name, self.log, concurrency=concurrency,
-                                 pools=pools, **env)
+        self.proc = forked_worker(redis_server.url, name, self.log, concurrency, pools, **env)
 
     def entry(self) -> dict[str, str] | None:
         return worker_entry(self.client, self.name)
