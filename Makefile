@@ -8,6 +8,9 @@ PIP_ARGS ?=
 STAMP  := $(VENV)/.vigil-setup
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The suite runs in two processes, a module at a time each (tests/suite_schedule.py); TEST_PROCS=0
+# runs it in one.
+TEST_PROCS ?= 2
 
 .PHONY: setup demo test test-fast bench clean redis-server
 
@@ -40,7 +43,7 @@ demo: setup
 # The whole suite: unit, real Redis, real worker processes with the vLLM CPU engine.
 # pytest's exit code 5 (no tests collected) fails this target like any other failure.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Unit and Redis tiers only (seconds, no engine).
 test-fast: setup

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +23,13 @@ from app.local.embedded import (EmbeddedRedis, free_port, redis_server_path, sto
                                 wait_for)
 
 SENTINEL_MASTER = "vigil-test-master"
+
+
+def run_password(prefix: str = "hunter2") -> str:
+    """A password no log should ever show, the same in every process of one run (pytest-xdist's
+    processes must collect the same test ids, and a password is part of some), new each run."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or secrets.token_hex(6)
+    return f"{prefix}-{run[:12]}"
 
 
 class LocalRedis(EmbeddedRedis):

@@ -110,6 +110,7 @@ def test_missing_model_files_fail_once_with_model_not_found(mem_worker, store):
         ("failed", "model_not_found")]
 
 
+@pytest.mark.alone  # it squeezes the machine's free memory: no neighbour may start an engine
 def test_memory_pressure_at_engine_start_waits_for_the_memory_and_lands_once_it_frees(
         redis_server, store, tmp_path):
     """Given another process holding memory for 20 s so that the worker measures less free

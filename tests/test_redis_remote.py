@@ -21,9 +21,10 @@ from app.redis_url import redacted_url, sentinel_addresses
 from app.settings import SettingsError, load_settings
 from app.state.conn import connect, preflight
 from app.state.store import RequestStore
-from tests.redis_servers import SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files
+from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files,
+                                 run_password)
 
-PW = "hunter2-" + secrets.token_hex(4)
+PW = run_password()
 
 
 # -- the URL rules (no Redis) ------------------------------------------------------------------

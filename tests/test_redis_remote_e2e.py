@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from app.local.embedded import REPO, free_port, start_worker, stop_process, vigil_env, wait_for
-from tests.redis_servers import SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files
+from tests.redis_servers import (SENTINEL_MASTER, PrivateRedis, PrivateSentinel, make_tls_files,
+                                 run_password)
 
 pytestmark = pytest.mark.worker
 
-PW = "hunter2-" + secrets.token_hex(6)
+PW = run_password()
 
 
 def _run(code_or_argv, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
