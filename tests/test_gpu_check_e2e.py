@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,16 @@ def test_the_engine_smoke_passes_on_the_cpu_build(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("CUDA_VISIBLE_DEVICES", "VIGIL_ENGINE_ERROR_LOG",
                         "VLLM_LOGGING_CONFIG_PATH")}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_engine_smoke.py"),
-                          str(1 << 30)], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=420)
+    # vLLM names its ZeroMQ sockets after TMPDIR, and a socket path has 107 characters at
+    # most: pytest's tmp_path (under pytest-xdist, one level deeper) can be longer.
+    short = Path(tempfile.mkdtemp(prefix="smoke-", dir="/tmp"))
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=str(short))
+    try:
+        out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_engine_smoke.py"),
+                              str(1 << 30)], env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=420)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("SMOKE ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     smoke = json.loads(lines[-1][len("SMOKE "):])

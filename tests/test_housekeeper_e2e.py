@@ -12,14 +12,15 @@ import pytest
 
 from app.celery_app import create_app
 from app.errors import TerminalError
-from app.local.embedded import (EmbeddedRedis, start_housekeeper, start_process, stop_process,
-                                vigil_env, wait_for)
+from app.local.embedded import (start_housekeeper, start_process, stop_process, vigil_env,
+                                wait_for)
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
 from app.settings import load_settings
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
 from tests.conftest import SLOW_START_MODEL, UNSERVED_MODEL, RunningWorker
+from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.worker
 SWEEP_S = 2
@@ -35,7 +36,7 @@ def fleet(tmp_path):
     """A private Redis, beat sweeping every 2 s, and the housekeeper: no worker yet."""
     from app import app as suite_app
 
-    redis = EmbeddedRedis().start()
+    redis = LocalRedis().start()
     procs = []
     try:
         procs.append(start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l",
