@@ -81,6 +81,11 @@ def test_float32_for_every_platform_with_lora_loads_but_a_gpu_worker_refuses_it(
     reg.refuse_unrunnable("cpu")
     with pytest.raises(SettingsError, match=f"VIGIL_MODELS_FILE={f}: model m: float32 with LoRA"):
         reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={f}")
+    reg.refuse_unrunnable("cuda", names=["tiny-llama"])  # a worker not serving m is not stopped
+    with pytest.raises(SettingsError, match="model m: float32"):
+        reg.refuse_unrunnable("cuda", names=["tiny-llama", "m"])
+    with pytest.raises(RequestError, match="^model_not_found: no model named 'nope'"):
+        reg.refuse_unrunnable("cuda", names=["nope"])
     spec = reg.get("m")
     with pytest.raises(RequestError, match="^invalid_model_config: model m: float32 with LoRA"):
         engine_args(spec, cuda_plan(spec))
@@ -107,6 +112,15 @@ def test_vigil_worker_gpu_stops_at_start_on_an_entry_that_cannot_run(tmp_path, m
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("the worker was started"))
     assert cli.main(["worker", "--gpu", "0"]) == 2
     assert "model m: float32 with LoRA" in capsys.readouterr().err
+    assert cli.main(["worker", "--gpu", "0", "--pools", "m"]) == 2
+    # A GPU worker serving only other pools starts: the CPU-only entry is not its business.
+    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
+    monkeypatch.setattr(cli, "connect", lambda s: None)
+    execs = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
+    monkeypatch.setattr(cli.os, "environ", dict(cli.os.environ))
+    assert cli.main(["worker", "--gpu", "0", "--pools", "tiny-llama"]) == 0
+    assert execs and "vigil.pool.m" not in execs[0][execs[0].index("-Q") + 1]
 
 
 # -- the batch, and the worker's threads -----------------------------------------------------------

@@ -174,7 +174,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
     if args.gpu is not None:  # an entry that would kill the engine stops the worker, not a request
         reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={s.models_file}" if s.models_file
-                              else "the built-in models")
+                              else "the built-in models", pools or reg.names())
     asked = args.concurrency or s.worker_concurrency
     # A GPU engine runs up to max_num_seqs sequences; CPU workers keep the number given (small
     # ones are how tests and small hosts run them).

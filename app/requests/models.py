@@ -147,11 +147,14 @@ class ModelRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._specs
 
-    def refuse_unrunnable(self, platform: str, source: str = "the model registry") -> None:
-        """Raise SettingsError naming every entry that cannot run on `platform` (a GPU worker
-        calls it at start: an entry that would kill its engine must stop it, not a request)."""
-        problems = [p for p in (self._specs[n].platform_problem(platform) for n in self.names())
-                    if p]
+    def refuse_unrunnable(self, platform: str, source: str = "the model registry",
+                          names: list[str] | None = None) -> None:
+        """Raise SettingsError naming every entry of `names` (the pools a worker serves; None:
+        every entry) that cannot run on `platform` (a GPU worker calls it at start: an entry
+        that would kill its engine must stop it, not a request; one it does not serve is none
+        of its business). An unknown name raises RequestError(model_not_found)."""
+        chosen = self.names() if names is None else [self.get(n).name for n in names]
+        problems = [p for p in (self._specs[n].platform_problem(platform) for n in chosen) if p]
         if problems:
             raise SettingsError(f"invalid settings: {source}: " + "; ".join(problems))
 
