@@ -236,3 +236,142 @@ def test_vigil_worker_gpu_execs_celery_with_the_cards_order_and_threads(monkeypa
     assert "CUDA_DEVICE_ORDER=FASTEST_FIRST replaced by PCI_BUS_ID" in err
     assert "NVIDIA driver 580.82.07 (CUDA 13.0), torch 2.13.0 (built for CUDA 13.0)" in err
     assert "GPU 5: NVIDIA H200" in err and "raised to 1024" in err
+
+
+# -- tensor-parallel pools go to workers of their size only ----------------------------------------
+TP_MODELS = [{"name": "big", "path": "/x", "engine_args": {"tensor_parallel_size": 2}}]
+
+
+def _gpu_start(tmp_path, monkeypatch, models, n_cards):
+    """`vigil worker --gpu ...` up to its exec, over `n_cards` faked H200s and a registry of
+    `models` (plus the built-in tiny-llama); returns what it execs (a list, empty when it did
+    not) and `run(argv)`: the CLI's exit status, each run in the environment the test began
+    with."""
+    import os
+
+    from app.ops import cli
+    from app.requests import models as models_mod
+
+    f = tmp_path / "models.json"
+    f.write_text(json.dumps({"models": models}))
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def run(argv):
+        monkeypatch.setattr(os, "environ", dict(env))
+        return cli.main(argv)
+
+    cards = FakeNvml([FakeCard(139 * GiB, **H200) for _ in range(n_cards)])
+    monkeypatch.setattr(cli, "get_settings", lambda: load_settings(models_file=f))
+    monkeypatch.setattr(cli, "get_registry",
+                        lambda: models_mod.load_registry(load_settings(models_file=f)))
+    monkeypatch.setattr(cli, "check_gpus", lambda entries: (
+        list(probe_memory("cuda", entries, cards).cards),
+        {"driver": "580", "driver_cuda": "13.0", "torch": "2.13.0", "torch_cuda": "13.0"}))
+    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
+    monkeypatch.setattr(cli, "connect", lambda s: None)
+    execs = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
+    return execs, run
+
+
+def _queues(argv) -> list[str]:
+    return argv[argv.index("-Q") + 1].split(",")
+
+
+def test_a_gpu_worker_without_pools_leaves_out_those_of_another_card_count(tmp_path, monkeypatch,
+                                                                           capsys):
+    """Before: every GPU worker consumed every pool, and a one-card worker failed the 2-card
+    model's requests for good (invalid_model_config)."""
+    import os
+
+    execs, run = _gpu_start(tmp_path, monkeypatch, TP_MODELS, 2)
+    assert run(["worker", "--gpu", "0"]) == 0
+    assert _queues(execs[-1]) == ["vigil.housekeeping", "vigil.pool.tiny-llama"]
+    err = capsys.readouterr().err
+    assert "not consuming pool big: model big asks for tensor_parallel_size 2, but this worker " \
+           "has 1 card(s)" in err
+    assert run(["worker", "--gpu", "0-1"]) == 0
+    assert _queues(execs[-1]) == ["vigil.housekeeping", "vigil.pool.big", "vigil.pool.tiny-llama"]
+    assert "VIGIL_POOLS" not in os.environ  # nothing preloaded that was not asked for
+
+
+def test_a_gpu_worker_asked_for_a_pool_of_another_card_count_does_not_start(tmp_path,
+                                                                            monkeypatch, capsys):
+    execs, run = _gpu_start(tmp_path, monkeypatch, TP_MODELS, 2)
+    assert run(["worker", "--gpu", "0", "--pools", "tiny-llama,big"]) == 2
+    assert execs == []
+    assert "model big asks for tensor_parallel_size 2, but this worker has 1 card" in \
+        capsys.readouterr().err
+    assert run(["worker", "--gpu", "0,1", "--pools", "big"]) == 0
+    assert _queues(execs[-1]) == ["vigil.housekeeping", "vigil.pool.big"]
+
+
+def test_a_gpu_worker_that_can_run_no_pool_does_not_start(capsys):
+    from app.ops.cli import gpu_pools
+    from app.requests.models import ModelRegistry
+
+    reg = ModelRegistry([ModelSpec(name="big", engine_args={"tensor_parallel_size": 4}),
+                         ModelSpec(name="mid", engine_args={"tensor_parallel_size": 2})])
+    assert gpu_pools(reg, [], 1) is None
+    assert "no registered pool runs on 1 card(s)" in capsys.readouterr().err
+    assert gpu_pools(reg, [], 2) == ["mid"] and gpu_pools(reg, [], 4) == ["big"]
+    assert reg.split_by_cards(["big", "mid"], 4) == (["big"], {"mid": reg.get("mid")
+                                                               .card_problem(4)})
+
+
+def test_the_workers_own_list_of_its_pools_leaves_them_out_too(monkeypatch):
+    """The runtime's configured pools (heartbeat, quarantine, the reconcile's lending) match the
+    queues `vigil worker` consumes."""
+    import os
+
+    from app.requests.models import ModelRegistry
+    from tests.conftest import RecordingPorts
+    from workers.runtime import WorkerRuntime
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    reg = ModelRegistry([ModelSpec(name="a"),
+                         ModelSpec(name="big", engine_args={"tensor_parallel_size": 2})])
+
+    def runtime(visible):
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        return WorkerRuntime(load_settings(redis_url="redis://127.0.0.1:9/0"), "w",
+                             engine="instant", guard=False, ports=RecordingPorts(), registry=reg)
+
+    assert runtime("0").configured_pools == ["a"]
+    assert runtime("0,1").configured_pools == ["a", "big"]
+    assert runtime(None).configured_pools == ["a", "big"]  # the CPU: vLLM's own business
+
+
+def test_the_reconcile_lends_a_tensor_parallel_pool_only_to_a_worker_of_its_size():
+    from app.fleet.reconcile import fits
+    from app.requests.models import ModelRegistry
+    from app.state.registry import WorkerEntry
+
+    reg = ModelRegistry([ModelSpec(name="a", memory_gib=2),
+                         ModelSpec(name="big", memory_gib=20,
+                                   engine_args={"tensor_parallel_size": 2})])
+
+    def entry(device, cards):
+        fields = {"name": "w", "device": device, "device_free_bytes": str(200 * GiB)}
+        if cards:
+            fields["device_cards"] = ",".join(f"{i}:{100 * GiB}:{141 * GiB}" for i in range(cards))
+        return WorkerEntry.parse("1", 0.0, fields, None)
+
+    assert entry("cuda", 2).cards == 2 and entry("cpu", 0).cards == 0
+    assert not fits(entry("cuda", 1), reg, "big") and fits(entry("cuda", 1), reg, "a")
+    assert fits(entry("cuda", 2), reg, "big")
+    assert fits(entry("cpu", 0), reg, "big")  # a CPU worker: vLLM's own business
+
+
+@pytest.mark.parametrize("bad", ["2", 0, -1, 1.5, True])
+def test_a_tensor_parallel_size_that_is_not_a_card_count_is_refused_at_load(tmp_path, bad):
+    f = tmp_path / "models.json"
+    f.write_text(json.dumps({"models": [{"name": "m", "path": "/x",
+                                         "engine_args": {"tensor_parallel_size": bad}}]}))
+    with pytest.raises(SettingsError, match="model m: engine_args.tensor_parallel_size must be a "
+                       "whole number of cards"):
+        load_registry(load_settings(models_file=f))
