@@ -6,6 +6,7 @@ a lost card, the headroom checked against vLLM's own start-up rule, the driver/t
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,6 +122,41 @@ def test_a_card_lost_under_the_worker_is_worker_fatal_and_the_heartbeat_reports_
     # A card that vanished (NVML no longer finds its UUID) is lost too.
     with pytest.raises(WorkerFatalError):
         read_cards(("GPU-gone",), nvml)
+
+
+def test_a_card_lost_under_a_running_worker_makes_it_leave_once(monkeypatch):
+    """The wiring in the runtime, without a worker process: its heartbeat's fields probe every
+    card, and a lost one makes the worker leave (workers/held.py `leave`), off the heartbeat
+    thread, once however many heartbeats see it."""
+    import os
+    import threading
+
+    from app.settings import load_settings
+    from tests.conftest import RecordingPorts, wait_until
+    from workers import runtime as runtime_mod
+
+    monkeypatch.setattr(os, "environ", {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    nvml = FakeNvml([FakeCard(70 * GiB), FakeCard(70 * GiB, lost=True)])
+    monkeypatch.setattr(runtime_mod, "probe_memory",
+                        lambda device, where: probe_memory(device, where, nvml))
+    rt = runtime_mod.WorkerRuntime(load_settings(redis_url="redis://127.0.0.1:9/0"), "gpu0-1@h",
+                                   engine="instant", guard=False, ports=RecordingPorts())
+    left = []
+
+    def leave(err):
+        left.append((err, threading.current_thread().name))
+        rt.held.leaving = err
+
+    rt.held.leave = leave
+    fields = rt._heartbeat_fields()
+    assert fields["device_free_bytes"] is None
+    wait_until(lambda: left)
+    err, thread = left[0]
+    assert isinstance(err, WorkerFatalError) and err.code == "cuda_context_lost"
+    assert "GPU 1 is lost" in str(err) and thread == "vigil-card-lost"
+    rt._heartbeat_fields()  # the next heartbeat: already leaving
+    time.sleep(0.2)
+    assert len(left) == 1 and rt.leaving is err
 
 
 def test_a_probe_that_merely_fails_leaves_the_fields_empty_and_the_worker_in_place():
