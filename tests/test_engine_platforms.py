@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -375,3 +376,67 @@ def test_a_tensor_parallel_size_that_is_not_a_card_count_is_refused_at_load(tmp_
     with pytest.raises(SettingsError, match="model m: engine_args.tensor_parallel_size must be a "
                        "whole number of cards"):
         load_registry(load_settings(models_file=f))
+
+
+# -- docs/operations.md's registry entries for real models, read from the doc -----------------------
+def _doc_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    start = text.index("### Registry entries for real models")
+    return text[start:text.index("\n### ", start + 1)]
+
+
+def _doc_registry(tmp_path):
+    import re
+
+    blob = re.search(r"```json\n(.*?)```", _doc_section(), re.S).group(1)
+    f = tmp_path / "models.json"
+    f.write_text(blob)
+    return load_registry(load_settings(models_file=f))  # the real loader: SettingsError if bad
+
+
+H100 = dict(total=80 * GiB, name="NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("card", [H100, H200], ids=["h100", "h200"])
+def test_the_docs_8b_entry_runs_on_one_card_as_the_doc_says(tmp_path, card):
+    spec = _doc_registry(tmp_path).get("llama-8b")
+    plan = cuda_plan(spec, n=1, free=card["total"] - GiB, **card)
+    assert not plan.sized_down  # an idle card grants the whole 90%
+    args = engine_args(spec, plan)
+    assert args["dtype"] == "bfloat16" and args["max_model_len"] == 8192
+    assert args["max_num_seqs"] == 256 and args["gpu_memory_utilization"] == 0.9
+    assert args["enable_prefix_caching"] is True and "tensor_parallel_size" not in args
+    assert args["enable_lora"] is True and args["max_loras"] == 4
+    # the worker's threads follow the entry's max_num_seqs ("256 threads" in the doc)
+    assert worker_concurrency(128, [spec.engine_args], "cuda", card["total"], card["name"]) == 256
+
+
+@pytest.mark.parametrize("card", [H100, H200], ids=["h100", "h200"])
+def test_the_docs_70b_entry_runs_on_four_cards_only(tmp_path, card, capsys):
+    from app.ops.cli import gpu_pools
+
+    reg = _doc_registry(tmp_path)
+    spec = reg.get("llama-70b")
+    plan = cuda_plan(spec, n=4, free=card["total"] - GiB, **card)
+    assert not plan.sized_down and plan.floor == math.ceil((150 + 40) * GiB / 4)
+    args = engine_args(spec, plan)
+    assert args["tensor_parallel_size"] == 4 and args["dtype"] == "bfloat16"
+    assert "enable_lora" not in args and args["max_num_seqs"] == 256
+    assert gpu_pools(reg, [], 1) == ["llama-8b", "tiny-llama"]  # a one-card worker leaves it out
+    assert "not consuming pool llama-70b" in capsys.readouterr().err
+
+
+def test_the_docs_worker_commands_serve_the_docs_pools(tmp_path):
+    import re
+    import shlex
+
+    from app.ops.cli import build_parser
+
+    reg = _doc_registry(tmp_path)
+    block = re.search(r"```sh\n(.*?)```", _doc_section(), re.S).group(1)
+    commands = [shlex.split(ln.split("#")[0]) for ln in block.splitlines() if ln.strip()]
+    assert [c[:2] for c in commands] == [["vigil", "worker"]] * 2
+    for argv in commands:
+        args = build_parser().parse_args(argv[1:])
+        for pool in args.pools.split(","):
+            assert reg.get(pool).card_problem(len(args.gpu)) is None, (argv, pool)
