@@ -745,7 +745,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_GPU
     started = time.monotonic()
     entry = str(a.index)
-    print(header(entry), flush=True)
+    try:
+        print(header(entry), flush=True)
+    except Exception as e:  # the facts still run; each says what is wrong with the card
+        print(f"gpu_check: commit {commit()}; GPU {entry}: cannot be read ({type(e).__name__}: "
+              f"{e})", flush=True)
     steps: list[Step] = [
         (name, STEP_FACTS[name], limit_s, lambda t, name=name: step_argv(name, a, t))
         for name, limit_s in STEP_LIMITS_S.items()
