@@ -6,8 +6,12 @@ encountered an issue. See stack trace (above) for the root cause."); when it fai
 {...}")`. The root cause (a CUDA illegal address, a CUDA out of memory, a Python error in the
 model runner) is only in what EngineCore (or, with tensor parallelism, a WorkerProc) logged on
 the way down: `logger.exception("EngineCore encountered a fatal error.")`, `"EngineCore failed to
-start."`, `"WorkerProc hit an exception."` (vllm/v1/engine/core.py, vllm/v1/executor/
-multiproc_executor.py, 0.32). So Vigil's vLLM logging config (app/logging_setup.py) adds a second
+start."`, `"WorkerProc failed to start."`, `"WorkerProc failed."`, `"WorkerProc hit an
+exception."` (vllm/v1/engine/core.py, vllm/v1/executor/multiproc_executor.py, 0.32). With tensor
+parallelism a rank's own failure (a CUDA out of memory, vLLM's free-memory check, both of which
+run in each WorkerProc) is logged by its WorkerProc before EngineCore logs its own line, whose
+traceback only says "WorkerProc initialization failed due to an exception in a background
+process": the cause is read from the first failure line of the start on. So Vigil's vLLM logging config (app/logging_setup.py) adds a second
 handler, `error_file_handler`, that every vLLM process of a worker builds: ERROR records, pid and
 process name in each line, appended to the file VIGIL_ENGINE_ERROR_LOG names (one per worker
 process, under $VIGIL_CACHE_DIR/engine-errors/). The worker marks the file's end before each
@@ -27,8 +31,11 @@ ENV = "VIGIL_ENGINE_ERROR_LOG"
 RECORD_FORMAT = ("[%(asctime)s: %(levelname)s/%(processName)s pid=%(process)d] %(name)s: "
                  "%(message)s")
 # The lines vLLM logs when an engine process goes down (vLLM 0.32 and 0.33 alike; tests read
-# them from vLLM's source): what follows one is the failure's traceback.
+# them from vLLM's source, every `logger.exception` of EngineCore and WorkerProc): what follows
+# one is the failure's traceback. "WorkerProc failed." (its dot included) is a rank's death at
+# run time, "WorkerProc failed to start." a rank's at start.
 FAILURE_MARKERS = ("EngineCore encountered a fatal error", "EngineCore failed to start",
+                   "WorkerProc failed to start", "WorkerProc failed.",
                    "WorkerProc hit an exception", "died unexpectedly")
 MAX_READ = 256 << 10  # a traceback is a few KiB; a runaway log must not be read whole
 KEEP_DEAD_S = 86400.0  # another worker's file, gone with its process, is removed after a day

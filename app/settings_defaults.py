@@ -69,10 +69,14 @@ DEFAULT_WORKER_CONCURRENCY = 128
 # GPU memory kept free beside vLLM's budget on each card: EngineCore creates its CUDA context
 # (and, on a tensor-parallel worker, NCCL's buffers) before vLLM checks that its budget
 # (gpu_memory_utilization x total) is free, so a start sized to what NVML showed free must leave
-# that much aside. A CUDA 12/13 context with cuBLAS loaded is commonly reported at 0.5-0.9 GiB on
-# Hopper cards; not measured here (no GPU on the development machines): bench/gpu_check.py
-# measures the context on a GPU host and fails when it exceeds this setting. Was 512 MiB, about
-# a bare context, which made a sized-down start fail vLLM's own check on every retry.
+# that much aside. Not measured here (no GPU on the development machines); the figure is above
+# what others measured: a bare torch CUDA context at 667 MB with eager module loading and 287 MB
+# lazy (pytorch/pytorch#86509; lazy is the default since CUDA 12.2), 781 MB at a torch process
+# start with its libraries (pytorch/pytorch#34323), and cuBLAS' workspaces add tens of MiB.
+# tests/test_gpu_devices.py holds the plan against a 900 MiB context; bench/gpu_check.py
+# measures the context (and two tensor-parallel ranks' NCCL) on a GPU host and fails when it
+# exceeds this setting. Was 512 MiB, about a bare context, which made a sized-down start fail
+# vLLM's own check on every retry. Tensor-parallel workers may need more (NCCL's buffers).
 DEFAULT_GPU_HEADROOM_MIB = 1024
 # Threads of `vigil housekeeper`: beat's five tasks each run alone under their lock, so a few
 # threads let a slow reconcile (it asks workers for their queues) never hold up a sweep or a reap.

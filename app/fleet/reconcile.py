@@ -10,7 +10,8 @@ lengths) and acting only through Celery's `add_consumer` / `cancel_consumer`:
 - **Which worker.** Only live (heartbeat within the reap timeout, started: has_pinged) HEALTHY
   workers whose last heartbeat says the model fits: free device memory, plus what its current
   engine holds (a worker switches models by evicting), at least the model's `memory_gib` +
-  `kv_cache_floor_gib`.
+  `kv_cache_floor_gib`; on GPUs, as many cards as its `tensor_parallel_size` (when it names
+  one).
   Among those, the idlest (fewest in flight, no waiting work of its own). A worker that cannot
   fit the model is never chosen.
 - **Why not.** When no worker can take the pool, the reason is written to
@@ -45,8 +46,12 @@ def need_bytes(registry: ModelRegistry, model: str) -> int:
 
 def fits(w: WorkerEntry, registry: ModelRegistry, model: str) -> bool:
     """True when the worker's last heartbeat says `model` fits (its current engine's memory
-    counts as free: switching evicts it). Unknown memory never fits."""
+    counts as free: switching evicts it) and, on GPUs, that it has the number of cards the
+    model's `tensor_parallel_size` asks for (vLLM runs one rank per card). Unknown memory never
+    fits."""
     if w.free_bytes is None:
+        return False
+    if w.device == "cuda" and registry.get(model).card_problem(max(w.cards, 1)):
         return False
     held = need_bytes(registry, w.model) if w.model and w.model in registry else 0
     return w.free_bytes + held >= need_bytes(registry, model)
@@ -78,9 +83,11 @@ def reconcile_pools(store, registry: ModelRegistry, now: float, control: Control
                       and fits(w, registry, pool)]
         if not candidates:
             best = max((w.free_bytes or 0 for w in workers), default=0)
+            tp = registry.get(pool).engine_args.get("tensor_parallel_size")
             reason = (f"pool {pool}: no live healthy worker can take it: it needs "
-                      f"{need_bytes(registry, pool) / GiB:.1f} GiB free, the most any worker "
-                      f"reports is {best / GiB:.1f} GiB" if workers else
+                      f"{need_bytes(registry, pool) / GiB:.1f} GiB free"
+                      + (f" on a GPU worker of {tp} cards" if tp else "")
+                      + f", the most any worker reports is {best / GiB:.1f} GiB" if workers else
                       f"pool {pool}: no live worker at all")
             store.jobs.set_unserved(pool, reason, now)
             done["unserved"][pool] = reason

@@ -42,8 +42,14 @@ def wait_for(cond, timeout: float, interval: float = 0.05, what: str = "conditio
         time.sleep(interval)
 
 
-def redis_server_path() -> str:
-    """The redis-server binary, or a RuntimeError saying how to install it."""
+def redis_server_path(given: str | None = None) -> str:
+    """The redis-server binary: `given` (a binary carried to a host without one), else the one
+    on PATH; a RuntimeError saying what is wrong (`given` not an executable file) or how to
+    install it."""
+    if given:
+        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+            raise RuntimeError(f"redis-server {given!r} is not an executable file")
+        return given
     path = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
     if not path:
@@ -57,10 +63,12 @@ class EmbeddedRedis:
     out its `url`, not a client: Vigil reaches Redis only through app/state/ (tests and benches
     that look at Redis directly make their own client from the url)."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False):
+    def __init__(self, port: int | None = None, appendonly: bool = False,
+                 server: str | None = None):
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="vigil-redis-"))
         self.appendonly = appendonly
+        self.server = server  # the binary (redis_server_path's `given`)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -69,7 +77,7 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10) -> "EmbeddedRedis":
         """Start the server and wait until it answers PING."""
-        args = [redis_server_path(), "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [redis_server_path(self.server), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--daemonize", "no",
                 "--appendonly", "yes" if self.appendonly else "no", "--loglevel", "warning"]
         if self.appendonly:

@@ -52,13 +52,16 @@ WITHOUT_MINGLE = ("--without-mingle",)
 DEFAULT_METRICS_EXPORTER_PORT = 9108
 
 
-def worker_argv(args: argparse.Namespace, concurrency: int) -> list[str]:
-    """The `celery worker` command line for `vigil worker` (pure, for tests)."""
+def worker_argv(args: argparse.Namespace, concurrency: int,
+                pools: list[str] | None = None) -> list[str]:
+    """The `celery worker` command line for `vigil worker` (pure, for tests): it consumes
+    housekeeping and the queues of `pools` (default: `--pools`, else every registered pool)."""
     if args.gpu is not None:
         name = args.name or node_name(args.gpu)
     else:
         name = args.name or "cpu@%h"
-    pools = [p for p in (args.pools or "").split(",") if p]
+    if pools is None:
+        pools = [p for p in (args.pools or "").split(",") if p]
     queues = ([HOUSEKEEPING_QUEUE] + [pool_queue(p) for p in pools] if pools
               else declared_queues(get_registry().names()))
     return [
@@ -144,6 +147,24 @@ def _gpu_start(args: argparse.Namespace) -> tuple[dict[str, str], list[Card]] | 
     return env, cards
 
 
+def gpu_pools(registry, pools: list[str], cards: int) -> list[str] | None:
+    """The pools a GPU worker of `cards` cards serves: those its `--pools` named (`pools`), else
+    every registered pool whose `tensor_parallel_size` it can run, a line for each left out. None,
+    after printing why, when a named pool cannot run on that many cards or none is left: such a
+    worker would take requests and fail them (vLLM runs one rank per card)."""
+    kept, skipped = registry.split_by_cards(pools or registry.names(), cards)
+    if pools and skipped:
+        print(f"vigil worker: {'; '.join(skipped.values())}", file=sys.stderr)
+        return None
+    for pool, why in skipped.items():
+        print(f"vigil worker: not consuming pool {pool}: {why}", file=sys.stderr)
+    if not kept:
+        print(f"vigil worker: no registered pool runs on {cards} card(s); start it with the "
+              "cards a pool's tensor_parallel_size asks for", file=sys.stderr)
+        return None
+    return kept
+
+
 def worker_threads(asked: int, specs: list, platform: str, cards: list[Card]) -> int:
     """The task threads of a worker that asked for `asked`: at least the largest max_num_seqs of
     the models it serves on `platform` (app/requests/engine_defaults.py), or its engine's batch
@@ -171,13 +192,20 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     pools = [p for p in (args.pools or "").split(",") if p]
     for p in pools:
         reg.get(p)  # an unknown pool fails here, by name, not later in a queue declaration
-    if args.gpu is not None:  # an entry that would kill the engine stops the worker, not a request
+    served = pools or reg.names()
+    if args.gpu is not None:
+        # A pool whose tensor_parallel_size is not this worker's number of cards is not consumed
+        # (named in --pools: the worker does not start).
+        served = gpu_pools(reg, pools, len(cards))
+        if served is None:
+            return 2
+        # An entry that would kill the engine stops the worker, not a request.
         reg.refuse_unrunnable("cuda", f"VIGIL_MODELS_FILE={s.models_file}" if s.models_file
-                              else "the built-in models")
+                              else "the built-in models", served)
     asked = args.concurrency or s.worker_concurrency
     # A GPU engine runs up to max_num_seqs sequences; CPU workers keep the number given (small
     # ones are how tests and small hosts run them).
-    threads = worker_threads(asked, [reg.get(p) for p in pools or reg.names()], "cuda",
+    threads = worker_threads(asked, [reg.get(p) for p in served], "cuda",
                              cards) if args.gpu is not None else asked
     # Redis refusing the credentials or the TLS handshake stops the worker here, by name;
     # Celery would retry the connection for many minutes (app/state/conn.py).
@@ -188,7 +216,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         args.concurrency = threads
     if args.pools:
         os.environ["VIGIL_POOLS"] = args.pools
-    argv = worker_argv(args, s.worker_concurrency)
+    argv = worker_argv(args, s.worker_concurrency, served)
     os.execv(argv[0], argv)  # the worker replaces this process: signals reach Celery directly
     return 0  # pragma: no cover
 

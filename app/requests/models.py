@@ -71,6 +71,10 @@ class ModelSpec(BaseModel):
             problem = self.platform_problem("cuda")
             if problem:
                 raise ValueError(problem)
+        tp = self.engine_args.get("tensor_parallel_size")
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"model {self.name}: engine_args.tensor_parallel_size must be a "
+                             f"whole number of cards, 1 or more, got {tp!r}")
         return self
 
     @property
@@ -93,6 +97,16 @@ class ModelSpec(BaseModel):
                     "(lora_shrink asserts) and the first adapter request would kill EngineCore; "
                     'set "dtypes": {"cuda": "bfloat16"} (or float16), or max_loras 0')
         return None
+
+    def card_problem(self, cards: int) -> str | None:
+        """Why this entry cannot run on a GPU worker of `cards` cards (None when it can): its
+        engine args ask for a `tensor_parallel_size` other than their number (vLLM runs one rank
+        per card of the worker; an entry without one takes the worker's number)."""
+        asked = self.engine_args.get("tensor_parallel_size")
+        if asked is None or asked == cards:
+            return None
+        return (f"model {self.name} asks for tensor_parallel_size {asked}, but this worker has "
+                f"{cards} card(s): serve it with workers of {asked} cards (--gpu, --pools)")
 
 
 def _builtins(settings: VigilSettings) -> list[ModelSpec]:
@@ -147,11 +161,27 @@ class ModelRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._specs
 
-    def refuse_unrunnable(self, platform: str, source: str = "the model registry") -> None:
-        """Raise SettingsError naming every entry that cannot run on `platform` (a GPU worker
-        calls it at start: an entry that would kill its engine must stop it, not a request)."""
-        problems = [p for p in (self._specs[n].platform_problem(platform) for n in self.names())
-                    if p]
+    def split_by_cards(self, names: list[str], cards: int) -> tuple[list[str], dict[str, str]]:
+        """(the pools of `names` a GPU worker of `cards` cards can run, in order; {pool: why not}
+        for the others: `ModelSpec.card_problem`). An unknown name raises
+        RequestError(model_not_found)."""
+        kept, skipped = [], {}
+        for name in names:
+            problem = self.get(name).card_problem(cards)
+            if problem:
+                skipped[name] = problem
+            else:
+                kept.append(name)
+        return kept, skipped
+
+    def refuse_unrunnable(self, platform: str, source: str = "the model registry",
+                          names: list[str] | None = None) -> None:
+        """Raise SettingsError naming every entry of `names` (the pools a worker serves; None:
+        every entry) that cannot run on `platform` (a GPU worker calls it at start: an entry
+        that would kill its engine must stop it, not a request; one it does not serve is none
+        of its business). An unknown name raises RequestError(model_not_found)."""
+        chosen = self.names() if names is None else [self.get(n).name for n in names]
+        problems = [p for p in (self._specs[n].platform_problem(platform) for n in chosen) if p]
         if problems:
             raise SettingsError(f"invalid settings: {source}: " + "; ".join(problems))
 

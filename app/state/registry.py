@@ -54,6 +54,8 @@ class WorkerEntry:
     total_bytes: int | None
     # Its health ledger's state (HEALTHY when it never reported).
     health_state: str
+    # Its GPUs (`device_cards` in the heartbeat); 0 on the CPU or when the probe failed.
+    cards: int = 0
 
     def live(self, now: float, window: float) -> bool:
         """True when it heartbeated within `window` seconds of `now`."""
@@ -74,7 +76,8 @@ class WorkerEntry:
             engine_restarts=_num(entry, "engine_restarts"), device=entry.get("device", ""),
             free_bytes=_num(entry, "device_free_bytes"),
             total_bytes=_num(entry, "device_total_bytes"),
-            health_state=health_state or HEALTHY)
+            health_state=health_state or HEALTHY,
+            cards=len(_split(entry.get("device_cards", ""))))
 
 
 class WorkerRegistry:

@@ -30,6 +30,10 @@ _CUDA_OOM = ("cuda out of memory", "outofmemoryerror", "cuda error: out of memor
 # vLLM's own start-up check (vllm/v1/worker/utils.py `request_memory`, 0.32 and 0.33): the budget
 # was not free once EngineCore had its context (a co-tenant grew since the worker measured).
 _START_MEMORY = ("on startup is less than",)
+# vLLM's memory profiling assertion (vllm/v1/worker/gpu_worker.py, 0.32): free memory grew while
+# it profiled, "when other processes sharing the same container release GPU memory": a co-tenant
+# that went away during the start, which a later start does not meet.
+_PROFILING = ("error in memory profiling",)
 
 
 def _vllm_types():
@@ -114,6 +118,18 @@ def _last_error_line(logged: str) -> str:
     return " ".join((lines[-1] if lines else "").split())[:300]
 
 
+def _line_with(logged: str, needles: tuple[str, ...]) -> str:
+    """The first line of `logged` holding one of `needles` (lowercase), with the log line's
+    prefix cut; the failure's last error line when none does. Where a tensor-parallel rank's
+    failure is followed by EngineCore's, the rank's line names the cause."""
+    for ln in logged.splitlines():
+        if any(n in ln.lower() for n in needles):
+            body = ln.strip()
+            body = body.split("] ", 1)[-1] if body.startswith("[") else body
+            return " ".join(body.split())[:300]
+    return _last_error_line(logged)
+
+
 def death_cause(engine) -> VigilError | None:
     """A dead engine's cause, when the engine can tell one (`death_cause()`: a CUDA fault its
     EngineCore logged), else None."""
@@ -141,9 +157,10 @@ def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None
 
     - the start was sized below the registry's request (`plan.sized_down`), or a fresh
       measurement after the failure shows the memory gone -> TransientError(memory_pressure);
-    - EngineCore logged a CUDA out of memory, or vLLM's own free-memory check failing
-      (`StartFailure.logged`) -> TransientError(memory_pressure), even with the full request
-      granted: a co-tenant may have come and gone during the start;
+    - vLLM's processes logged a CUDA out of memory, vLLM's own free-memory check failing, or
+      its memory profiling finding free memory grown (`StartFailure.logged`: EngineCore's
+      account, or a tensor-parallel WorkerProc's before it) -> TransientError(memory_pressure),
+      even with the full request granted: a co-tenant may have come and gone during the start;
     - otherwise the failure is deterministic: missing weights -> RequestError(model_not_found),
       anything else -> RequestError(invalid_model_config). Neither is retried.
     """
@@ -159,9 +176,14 @@ def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None
         # Out of memory while starting, or vLLM's own check found its budget taken: memory,
         # whoever held it (a co-tenant that came and went), retried in the pressure window.
         return TransientError.of(MEMORY_PRESSURE, (
-            f"the engine start ran out of GPU memory (EngineCore logged: "
-            f"{_last_error_line(logged)}); if the card was idle, the model does not fit its "
-            f"budget (lower max_model_len or max_num_seqs, or raise gpu_memory_utilization)"))
+            f"the engine start ran out of GPU memory (vLLM logged: "
+            f"{_line_with(logged, _CUDA_OOM + _START_MEMORY)}); if the card was idle, the model "
+            f"does not fit its budget (lower max_model_len or max_num_seqs, or raise "
+            f"gpu_memory_utilization)"))
+    if logged and any(s in low_logged for s in _PROFILING):
+        return TransientError.of(MEMORY_PRESSURE, (
+            f"another process's GPU memory changed while vLLM measured its own at start (vLLM "
+            f"logged: {_line_with(logged, _PROFILING)}); retried once the card is steady"))
     if plan is not None and plan.sized_down:
         return TransientError.of(MEMORY_PRESSURE, f"engine start failed after sizing below the "
                                  f"request ({plan.describe()}): {cause}")

@@ -64,11 +64,11 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     defaults = batch_defaults(platform, small.total if small else None,
                               small.name if small else "")
     if cards:
-        asked = int(spec.engine_args.get("tensor_parallel_size", len(cards)))
-        if asked != len(cards):
-            raise RequestError.of(INVALID_MODEL_CONFIG, (
-                f"model {spec.name} asks for tensor_parallel_size {asked}, but this worker has "
-                f"{len(cards)} card(s): serve it with workers of {asked} cards (--gpu, --pools)"))
+        # The last guard: a GPU worker leaves such pools out at start and the reconcile never
+        # lends them to it (ModelRegistry.split_by_cards, app/fleet/reconcile.py `fits`).
+        problem = spec.card_problem(len(cards))
+        if problem:
+            raise RequestError.of(INVALID_MODEL_CONFIG, problem)
         if len(cards) > 1:
             defaults["tensor_parallel_size"] = len(cards)
     args = {"disable_log_stats": True, **executor_args(spec, platform), **defaults,
