@@ -115,8 +115,7 @@ def test_vigil_worker_gpu_stops_at_start_on_an_entry_that_cannot_run(tmp_path, m
     assert "model m: float32 with LoRA" in capsys.readouterr().err
     assert cli.main(["worker", "--gpu", "0", "--pools", "m"]) == 2
     # A GPU worker serving only other pools starts: the CPU-only entry is not its business.
-    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
-    monkeypatch.setattr(cli, "connect", lambda s: None)
+    monkeypatch.setattr(cli, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     monkeypatch.setattr(cli.os, "environ", dict(cli.os.environ))
@@ -268,8 +267,7 @@ def _gpu_start(tmp_path, monkeypatch, models, n_cards):
     monkeypatch.setattr(cli, "check_gpus", lambda entries: (
         list(probe_memory("cuda", entries, cards).cards),
         {"driver": "580", "driver_cuda": "13.0", "torch": "2.13.0", "torch_cuda": "13.0"}))
-    monkeypatch.setattr(cli, "preflight", lambda s, c: None)
-    monkeypatch.setattr(cli, "connect", lambda s: None)
+    monkeypatch.setattr(cli, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     return execs, run
