@@ -10,8 +10,10 @@ comma-separated list of:
   so its first generation (a request or the canary) finds it dead: a broken device;
 - `slow_start=<seconds>`: every engine start takes that much longer (a large model on a network
   disk), whatever the machine;
-- `slow_run=<seconds>`: every generation stays that much longer in the engine before it runs (a
-  long generation, whatever the model), and can be aborted meanwhile like a real one;
+- `slow_step=<seconds>`: every engine step takes that much longer, inside EngineCore (a large
+  model's steps, whatever the model): a request stays in vLLM, scheduled and holding its KV
+  cache, for as many slow steps as it makes tokens, and an abort reaches it there
+  (workers/engine/drill_steps.py);
 - `black_hole`: every generation (the canary's too) fails at once with an engine error, the
   engine staying alive: a worker that fails fast without dying.
 
@@ -21,7 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAULTS = "poison=<marker>, die_on_start, slow_start=<seconds>, slow_run=<seconds>, black_hole"
+FAULTS = "poison=<marker>, die_on_start, slow_start=<seconds>, slow_step=<seconds>, black_hole"
+
+
+# The key of vLLM's `additional_config` that carries `slow_step`'s seconds to EngineCore.
+SLOW_STEP_CONFIG_KEY = "vigil_drill_step_s"
 
 
 @dataclass(frozen=True)
@@ -31,13 +37,13 @@ class Drill:
     poison: str = ""
     die_on_start: bool = False
     slow_start_s: float = 0.0
-    slow_run_s: float = 0.0
+    slow_step_s: float = 0.0
     black_hole: bool = False
 
 
 def parse_drill(text: str) -> Drill:
     """Parse a `VIGIL_DRILL` value; ValueError naming the bad item otherwise."""
-    poison, die, hole, seconds = "", False, False, {"slow_start": 0.0, "slow_run": 0.0}
+    poison, die, hole, seconds = "", False, False, {"slow_start": 0.0, "slow_step": 0.0}
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
@@ -59,4 +65,4 @@ def parse_drill(text: str) -> Drill:
                 raise ValueError(f"{name}= must be 0 to 3600 seconds")
         else:
             raise ValueError(f"unknown fault {item!r} (known: {FAULTS})")
-    return Drill(poison, die, seconds["slow_start"], seconds["slow_run"], hole)
+    return Drill(poison, die, seconds["slow_start"], seconds["slow_step"], hole)

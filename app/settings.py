@@ -224,7 +224,7 @@ class VigilSettings(BaseSettings):
         "vllm", description="The engine a worker runs: vllm, instant (no model: overhead "
         "benchmarks) or drill (vLLM plus the faults of VIGIL_DRILL).")
     drill: str = Field("", description="The faults a drill engine injects, comma-separated: "
-                       "poison=<marker>, die_on_start, slow_start=<seconds>, slow_run=<seconds>, "
+                       "poison=<marker>, die_on_start, slow_start=<seconds>, slow_step=<seconds>, "
                        "black_hole (app/drills.py).")
     # The witness (workers/engine/witness.py): each worker appends every generation its engine
     # finished to <dir>/<pid>.jsonl, for checks that must not trust Vigil's own records.

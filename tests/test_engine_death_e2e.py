@@ -5,6 +5,7 @@ finish, and a worker that cannot keep an engine alive hands its requests back an
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -76,30 +77,51 @@ def test_killing_engine_core_with_64_in_flight_fails_none_of_them(drill_worker, 
 
 
 def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, store):
-    """Given 32 innocent requests and one that kills the engine whenever it runs, sent together,
-    then only the poison fails, with poison_request on its first attempt (`r.get()` raises the
-    RequestError), the 32 succeed exactly once, and the engine was restarted a bounded number of
-    times."""
+    """Given 32 innocent requests generating in one engine, when a request that kills the
+    engine whenever it runs joins them, then only the poison fails, with poison_request on its
+    first attempt (`r.get()` raises the RequestError), the 32 succeed exactly once, and the
+    engine was restarted exactly 5 times (docs/failure-modes.md: the batch, the suspects
+    together, the poison's group, the poison alone, alone again)."""
     before = fresh_entry(drill_worker)
-    prompts = [f"innocent request {i}" for i in range(32)]
-    prompts.insert(11, f"a {POISON} in the batch")
-    rs = [generate.delay(model=DRILL_MODEL, prompt=p, max_tokens=48, ignore_eos=True)
-          for p in prompts]
-    poison = rs.pop(11)
+    inst = before["instance_id"]
+    log_mark = drill_worker.log.stat().st_size
+    # Innocents long enough (200 tokens) to be still generating when the poison arrives: all
+    # 33 are then suspects of the first death, which is what makes the count exact (below).
+    rs = [generate.delay(model=DRILL_MODEL, prompt=f"innocent request {i}", max_tokens=200,
+                         ignore_eos=True) for i in range(32)]
+    wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE)
+             and all(store.get(r.id)["status"] == "RUNNING" for r in rs), 120,
+             what="the 32 innocents to run")
+    poison = generate.delay(model=DRILL_MODEL, prompt=f"a {POISON} in the batch", max_tokens=48,
+                            ignore_eos=True)
     with pytest.raises(RequestError, match="^poison_request: ") as ei:
         poison.get(timeout=600)
     assert ei.value.code == "poison_request"
     outs = [r.get(timeout=600) for r in rs]
-    assert all(o["completion_tokens"] == 48 for o in outs)
+    assert all(o["completion_tokens"] == 200 for o in outs)
     assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     assert [(h["outcome"], h["error"]) for h in store.history(poison.id)] == [
         ("failed", "poison_request")]
+    # The engine serves again. (When the poison's group ran last and it was its last member,
+    # nothing was left to run after its conviction: this request starts the 5th engine.)
+    assert generate.delay(model=DRILL_MODEL, prompt="after the poison", max_tokens=4,
+                          ignore_eos=True).get(timeout=120)["completion_tokens"] == 4
     after = fresh_entry(drill_worker)
     restarts = int(after["engine_restarts"]) - int(before["engine_restarts"])
-    print(f"\npoison convicted after {restarts} engine restarts")
+    log = drill_worker.log.read_bytes()[log_mark:].decode(errors="replace")
+    deaths = len(re.findall(r"death\(s\) in a row", log))
+    groups = [int(n) for n in re.findall(r"re-running (\d+) suspect\(s\)", log)]
+    print(f"\npoison convicted after {deaths} engine deaths ({restarts} restarts); suspects "
+          f"re-run in turn as {groups}")
     assert int(after["poisoned"]) == int(before["poisoned"]) + 1
-    # the batch, the suspects together, at most two rounds of groups, alone twice
-    assert 2 <= restarts <= 6
+    # The rules (workers/engine/suspects.py) for 33 suspects, one a poison: death 1 (the
+    # batch); the 33 together, death 2; split into ceil(sqrt(33)) = 6 groups of at most 6,
+    # run one at a time: the poison's group dies, death 3; its members as singles: the poison
+    # alone, death 4 (strike 1), alone again, death 5 (strike 2: convicted). A fresh engine
+    # after each: 5 restarts.
+    assert groups[:1] == [33], f"the suspects' first re-run held {groups[:1]}, not all 33"
+    assert max(groups[1:]) <= 6
+    assert deaths == 5 and restarts == 5
     assert int(after["death_streak"]) == 0
 
 

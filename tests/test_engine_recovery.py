@@ -368,3 +368,39 @@ def test_a_request_rerun_max_runs_times_in_one_worker_goes_back_to_the_queue():
     assert not runnable(t)
     assert isinstance(t.verdict, TransientError) and t.verdict.code == "engine_restarting"
     assert MAX_RUNS == 8
+
+
+def test_a_request_killing_every_engine_runs_max_runs_times_through_the_host(make_host,
+                                                                             monkeypatch):
+    """The same bound through the engine host. With the shipped rules a request that kills
+    every engine it runs in is convicted at its second death alone (by its 7th run at most,
+    for any batch of under ~16 million: each split takes a square root), so MAX_RUNS is the net
+    under the conviction. Here the conviction is turned off (POISON_STRIKES out of reach) to
+    show the net alone holds.
+
+    Given 4 innocents and one request that kills the engine whenever it runs, in one batch,
+    when the host re-runs its suspects across the deaths, then the innocents succeed and the
+    killer is run exactly MAX_RUNS (8) times in this worker, each on a fresh engine that passed
+    its canary, then fails engine_restarting (TransientError: the queue takes over, attempt +
+    1) saying so; the death streak never reaches its limit (each canary is a success), so the
+    worker stays."""
+    from workers.engine import suspects
+
+    monkeypatch.setattr(suspects, "POISON_STRIKES", 10**6)
+    w = World(poison=POISON)
+    w.gate.set()
+    # (A short start bound: without the net the killer's caller gives up in ~40 s, not 15 min.)
+    host = make_host(w, death_limit=3, engine_start_timeout=10)
+    prompts = [f"innocent {i}" for i in range(4)]
+    prompts.insert(2, f"the {POISON} pill")
+    outs = run_all(host, prompts, timeout=30)
+    killer = outs.pop(2)
+    assert [o.text for o in outs] == [f"innocent {i}" for i in range(4)]
+    assert isinstance(killer, TransientError) and killer.code == "engine_restarting", killer
+    assert f"re-run {suspects.MAX_RUNS} times" in str(killer)
+    runs = [rid for rid in w.runs if rid == "r2" or rid.startswith("r2.")]
+    assert len(runs) == suspects.MAX_RUNS == 8
+    # Each run after the first on a fresh engine, after its canary.
+    assert host.stats.restarts >= suspects.MAX_RUNS - 1
+    assert host.stats.canaries >= suspects.MAX_RUNS - 1
+    assert host.stats.poisoned == 0 and host.snapshot()["recovering"] == 0

@@ -53,7 +53,7 @@ def test_an_unknown_drill_fault_stops_the_process_at_start_naming_it(monkeypatch
     monkeypatch.setenv("VIGIL_DRILL", "poison=X,explode_now")
     with pytest.raises(SettingsError, match="VIGIL_DRILL: .*unknown fault 'explode_now'"):
         load_settings()
-    for good in ("black_hole", "slow_start=2.5,slow_run=1", "poison=P,die_on_start"):
+    for good in ("black_hole", "slow_start=2.5,slow_step=1", "poison=P,die_on_start"):
         monkeypatch.setenv("VIGIL_DRILL", good)
         assert load_settings().drill == good
 

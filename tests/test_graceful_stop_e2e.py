@@ -1,10 +1,15 @@
 """Worker tier: SIGTERM (a PaaS stop) hands in-flight requests to another worker at once, and
-the worker stops cleanly, leaking nothing."""
+the worker stops cleanly, leaking nothing, with its model in a process of its own (vLLM's "mp"
+layout: a GPU engine over several devices, or a registry entry asking for it), the layout whose
+stop can overrun vLLM's exit grace (docs/failure-modes.md, "Kills under load")."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,15 +23,31 @@ from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, eng
 pytestmark = pytest.mark.worker
 
 
+def mp_models_file(tmp: Path) -> Path:
+    """The suite's registry with tiny-llama's entry asking for vLLM's "mp" executor: the model
+    runs in a process of its own below EngineCore (on the CPU Vigil otherwise runs it inside
+    EngineCore: workers/engine/vllm_args.py `executor_args`). Same weights, same pool."""
+    from app.requests.models import get_registry
+
+    models = json.loads(Path(os.environ["VIGIL_MODELS_FILE"]).read_text())["models"]
+    tiny = get_registry().get("tiny-llama").model_dump(mode="json")
+    tiny["engine_args"] = {**tiny["engine_args"], "distributed_executor_backend": "mp"}
+    path = tmp / "mp-models.json"
+    path.write_text(json.dumps({"models": [*models, tiny]}))
+    return path
+
+
 def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         warm_worker, redis_server, tmp_path):
-    """Given two workers and no beat at all (so no reaper can help), when one gets SIGTERM with
-    long generations in flight, then it hands them back at once: every request completes
-    exactly once, those it held on the other worker, and the stopped worker exits 0 after
-    shutting its engine down: no engine process left, no leaked shared memory or __del__ noise
-    in its log, its registry entry gone."""
+    """Given two workers and no beat at all (so no reaper can help), the leaving one running its
+    model in a process of its own (the "mp" layout), when it gets SIGTERM with long generations
+    in flight, then it hands them back at once: every request completes exactly once, those it
+    held on the other worker, and the stopped worker exits 0 after shutting its engine down:
+    no engine process left, no leaked shared memory, no model process SIGTERMed past its exit
+    grace and no __del__ noise in its log, its registry entry gone."""
     store = RequestStore(redis_server.client(), 3600)
-    victim = RunningWorker(redis_server, "leaver@testhost", tmp_path)
+    victim = RunningWorker(redis_server, "leaver@testhost", tmp_path,
+                           VIGIL_MODELS_FILE=str(mp_models_file(tmp_path)))
     try:
         inst = victim.wait_engine()["instance_id"]
         warm_inst = warm_worker.entry()["instance_id"]
@@ -38,7 +59,10 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
         assert held, "the leaving worker took no request"
         children = engine_processes(victim.proc.pid)
-        assert "EngineCore" in " ".join(p.name() for p in children)
+        titles = [" ".join(p.cmdline()) + " " + p.name() for p in children]
+        assert any("EngineCore" in t for t in titles), titles
+        # The layout under test: the model in a process of its own below EngineCore.
+        assert any("Worker" in t and "EngineCore" not in t for t in titles), titles
         stopped_at = time.monotonic()
         victim.proc.send_signal(signal.SIGTERM)
         outs = [r.get(timeout=300) for r in rs]

@@ -5,6 +5,7 @@ The engine's side is tested end to end in tests/test_token_stream_e2e.py (a real
 engine); here the stream's rules are checked on a real redis-server with scripted chunks."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -12,14 +13,18 @@ import pytest
 import redis
 
 from app.errors import TerminalError
+from app.local.embedded import stop_process
 from app.requests.async_result import _Cursor
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
+from app.settings import load_settings
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
 from app.state.streams import (APPENDED, FENCED, OFF_SEQUENCE, Checkpoint, Chunk, Entry,
                                TokenStreams, checkpoint_of)
+from tests.conftest import CACHE_DIR, wait_until
+from tests.redis_servers import LocalRedis
 from workers.streaming import StreamSink, StreamTap
 
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 64}
@@ -273,6 +278,95 @@ def test_the_flusher_thread_writes_on_its_own(store):
         while tap.unwritten() and time.monotonic() < deadline:
             threading.Event().wait(0.01)
         assert tap.unwritten() == 0
+    finally:
+        sink.stop()
+
+
+# -- Redis away while a worker streams (docs/failure-modes.md, "Token streams") -----------------
+@pytest.fixture()
+def restartable_redis():
+    """A private redis-server (AOF) that a test stops and starts again on the same port."""
+    server = LocalRedis(appendonly=True).start()
+    yield server
+    server.stop()
+
+
+def stop_redis(server: LocalRedis) -> None:
+    """Stop the server cleanly (SIGTERM: its AOF written), keeping its data for `start`."""
+    stop_process(server.proc, timeout=10)
+    server.proc = None
+
+
+def worker_sink(server: LocalRedis, outage_grace: float):
+    """A worker's store on `server` (its calls ride out `outage_grace` seconds of outage) and
+    its running flusher (every 50 ms), as workers/runtime.py builds them."""
+    settings = load_settings(redis_url=server.url, cache_dir=CACHE_DIR)
+    store = RequestStore(connect(settings), settings.result_ttl, outage_grace)
+    return store, StreamSink(store.streams(), flush_ms=50, chunk_tokens=64).start()
+
+
+def each_token_once(store, rid: str) -> list[int]:
+    """The stream's token ids, checking that its chunks follow each other without gap or
+    overlap (nothing written twice)."""
+    at, ids = 0, []
+    for e in TokenStreams(store.raw).entries(rid):
+        if e.end:
+            continue
+        assert e.start == at, f"chunk at {e.start}, the stream ended at {at}"
+        at += len(e.token_ids)
+        ids += e.token_ids
+    return ids
+
+
+@pytest.mark.redis
+def test_a_flush_while_redis_restarts_waits_for_it_and_writes_every_token_once(
+        restartable_redis, caplog):
+    """Given a worker streaming a request (outage grace 30 s), when Redis stops with tokens
+    already written and more arrive while it is down, then the flush does not fail: it waits
+    for Redis (the store's outage policy), the tokens stay in the tap meanwhile, and once Redis
+    is back every token is in the stream exactly once, in order (the script cache lost with
+    the restart is loaded again)."""
+    caplog.set_level(logging.WARNING)
+    store, sink = worker_sink(restartable_redis, outage_grace=30)
+    try:
+        tap = open_tap(sink, store, "o1")
+        tap.add([1, 2], "ab")
+        wait_until(lambda: tap.unwritten() == 0)
+        stop_redis(restartable_redis)
+        tap.add([3, 4], "cd")
+        wait_until(lambda: "cannot reach Redis" in caplog.text)  # the flush is retrying
+        tap.add([5], "e")
+        assert tap.unwritten() == 3
+        restartable_redis.start()
+        wait_until(lambda: tap.unwritten() == 0, 30)
+        assert each_token_once(store, "o1") == [1, 2, 3, 4, 5]
+        assert TokenStreams(store.raw).checkpoint("o1").text == "abcde"
+        assert "could not write token streams" not in caplog.text  # waited, never failed
+    finally:
+        sink.stop()
+
+
+@pytest.mark.redis
+def test_a_flush_failing_past_the_outage_grace_is_logged_and_sent_again(restartable_redis,
+                                                                         caplog):
+    """Given a worker streaming a request, when Redis stays away longer than the outage grace
+    (0.5 s here, 120 s by default), then the flush fails with redis_unavailable and says so in
+    the log, the tokens stay pending in the tap (the worker goes on), and the next flush after
+    Redis is back writes them, each once."""
+    caplog.set_level(logging.WARNING)
+    store, sink = worker_sink(restartable_redis, outage_grace=0.5)
+    try:
+        tap = open_tap(sink, store, "o2")
+        tap.add([1, 2], "ab")
+        wait_until(lambda: tap.unwritten() == 0)
+        stop_redis(restartable_redis)
+        tap.add([3, 4], "cd")
+        wait_until(lambda: "could not write token streams: redis_unavailable" in caplog.text)
+        tap.add([5], "e")
+        assert tap.unwritten() == 3
+        restartable_redis.start()
+        wait_until(lambda: tap.unwritten() == 0, 30)
+        assert each_token_once(store, "o2") == [1, 2, 3, 4, 5]
     finally:
         sink.stop()
 

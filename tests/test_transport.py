@@ -190,6 +190,52 @@ def test_a_channel_shares_one_client_per_connection_pool(conn):
     assert ch._create_client(asynchronous=True) is not second  # the event loop's own
 
 
+def test_a_channel_left_without_its_connection_fails_like_a_lost_connection(conn,
+                                                                           redis_db1_url,
+                                                                           caplog):
+    """The guard of the Redis restart row (docs/failure-modes.md), provoked on purpose.
+
+    Given a channel holding a delivery whose task still runs (an earlier one acked, so its
+    acker ran), when its kombu connection is closed under it (the transport's `client` None,
+    as kombu's Connection.close leaves it: Celery closes a lost connection before the
+    consumer's channel closes and before the running tasks ack), then the channel's close,
+    restoring the delivery, and the task's ack afterwards (sent at once: the acker stopped with
+    the channel) each fail with redis' ConnectionError, one of kombu's connection errors, which
+    Celery ignores on a close and logs on an ack (kombu's `ignore_errors`, `ack_log_error`).
+    Never AttributeError
+    (`None.hostname` in kombu 5.7's `_connparams`), which Celery takes for an "Unrecoverable
+    error" and exits on. The delivery stays in kombu's unacked hash, to come back after the
+    visibility timeout."""
+    publish(conn, "other.task", "done")
+    publish(conn, "other.task", "running")
+    messages = []
+    q = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+    consumer = Consumer(conn, [q], callbacks=[lambda body, m: messages.append(m)],
+                        accept=["json"])
+    consumer.consume()
+    wait_until(lambda: conn.drain_events(timeout=5) or len(messages) == 2)
+    errors = conn.connection_errors  # what Celery's consumer keeps from its connection
+    done, running = messages
+    done.ack()
+    witness = Connection(redis_db1_url).default_channel.client
+    wait_until(lambda: witness.hkeys("unacked") == [running.delivery_tag.encode()])
+
+    ch = running.channel
+    ch.connection.client = None  # kombu's Connection close (`_do_close_transport`)
+    try:
+        # Celery closes a consumer's channel as `ignore_errors(connection, channel.close)`
+        # (celery/bootsteps.py): a connection error is ignored, anything else escapes.
+        with pytest.raises(errors):
+            ch.close()  # restores its unacked delivery: through `_connparams`, with no client
+        with caplog.at_level(logging.ERROR, logger="test.acks"):
+            running.ack_log_error(logging.getLogger("test.acks"), errors)  # must not raise
+    finally:
+        ch.connection.client = conn  # for the fixture's own close
+    assert "Couldn't ack" in caplog.text
+    assert "the broker connection of this channel was closed" in caplog.text
+    assert witness.hkeys("unacked") == [running.delivery_tag.encode()]
+
+
 def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
         conn, settings, monkeypatch):
     """Given a worker whose consumer is taking a request's message (its in-flight set names the

@@ -3,6 +3,7 @@ fine, it answers every probe, and it never finishes a generation) is caught by t
 quarantined, and comes back only through a passing canary."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,27 +12,34 @@ import pytest
 
 from app import app
 from app.local.embedded import wait_for
-from app.state.health import HEALTHY, QUARANTINED, RESTARTING, HealthLedger
+from app.state.health import HEALTHY, QUARANTINED, RESTARTING
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, every_request_taken
 
 pytestmark = pytest.mark.worker
-REQUEST_TIMEOUT_S = 40
 STALL_TIMEOUT_S = 8
+# Far above the stall timeout, so only the stall watchdog can catch the wedge within the test:
+# the requests' own timeouts would take 600 s.
+REQUEST_TIMEOUT_S = 600
+# The watchdog looks every min(1 s, stall / 4); then the aborted requests' task threads report
+# to the ledger and the third report quarantines. Measured 8.9 s in all; the margin is for a
+# loaded 2-core machine (the other worker busy on both cores).
+CAUGHT_BOUND_S = STALL_TIMEOUT_S + 1 + 6
 POOL_QUEUE = "vigil.pool.tiny-llama"
 
 
 def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantined(
         warm_worker, redis_server, tmp_path):
-    """Given two workers under load, when the EngineCore of one is SIGSTOPped (its heartbeat goes
-    on), then within request_timeout it is QUARANTINED from traffic alone (the stall watchdog
-    aborts what it held and reports each as a failure); every request it held completes on the
-    other worker, exactly once; no request begins on it while quarantined; and after its engine
+    """Given two workers under load, the victim's request timeout far above its stall timeout
+    (600 s, 8 s), when the EngineCore of the victim is SIGSTOPped (its heartbeat goes on), then
+    its stall watchdog declares one stall and the worker is QUARANTINED from traffic alone
+    within the stall timeout plus the watchdog's period and a margin (15 s), every report that
+    condemned it a stall; every request it held completes on the other worker, exactly once,
+    having run at most twice; no request begins on it while quarantined; and after its engine
     restart and a passing canary it is HEALTHY and serves again."""
     client = redis_server.client()
     store = RequestStore(client, 3600)
-    ledger = HealthLedger(client, window=3600, threshold=3)
     victim = RunningWorker(redis_server, "wedge@testhost", tmp_path,
                            VIGIL_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S),
                            VIGIL_STALL_TIMEOUT=str(STALL_TIMEOUT_S))
@@ -49,11 +57,21 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
         wedged_at = time.time()
         os.kill(cores[0], signal.SIGSTOP)
 
-        # Caught by traffic: the heartbeat kept saying all is well until then.
-        wait_for(lambda: ledger.read(inst).state in (QUARANTINED, RESTARTING),
-                 REQUEST_TIMEOUT_S + 5, interval=0.1, what="the wedged worker's quarantine")
-        caught_s = time.time() - wedged_at
-        quarantined_at = ledger.read(inst).last_failure_at
+        # Caught by traffic: the heartbeat kept saying all is well until then. The ledger's
+        # failure times (read before a canary clears them) say when the third report came.
+        def condemned():
+            raw = client.hgetall(f"vigil:health:{inst}")
+            state = raw.get(b"state", b"").decode()
+            return raw if state in (QUARANTINED, RESTARTING) else None
+
+        raw = wait_for(condemned, CAUGHT_BOUND_S + 1, interval=0.1,
+                       what="the wedged worker's quarantine by its stall watchdog")
+        failures = sorted(json.loads(raw[b"failures"]))
+        caught_s = failures[2] - wedged_at  # the report that crossed the threshold of 3
+        quarantined_at = failures[2]
+        assert raw[b"last_failure_reason"].decode().startswith("stall: the engine made no "
+                                                               "progress for ")
+        assert caught_s <= CAUGHT_BOUND_S, caught_s
         assert victim.entry() is not None  # alive and heartbeating all along
 
         outs = [r.get(timeout=600) for r in rs]
@@ -62,6 +80,17 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
         by_id = {o["request_id"]: o for o in outs}
         assert all(by_id[rid]["worker"] == warm_worker.name for rid in held)
         assert_each_ran_to_a_result_once(store, [r.id for r in rs])
+        # Each held request ran at most twice: once on the victim (ended `wedged` by the
+        # stall), or not at all there (received, not begun: handed back), then once here.
+        for rid in held:
+            h = store.history(rid)
+            on_victim = [e for e in h if e["instance"] == inst]
+            assert len(h) <= 2 and len(on_victim) <= 1, h
+            assert all(e["error"] == "wedged" for e in on_victim), h
+        # One stall declared, and no request's own timeout ever reported (600 s).
+        assert int(victim.entry()["stalls"]) == 1
+        reports = [ln for ln in victim.log.read_text().splitlines() if "health: " in ln]
+        assert reports and all("stall: " in ln for ln in reports), reports
 
         back = wait_for(lambda: (e := victim.entry()) and e.get("health_state") == HEALTHY and e,
                         300, what="the canary to pass")
@@ -72,9 +101,10 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
             for h in store.history(r.id):
                 if h["instance"] == inst:
                     assert not quarantined_at + 0.5 < h["started_at"] < healthy_at, h
-        print(f"\nwedge caught {caught_s:.1f} s after SIGSTOP (stall timeout {STALL_TIMEOUT_S} s,"
-              f" request timeout {REQUEST_TIMEOUT_S} s); the {len(held)} requests it held were"
-              f" done {done_s:.1f} s after the wedge")
+        print(f"\nwedge caught {caught_s:.1f} s after SIGSTOP by the stall watchdog (stall timeout"
+              f" {STALL_TIMEOUT_S} s, bound {CAUGHT_BOUND_S} s, request timeout "
+              f"{REQUEST_TIMEOUT_S} s); the {len(held)} requests it held were done "
+              f"{done_s:.1f} s after the wedge")
 
         # It serves again: with the other worker stepping aside, the victim takes new work.
         app.control.cancel_consumer(POOL_QUEUE, destination=[warm_worker.name], reply=True,

@@ -49,12 +49,22 @@ class QuarantineActions:
     leave: Callable[[WorkerFatalError], None]
 
 
+def canary_backoff(failures: int) -> float:
+    """Seconds to wait after `failures` failed canaries in a row before the next engine restart:
+    2, 4, 8... doubling, at most CANARY_BACKOFF_MAX_S."""
+    return min(CANARY_BACKOFF_MAX_S, 2.0 ** failures)
+
+
 class WorkerHealth:
     """Reports to this worker's ledger and runs its quarantine (module docstring)."""
 
     def __init__(self, ledger: HealthLedger, instance_id: int, name: str, host: EngineHost,
                  actions: QuarantineActions, *, on_change: Callable[[], None],
-                 canary_timeout: float, max_canary_failures: int):
+                 canary_timeout: float, max_canary_failures: int,
+                 clock: Callable[[], float] = time.time,
+                 pause: Callable[[float], object] | None = None):
+        """`clock` stamps the ledger's reports (wall-clock seconds); `pause(s)` waits between
+        failed canaries (default: a wait that `close` cuts short). Both injectable for tests."""
         self.ledger = ledger
         self.instance_id = instance_id
         self.name = name
@@ -70,6 +80,8 @@ class WorkerHealth:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._clock = clock
+        self._pause = pause or self._stop.wait
         self._pools: list[str] = []
 
     def fields(self) -> dict:
@@ -80,7 +92,7 @@ class WorkerHealth:
     def failure(self, reason: str) -> None:
         """A request this worker held ended `wedged` (timeout or stall). Never raises."""
         try:
-            state, streak, became = self.ledger.failure(self.instance_id, time.time(), reason)
+            state, streak, became = self.ledger.failure(self.instance_id, self._clock(), reason)
         except TransientError as e:
             log.warning("could not report a failure to the health ledger: %s", e)
             return
@@ -96,7 +108,7 @@ class WorkerHealth:
         if self.state != SUSPECT:
             return
         try:
-            state = self.ledger.success(self.instance_id, time.time())
+            state = self.ledger.success(self.instance_id, self._clock())
         except TransientError as e:
             log.warning("could not report a success to the health ledger: %s", e)
             return
@@ -136,13 +148,13 @@ class WorkerHealth:
         while not self._stop.is_set():
             self._set(RESTARTING)
             try:
-                self.ledger.restarting(self.instance_id, time.time())
+                self.ledger.restarting(self.instance_id, self._clock())
             except TransientError as e:
                 log.warning("quarantine: %s", e)
             ok, why = self.host.restart_with_canary(self.actions.canary_spec(),
                                                     self.canary_timeout)
             try:
-                state, failures = self.ledger.canary(self.instance_id, time.time(), ok, why)
+                state, failures = self.ledger.canary(self.instance_id, self._clock(), ok, why)
             except TransientError as e:
                 log.warning("quarantine: %s", e)
                 state, failures = (HEALTHY, 0) if ok else (QUARANTINED, failures + 1)
@@ -155,7 +167,7 @@ class WorkerHealth:
                     f"{failures} canary generations failed in a row after a quarantine "
                     f"({why})")))
                 return
-            self._stop.wait(min(CANARY_BACKOFF_MAX_S, 2.0 ** failures))
+            self._pause(canary_backoff(failures))
         if self._stop.is_set():
             return
         with self._lock:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from app.drills import Drill
+from app.drills import SLOW_STEP_CONFIG_KEY, Drill
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
@@ -23,6 +23,14 @@ from workers.engine.vllm import VllmEngine, engine_core_pids
 from workers.engine.witness import Witness
 
 log = logging.getLogger("vigil.drill")
+
+
+def slow_step_args(step_s: float) -> dict:
+    """The engine args that make every engine step `step_s` seconds slower, inside EngineCore:
+    the logits processor of workers/engine/drill_steps.py, named for vLLM to load there, and
+    its seconds in vLLM's `additional_config`."""
+    return {"logits_processors": ["workers.engine.drill_steps:SlowSteps"],
+            "additional_config": {SLOW_STEP_CONFIG_KEY: step_s}}
 
 
 class DrillEngine(VllmEngine):
@@ -34,7 +42,8 @@ class DrillEngine(VllmEngine):
         log.warning("DRILL ENGINE for %s: injecting %s", spec.name, self.drill)
         if drill.slow_start_s:
             time.sleep(drill.slow_start_s)  # synchronous, on the loop, as the real build is
-        super().__init__(spec, plan, witness=witness)
+        extra = slow_step_args(drill.slow_step_s) if drill.slow_step_s else None
+        super().__init__(spec, plan, witness=witness, extra_args=extra)
         if self.drill.die_on_start:
             self.kill_core()
             deadline = time.monotonic() + 15
@@ -59,8 +68,6 @@ class DrillEngine(VllmEngine):
                   tap=None) -> EngineOutput:
         if self.drill.black_hole:
             raise RuntimeError("drill: black hole (every generation fails at once)")
-        if self.drill.slow_run_s:
-            await asyncio.sleep(self.drill.slow_run_s)  # cancelled by an abort, as a run is
         if self.drill.poison and req.prompt and self.drill.poison in req.prompt:
             task = asyncio.ensure_future(super().run(req, request_id, adapter, tap))
             await self._entered(request_id)  # in the engine's batch, then the crash

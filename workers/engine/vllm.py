@@ -63,13 +63,15 @@ class VllmEngine:
     _death_cause: object = False  # not read yet
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
-                 witness: Witness | None = None):
+                 witness: Witness | None = None, extra_args: dict | None = None):
+        """Build the engine for `spec` (its recipe: workers/engine/vllm_args.py), with
+        `extra_args` over the recipe's (the drill engine's additions)."""
         engine_env_defaults()
         self.witness = witness
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(spec, plan)
+        args = {**engine_args(spec, plan), **(extra_args or {})}
         self.spec = spec
         self._llm = None
         self._watch: StreamWatch | None = None  # made by the first streamed run

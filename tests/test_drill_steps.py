@@ -1,0 +1,61 @@
+"""Unit tier: the drill's slow steps (workers/engine/drill_steps.py), the logits processor vLLM
+loads in EngineCore for `slow_step`: it follows vLLM's batch updates (removed, added, moved,
+swapped) and logs each request that leaves with the tokens it made of its max_tokens; it sleeps
+its seconds at every step. The e2e (tests/test_abort_ended_e2e.py) runs it in a real engine."""
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from app.drills import SLOW_STEP_CONFIG_KEY, parse_drill
+from workers.engine.drill import slow_step_args
+from workers.engine.drill_steps import SlowSteps
+
+
+def processor(step_s: float = 0.0) -> SlowSteps:
+    config = SimpleNamespace(additional_config={SLOW_STEP_CONFIG_KEY: step_s})
+    return SlowSteps(config, torch.device("cpu"), False)
+
+
+def update(removed=(), added=(), moved=()) -> BatchUpdate:
+    return BatchUpdate(batch_size=4, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def test_each_request_leaving_the_batch_is_logged_with_the_tokens_it_made(caplog):
+    """Given requests added at indices 0-2 whose outputs grow, moved and swapped as vLLM
+    condenses its batch, when they leave, then each departure names that request's own
+    tokens and max_tokens."""
+    caplog.set_level(logging.WARNING, logger="vllm.vigil_drill")
+    p = processor()
+    outs = {n: [] for n in (10, 20, 30)}
+    p.update_state(update(added=[(i, SamplingParams(max_tokens=n), [1], outs[n])
+                                 for i, n in enumerate((10, 20, 30))]))
+    outs[10] += [5] * 3
+    outs[20] += [5] * 7
+    outs[30] += [5] * 30
+    p.update_state(update(removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    p.update_state(update(moved=[(0, 1, MoveDirectionality.SWAP)]))  # 30 at 1, 20 at 0
+    p.update_state(update(removed=[1]))
+    p.update_state(update(removed=[0]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "DRILL: a request left the engine's batch after 3 of 10 tokens",
+        "DRILL: a request left the engine's batch after 30 of 30 tokens",
+        "DRILL: a request left the engine's batch after 7 of 20 tokens"]
+
+
+def test_every_step_takes_its_seconds_longer_and_keeps_the_logits():
+    """Given slow_step=0.05, then each apply returns the logits untouched, 0.05 s later; the
+    drill names the processor and its seconds in the engine args vLLM reads."""
+    assert not processor().is_argmax_invariant()  # applied at greedy steps too
+    logits = torch.ones(2, 8)
+    started = time.monotonic()
+    assert processor(0.05).apply(logits) is logits
+    assert time.monotonic() - started >= 0.05
+    args = slow_step_args(parse_drill("slow_step=0.25").slow_step_s)
+    assert args == {"logits_processors": ["workers.engine.drill_steps:SlowSteps"],
+                    "additional_config": {SLOW_STEP_CONFIG_KEY: 0.25}}
