@@ -61,7 +61,10 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
         assert all(o["completion_tokens"] == 300 for o in outs)
         by_id = {o["request_id"]: o for o in outs}
         assert all(by_id[rid]["worker"] == warm_worker.name for rid in held)
-        assert_each_ran_to_a_result_once(store, [r.id for r in rs])
+        # A held request whose engine finished just before the watchdog's abort reached it ran
+        # to completion there and again on the other worker: at most twice; every other once.
+        assert_each_ran_to_a_result_once(store, [r.id for r in rs],
+                                         at_most={rid: 2 for rid in held})
 
         back = wait_for(lambda: (e := victim.entry()) and e.get("health_state") == HEALTHY and e,
                         300, what="the canary to pass")
