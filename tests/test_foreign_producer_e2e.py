@@ -44,7 +44,7 @@ PRODUCER = textwrap.dedent('''
     before = [other.send_task("other.add", kwargs={"x": i}).id for i in range(3)]
     good = other.send_task("vigil.generate", kwargs={
         "model": "tiny-llama", "prompt": "hello from elsewhere", "max_tokens": 5,
-        "job": "foreign-" + tag})
+        "ignore_eos": True, "job": "foreign-" + tag})
     bad = other.send_task("vigil.generate", kwargs={"model": "tiny-llama", "prompt": 42})
     after = [other.send_task("other.add", kwargs={"x": 9}).id]
     print(json.dumps({"others": before + after, "good": good.id, "bad": bad.id}), flush=True)

@@ -95,7 +95,8 @@ def test_client_errors_the_engine_refuses_fail_at_once_and_keep_the_engine_warm(
     oov = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
                                                   "prompt_token_ids": [5, 999_999]},
                         queue="vigil.pool.tiny-llama")
-    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4)
+    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4,
+                          ignore_eos=True)
     for r, code in ((too_long, "prompt_too_long"), (oov, "token_out_of_vocab")):
         with pytest.raises(RequestError, match=f"^{code}: ") as ei:
             r.get(timeout=120)
@@ -196,7 +197,8 @@ def test_hostile_raw_and_pickled_messages_end_typed_and_the_worker_keeps_serving
             ((), {"model": "tiny-llama", "prompt": "pickled"}, {}), serializer="pickle",
             exchange="", routing_key=q,
             headers={"task": "vigil.generate", "id": pickled_id, "retries": 0})
-    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4)
+    fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4,
+                          ignore_eos=True)
 
     for code, res in sent:
         with pytest.raises(RequestError, match=f"^{code}: "):
