@@ -19,7 +19,7 @@ from app.requests import batch_file as fmt
 from app.settings import get_settings
 from app.state import keys
 from app.state.batches import BatchStore
-from app.state.queues import job_queue_name
+from app.state.queues import HOUSEKEEPING_QUEUE, job_queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
@@ -68,6 +68,13 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
     try:
         entry = victim.wait_engine()
         inst = entry["instance_id"]
+        # The victim runs none of beat's tasks (every worker consumes vigil.housekeeping as the
+        # fallback): one it held at the kill would keep its lock for the lock's lease (the
+        # batch tick's is 300 s, the reaper's 60 s) and stall what this test measures.
+        bus.cancel_consumer(HOUSEKEEPING_QUEUE, [victim.name])
+        wait_for(lambda: HOUSEKEEPING_QUEUE not in (bus.active_queues(victim.name)
+                                                    or [HOUSEKEEPING_QUEUE]), 30, 0.2,
+                 "the victim to stop consuming vigil.housekeeping")
         # The batch's lines go out as one message of many requests (app/fleet/batch_tick.py,
         # VIGIL_REQUESTS_PER_MESSAGE), to whichever worker consumes the batch's job queue: the
         # victim alone, so that the lines are the killed worker's. The job is known to the pool
