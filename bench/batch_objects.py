@@ -138,11 +138,12 @@ def run_batch(fleet: Fleet, lines: list[dict], env: dict, logdir: Path, say) -> 
 
 
 def witnessed(witness_dir: Path, ids: list[str]) -> Counter:
-    """How many requests of `ids` the engines finished 0, 1, 2, ... times."""
-    from workers.engine.witness import read_witness
+    """How many requests of `ids` the engines ran to completion 0, 1, 2, ... times (canaries
+    belong to no request)."""
+    from workers.engine.witness import finished_generations, read_witness
 
     seen = read_witness(witness_dir)
-    return Counter(len(seen.get(rid, [])) for rid in ids)
+    return Counter(finished_generations(seen.get(rid, [])) for rid in ids)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -240,14 +240,23 @@ def check_backend(rep: SoakReport, recs: dict[str, dict | None], seed: int) -> N
 
 def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Path) -> None:
     """Fill the witness figures: the generations the engines wrote down (no Vigil code reads
-    them), how many each request had, and each succeeded record that no finished generation of
-    its attempt, with its token count, backs; and the token figures (SoakReport)."""
-    from workers.engine.witness import read_witness
+    them; canaries counted apart), how many times each request ran to completion, each request
+    that ran to completion more often than it may (once; twice for a request a killed worker
+    held, whose engine may have finished it just before the kill lost its finish), each
+    succeeded record that no finished generation of its attempt, with its token count, backs;
+    and the token figures (SoakReport)."""
+    from workers.engine.witness import finished_generations, read_canaries, read_witness
 
     seen = read_witness(witness_dir) if witness_dir.is_dir() else {}
-    rep.witness_generations = sum(len(g) for g in seen.values())
-    rep.generations_per_request = dict(sorted(Counter(len(seen.get(rid, []))
-                                                      for rid in recs).items()))
+    rep.witness_canaries = len(read_canaries(witness_dir)) if witness_dir.is_dir() else 0
+    rep.witness_generations = sum(len(g) for g in seen.values()) + rep.witness_canaries
+    runs = {rid: finished_generations(seen.get(rid, [])) for rid in recs}
+    rep.generations_per_request = dict(sorted(Counter(runs.values()).items()))
+    held_at_a_kill = {rid for k in rep.kills if k.kind == "worker" for rid in k.held}
+    for rid, n in runs.items():
+        if n > (2 if rid in held_at_a_kill else 1):
+            rep.ran_too_often += 1
+            rep.ran_too_often_ids.append(rid)
     rep.tokens_generated = sum(g["tokens"] for gs in seen.values() for g in gs)
     made_by_winners = 0
     for rid, rec in recs.items():
@@ -260,7 +269,7 @@ def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Pa
         rep.requests_resumed += bool(resumed)
         made_by_winners += res["completion_tokens"] - (resumed[-1] if resumed else 0)
         if not any(g["attempt"] == res["attempts"] and g["total"] == res["completion_tokens"]
-                   for g in seen.get(rid, [])):
+                   and g["sample"] == 0 for g in seen.get(rid, [])):
             rep.witness_mismatches += 1
             rep.witness_mismatch_ids.append(rid)
     rep.tokens_thrown_away = max(0, rep.tokens_generated - made_by_winners)

@@ -40,9 +40,14 @@ class SoakReport:
     failed_twice: int = 0  # more than one terminal outcome in the history
     wrong_results: int = 0  # succeeded with a token count other than asked (ignore_eos)
     # The engines' witness (workers/engine/witness.py), outside Vigil's records: generations
-    # finished, how many requests had N of them, and stored results no generation backs.
+    # finished (canaries included, and counted apart), how many requests ran to completion N
+    # times, those that ran more often than they may (once; twice if a killed worker held
+    # them), and stored results no generation backs.
     witness_generations: int = 0
+    witness_canaries: int = 0
     generations_per_request: dict[int, int] = field(default_factory=dict)
+    ran_too_often: int = 0
+    ran_too_often_ids: list[str] = field(default_factory=list)
     witness_mismatches: int = 0
     witness_mismatch_ids: list[str] = field(default_factory=list)
     # Tokens (bench/soak_findings.py, tally_witness): in the stored results; reused by resumes
@@ -93,10 +98,11 @@ class SoakReport:
 
     def problems(self) -> list[str]:
         """What breaks the goal: lost, duplicated, requeued twice, failed twice, wrong token
-        counts, requests not accepted, instances reaped twice, backend disagreements."""
+        counts, results the witness does not back, requests run to completion more often than
+        they may, requests not accepted, instances reaped twice, backend disagreements."""
         out = []
         for name in ("lost", "duplicates", "requeued_twice", "failed_twice", "wrong_results",
-                     "witness_mismatches"):
+                     "witness_mismatches", "ran_too_often"):
             if getattr(self, name):
                 out.append(f"{name} {getattr(self, name)}")
         if self.accepted < self.requests:
@@ -136,9 +142,11 @@ class SoakReport:
              f"duplicate_results {self.stats.get('duplicate_results', 0)}"),
             ("requeued twice / failed twice", f"{self.requeued_twice} / {self.failed_twice}"),
             ("wrong token counts", str(self.wrong_results)),
-            ("witness (engines)", f"{self.witness_generations} generations finished; requests "
-             f"by generations: {fmt_counts(self.generations_per_request) or '-'}; stored "
-             f"results no generation backs: {self.witness_mismatches}"),
+            ("witness (engines)", f"{self.witness_generations} generations finished "
+             f"({self.witness_canaries} canaries); requests by runs to completion: "
+             f"{fmt_counts(self.generations_per_request) or '-'}; more than they may: "
+             f"{self.ran_too_often}; stored results no generation backs: "
+             f"{self.witness_mismatches}"),
             ("tokens", f"{self.tokens_in_results} in results; {self.tokens_reused} reused by "
              f"{self.requests_resumed} resumed requests; {self.tokens_generated} made by "
              f"finished runs, {self.tokens_thrown_away} of them thrown away (a killed run's "

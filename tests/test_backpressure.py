@@ -4,6 +4,7 @@ nothing written and nothing published."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -92,6 +93,12 @@ def test_zero_means_unlimited_and_a_rolled_back_submit_gives_its_slot_back(store
     assert not store.raw.exists(keys.job_requests("j"), keys.pool_requests("tiny-llama"))
 
 
+def job_keys(client, job: str) -> dict[bytes, bytes]:
+    """Every key that names `job`, with its serialized value (DUMP): equal when nothing of the
+    job was written."""
+    return {k: client.dump(k) for k in client.scan_iter(f"*{job}*")}
+
+
 @pytest.fixture()
 def capped(monkeypatch):
     """`generate.delay` with caps just above what its pools and job already hold (database 0 is
@@ -123,19 +130,26 @@ def test_delay_past_the_job_cap_raises_overloaded_at_once_with_retry_advice(capp
     and publishes nothing."""
     cap, sent = capped
     s = cap(max_pending_per_job=2)
-    job = f"bp-{time.time_ns()}"
+    job = f"bp-{uuid.uuid4().hex}"
     a = generate.delay(model="tiny-llama", prompt="one", job=job)
     generate.delay(model="tiny-llama", prompt="two", job=job)
     r = shared_store().raw
-    before = r.dbsize()
+    # Database 0 is shared (other tests, the session's warm worker): what must not change is
+    # this job's keys and the refused request's own (its id chosen here, as `.delay` would).
+    before = job_keys(r, job)
+    rid = f"refused-{uuid.uuid4()}"
     with pytest.raises(TransientError) as ei:
-        generate.delay(model="tiny-llama", prompt="three", job=job)
+        generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "three", "job": job},
+                             task_id=rid)
     e = ei.value
     assert e.code == "overloaded" and isinstance(e, TransientError)
     assert str(e) == (f"overloaded: job {job!r} has 2 open requests, its cap "
                       f"(VIGIL_MAX_PENDING_PER_JOB); nothing was sent: retry in "
                       f"~{s.retry_backoff_max:g} s")
-    assert len(sent) == 2 and r.dbsize() == before
+    assert len(sent) == 2 and job_keys(r, job) == before
+    assert not list(r.scan_iter(f"*{rid}*"))  # no record, stream or result
+    assert r.zscore(keys.DEADLINES, rid) is None
+    assert not r.sismember(keys.pool_requests("tiny-llama"), rid)
     shared_store().finish(a.id, 0, time.time(), result={"text": "x"})
     generate.delay(model="tiny-llama", prompt="three", job=job)
     assert len(sent) == 3

@@ -18,8 +18,10 @@ from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.ops.cli import main
 from app.requests import batch_file as batch
 from app.requests.models import TINY_MAX_POSITIONS, get_registry
+from app.state import broker
+from app.state.queues import job_queue_name
 from app.state.store import RequestStore
-from tests.conftest import UNSERVED_MODEL, queued, start_batch_beat
+from tests.conftest import UNSERVED_MODEL, assert_each_ran_to_a_result_once, start_batch_beat
 
 pytestmark = pytest.mark.worker
 
@@ -196,7 +198,12 @@ def test_a_killed_batch_rerun_finishes_each_line_once_without_submitting_twice(
         rec = store.get(rids[cid])
         assert rec["status"] == "SUCCEEDED" and rec["attempts"] == "1" and rec["dispatch"] == "0"
         assert len(store.history(rids[cid])) == 1, cid
+    # Each ran to completion once by the engines' witness (its own requests); no delivery was
+    # a duplicate or stale (the fleet's counters, a delta over this test).
+    assert_each_ran_to_a_result_once(store, list(rids.values()))
     after = store.stats()
     for counter in ("duplicate_deliveries", "stale_deliveries", "duplicate_results"):
         assert after.get(counter, 0) == stats_before.get(counter, 0), counter
-    assert queued(store.raw, "vigil.pool.tiny-llama") == 0
+    # No copy of its requests is left queued (the queues are shared: its own ids only).
+    queues = ["vigil.pool.tiny-llama", job_queue_name("tiny-llama", job)]
+    assert not broker.queued_ids(store.raw, queues) & set(rids.values())

@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent('''
 
         async def go():
             engine = engine_factory("vllm")(spec, None)
-            req = GenerateRequest(model="tiny-llama", prompt="hello there", max_tokens=4)
+            req = GenerateRequest(model="tiny-llama", prompt="hello there", max_tokens=4,
+                                  ignore_eos=True)
             ok = await engine.run(req, "first")
             out["first_tokens"] = len(ok.token_ids)
             gone = AdapterRef("ghost", str(Path(sys.argv[1]) / "no-such-adapter"), "tiny-llama")

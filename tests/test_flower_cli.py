@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -104,6 +105,7 @@ def test_a_retried_message_still_shows_model_and_job_but_not_the_prompt(monkeypa
 
     monkeypatch.setattr(type(app), "send_task", capture)
     generate.apply_async((), {"model": "tiny-llama", "prompt": "secret prompt", "job": "j9"},
-                         task_id="retry-repr-1", retries=2, queue="vigil.pool.tiny-llama")
+                         task_id=f"retry-repr-{uuid.uuid4()}", retries=2,
+                         queue="vigil.pool.tiny-llama")  # database 0 is shared: an id of its own
     assert sent["kwargs"]["prompt"] == "secret prompt"  # the message itself is unchanged
     assert sent["argsrepr"] == "()" and sent["kwargsrepr"] == "{model: 'tiny-llama', job: 'j9'}"

@@ -98,13 +98,14 @@ def test_the_housekeeper_sweeps_with_no_worker_and_beside_a_worker_whose_threads
                  what="the busy worker to be ready")
         # Its two task threads both wait for the engine start (~30 s, longer than the starved
         # request's whole bound) from here on.
-        held = [submit(model=SLOW_START_MODEL, prompt=f"wait for me {i}", max_tokens=4)
-                for i in range(2)]
+        held = [submit(model=SLOW_START_MODEL, prompt=f"wait for me {i}", max_tokens=4,
+                       ignore_eos=True) for i in range(2)]
         wait_for(lambda: all(store.get(r.id)["status"] == "RUNNING" for r in held), 60,
                  what="both of the worker's threads to be busy")
         starved = submit(model=UNSERVED_MODEL, prompt="sweep me anyway", deadline_s=DEADLINE_S)
         misrouted = private.send_task("vigil.generate", kwargs={
-            "model": SLOW_START_MODEL, "prompt": "sent without a queue", "max_tokens": 4})
+            "model": SLOW_START_MODEL, "prompt": "sent without a queue", "max_tokens": 4,
+            "ignore_eos": True})
         with pytest.raises(TerminalError, match="^deadline_exceeded: "):
             starved.get(timeout=60)
         assert ended_within(store, starved.id) <= BOUND_S

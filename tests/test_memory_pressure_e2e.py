@@ -138,7 +138,8 @@ def _squeeze_and_release(mem_worker, store):
     try:
         assert holder.stdout.readline().strip() == b"held"
         held_at = time.monotonic()
-        r = generate.delay(model=ROOMY_MODEL, prompt="room to breathe", max_tokens=8)
+        r = generate.delay(model=ROOMY_MODEL, prompt="room to breathe", max_tokens=8,
+                           ignore_eos=True)
         wait_for(lambda: any(h["error"] == "memory_pressure" and h["outcome"] == "retry"
                              for h in store.history(r.id)), 120,
                  what="a start refused for memory pressure")

@@ -50,7 +50,8 @@ def cpu_procfile(real: str) -> str:
 def _producer(redis_url: str, prompt: str) -> subprocess.Popen:
     """A separate producer process: submits one request, prints its result as JSON."""
     code = ("import json; from tasks.inference import generate\n"
-            f"r = generate.delay(model='tiny-llama', prompt={prompt!r}, max_tokens=8, job='honcho')\n"
+            f"r = generate.delay(model='tiny-llama', prompt={prompt!r}, max_tokens=8, "
+            f"ignore_eos=True, job='honcho')\n"
             "print(json.dumps(r.get(timeout=400)))\n")
     return subprocess.Popen([sys.executable, "-c", code], env=vigil_env(redis_url),
                             cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -15,9 +15,10 @@ import pytest
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.state import keys
 from app.state.store import RequestStore
-from tests.conftest import (CACHE_DIR, RunningWorker, assert_each_ran_to_a_result_once,
-                            assert_witnessed)
+from tests.conftest import (CACHE_DIR, WITNESS_DIR, RunningWorker,
+                            assert_each_ran_to_a_result_once, assert_witnessed)
 from tests.redis_servers import LocalRedis
+from workers.engine.witness import read_witness
 
 pytestmark = pytest.mark.worker
 N = 240
@@ -25,6 +26,10 @@ RATE = 12.0  # submits per second: the restarts land while requests are queued a
 # appendfsync everysec: a crash can lose about the last second of writes (Redis' own docs say up
 # to 2 s in the worst case); a request accepted this close before the crash may be lost whole.
 FSYNC_WINDOW_S = 2.5
+# From an engine's end of a generation (the witness' time) to its finish written in Redis, on a
+# loaded 2-core machine: a finish the crash undid came from a generation that ended at most this
+# long before the window.
+FINISH_LAG_S = 1.0
 
 
 def _ended(client) -> int:
@@ -110,11 +115,23 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
         # and no request fields (docs/reliability.md). It ran once: the engines' witness says so.
         recreated = [rid for rid in ok if rid in in_window and not store.history(rid)
                      and client.hget(keys.request(rid), "pool") is None]
-        finished = assert_witnessed(store, recreated)
-        assert all(n == 1 for n in finished.values()), f"recreated, run more than once: {finished}"
+        assert_witnessed(store, recreated)  # each ran to completion once
         print(f"{len(recreated)} succeeded whose submit the crash lost (records recreated by "
               f"their finish)")
-        assert_each_ran_to_a_result_once(store, [rid for rid in ok if rid not in recreated])
+        # A finish the crash undid (written inside the window) leaves its request RUNNING under
+        # a live worker, which hands it back: it runs to completion a second time; so can one
+        # whose claim and message the window lost (the audit publishes it again while the worker
+        # still runs it: docs/reliability.md). Those alone may show two finished generations.
+        seen = read_witness(WITNESS_DIR)
+        undone = {rid for rid in ok if any(
+            crash_at - FSYNC_WINDOW_S - FINISH_LAG_S <= g["at"] <= crash_at
+            for g in seen.get(rid, []))}
+        twice = {rid: 2 for rid in (undone | in_window) & set(ok)}
+        ran = assert_witnessed(store, ok, at_most=twice)
+        print(f"{sum(n == 2 for n in ran.values())} ran to completion twice, of the {len(twice)} "
+              f"that finished or were accepted inside the fsync window before the crash")
+        assert_each_ran_to_a_result_once(store, [rid for rid in ok if rid not in recreated],
+                                         at_most=twice)
     finally:
         stop_process(producer)
         stop_process(beat)

@@ -25,7 +25,8 @@ def test_vigil_request_shows_a_finished_request_its_attempt_and_no_text_unless_a
     """Given a request the warm worker served, then `vigil request ID --json` shows it
     SUCCEEDED on its first attempt on warm@testhost with a result summary and no text,
     `--show-text` adds the text, the table names the worker, and `info` is the result."""
-    r = generate.delay(model="tiny-llama", prompt="a request to look at", max_tokens=4)
+    r = generate.delay(model="tiny-llama", prompt="a request to look at", max_tokens=4,
+                       ignore_eos=True)
     result = r.get(timeout=120)
     out = vigil_request(redis_server, r.id, "--json")
     assert out.returncode == 0, out.stderr

@@ -5,23 +5,36 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 from app import app
 from app.errors import RequestError
 from app.local.embedded import free_port, vigil_env
-from app.requests.models import get_registry
-from app.state.queues import declared_queues
+from app.state import broker, keys
+from app.state.queues import DEFAULT_JOB
+from app.state.store import shared_store
 from tasks.inference import generate
-from tests.conftest import queued
 
 pytestmark = pytest.mark.redis
 
 
-def queue_state(r):
-    return ({q: queued(r, q) for q in declared_queues(get_registry().names())},
-            sorted(r.scan_iter("vigil:req:*")))
+def left_behind(r, rid: str) -> list:
+    """What a refused submit of `rid` left in Redis: its record, its place in the deadline
+    index, a message in any pool or housekeeping queue (database 0 is shared with the session's
+    worker and the other tests: only this request's own traces are looked at)."""
+    queues = ["vigil.housekeeping"] + broker.all_pool_queues(r)
+    return ([k for k in (keys.request(rid),) if r.exists(k)]
+            + ([keys.DEADLINES] if r.zscore(keys.DEADLINES, rid) is not None else [])
+            + (["a message"] if rid in broker.queued_ids(r, queues, unacked=True) else []))
+
+
+def ended(rid: str) -> None:
+    """End a request a test created and published nowhere: its record and its places in the
+    pending sets and the deadline index go as a finished request's do."""
+    shared_store().finish(rid, 0, time.time(), error_kind="RequestError",
+                          error="invalid_request: test")
 
 
 @pytest.fixture()
@@ -41,11 +54,11 @@ def r(redis_server):
     ({"model": "tiny-llama", "prompt_token_ids": [99999]}, "token_out_of_vocab"),
 ])
 def test_a_bad_request_raises_in_the_producer_and_nothing_is_enqueued(r, kwargs, code):
-    before = queue_state(r)
+    rid = f"bad-{uuid.uuid4()}"  # `.delay` with the id chosen here, to look for its traces
     with pytest.raises(RequestError) as ei:
-        generate.delay(**kwargs)
+        generate.apply_async(kwargs=kwargs, task_id=rid)
     assert ei.value.code == code and str(ei.value).startswith(code + ": ")
-    assert queue_state(r) == before
+    assert left_behind(r, rid) == []
 
 
 def test_positional_arguments_are_refused_with_advice(r):
@@ -82,25 +95,27 @@ def test_the_published_message_is_json_and_hides_the_prompt_from_logs(r, monkeyp
         return self.AsyncResult(options["task_id"])
 
     monkeypatch.setattr(type(app), "send_task", capture)
-    res = generate.delay(model="tiny-llama", prompt="secret prompt", max_tokens=3, job="j1")
+    job = f"j1-{uuid.uuid4().hex[:8]}"
+    res = generate.delay(model="tiny-llama", prompt="secret prompt", max_tokens=3, job=job)
     rec = {k.decode(): v.decode() for k, v in r.hgetall(f"vigil:req:{res.id}").items()}
     try:
-        assert sent["task_id"] == res.id and sent["queue"].name == "vigil.pool.tiny-llama.job.j1"
+        assert sent["task_id"] == res.id
+        assert sent["queue"].name == f"vigil.pool.tiny-llama.job.{job}"
         json.dumps(sent["kwargs"])
         assert sent["kwargs"]["prompt"] == "secret prompt" and sent["kwargs"]["schema_version"] == 1
-        assert "secret" not in sent["kwargsrepr"] and "j1" in sent["kwargsrepr"]
-        assert rec["status"] == "PENDING" and rec["job"] == "j1" and rec["attempts"] == "0"
+        assert "secret" not in sent["kwargsrepr"] and job in sent["kwargsrepr"]
+        assert rec["status"] == "PENDING" and rec["job"] == job and rec["attempts"] == "0"
         assert float(rec["deadline_at"]) - float(rec["created_at"]) == pytest.approx(3600)
         assert sent["expires"].timestamp() > time.time() + 3600
     finally:
-        r.delete(f"vigil:req:{res.id}")
+        ended(res.id)
 
 
 def test_reusing_a_request_id_for_a_different_request_is_refused(r, monkeypatch):
     monkeypatch.setattr(type(app), "send_task",
                         lambda self, name, args=None, kwargs=None, **o:
                         self.AsyncResult(o["task_id"]))
-    rid = "reused-id-test"
+    rid = f"reused-id-{uuid.uuid4()}"
     try:
         first = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "a"}, task_id=rid)
         same = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "a"}, task_id=rid)
@@ -108,7 +123,7 @@ def test_reusing_a_request_id_for_a_different_request_is_refused(r, monkeypatch)
         with pytest.raises(RequestError, match="already used by a different request"):
             generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "b"}, task_id=rid)
     finally:
-        r.delete(f"vigil:req:{rid}")
+        ended(rid)
 
 
 def test_a_failed_publish_leaves_no_record_behind(r, monkeypatch):
@@ -120,7 +135,9 @@ def test_a_failed_publish_leaves_no_record_behind(r, monkeypatch):
         raise OperationalError("connection refused")
 
     monkeypatch.setattr(type(app), "send_task", boom)
-    before = queue_state(r)
+    rid = f"unpublished-{uuid.uuid4()}"
     with pytest.raises(TransientError, match="^redis_unavailable: "):
-        generate.delay(model="tiny-llama", prompt="hello")
-    assert queue_state(r) == before
+        generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "hello"}, task_id=rid)
+    assert left_behind(r, rid) == []
+    pending = [keys.job_requests(DEFAULT_JOB), keys.pool_requests("tiny-llama")]
+    assert not any(r.sismember(k, rid) for k in pending)  # its slot given back

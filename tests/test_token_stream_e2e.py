@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,8 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     assert unbroken["finish_reason"] == "stop" and unbroken["text"] == text[:c - 3]
     # The first attempt made k tokens; its engine released all but the last len(stop) - 1
     # characters (they might have begun the stop string).
-    r = resubmit_after_a_ghost_attempt("seam-1", greedy(max_tokens=200, stop=[stop]), ids[:k],
+    rid = f"seam-{uuid.uuid4()}"  # database 0 is shared: an id of this run's own
+    r = resubmit_after_a_ghost_attempt(rid, greedy(max_tokens=200, stop=[stop]), ids[:k],
                                        text[:c - 5])
     chunks = list(r.stream(timeout=120))
     res = chunks[-1]["result"]
@@ -142,8 +144,8 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     assert res["text"] == unbroken["text"] and res["finish_reason"] == "stop"
     assert res["resumed_at"] == [k] and res["attempts"] == 2
     assert "".join(ch["text"] for ch in chunks) == res["text"]
-    view = describe("seam-1", store=app.vigil_store, settings=get_settings(),
-                    registry=get_registry())  # what `vigil request seam-1` shows
+    view = describe(rid, store=app.vigil_store, settings=get_settings(),
+                    registry=get_registry())  # what `vigil request <id>` shows
     assert view["resumed_at"] == [k] and view["tokens_so_far"] == len(res["token_ids"])
 
 
@@ -152,7 +154,8 @@ def test_a_resume_that_would_be_unsound_restarts_from_the_prompt_and_says_so(war
     next attempt begins, then it does not continue those tokens: the stream restarts at token 0
     (a reader is told), and the result is the uninterrupted run's."""
     whole = whole_run()
-    r = resubmit_after_a_ghost_attempt("refused-1", greedy(max_tokens=200), [7] * 40,
+    r = resubmit_after_a_ghost_attempt(f"refused-{uuid.uuid4()}", greedy(max_tokens=200),
+                                       [7] * 40,
                                        "made with other files", fingerprint="not-these-files")
     chunks = list(r.stream(timeout=120))
     res = chunks[-1]["result"]

@@ -79,14 +79,14 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
         assert all(o["completion_tokens"] == 300 for o in outs)
         by_id = {o["request_id"]: o for o in outs}
         assert all(by_id[rid]["worker"] == warm_worker.name for rid in held)
-        assert_each_ran_to_a_result_once(store, [r.id for r in rs])
-        # Each held request ran at most twice: once on the victim (ended `wedged` by the
-        # stall), or not at all there (received, not begun: handed back), then once here.
+        # A held request whose engine finished just before the watchdog's abort reached it ran
+        # to completion there and again on the other worker: at most twice; every other once.
+        assert_each_ran_to_a_result_once(store, [r.id for r in rs],
+                                         at_most={rid: 2 for rid in held})
+        # Each held request began at most once on the victim (received, not begun: handed back).
         for rid in held:
             h = store.history(rid)
-            on_victim = [e for e in h if e["instance"] == inst]
-            assert len(h) <= 2 and len(on_victim) <= 1, h
-            assert all(e["error"] == "wedged" for e in on_victim), h
+            assert len(h) <= 2 and len([x for x in h if x["instance"] == inst]) <= 1, h
         # One stall declared, and no request's own timeout ever reported (600 s).
         assert int(victim.entry()["stalls"]) == 1
         reports = [ln for ln in victim.log.read_text().splitlines() if "health: " in ln]

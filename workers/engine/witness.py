@@ -5,10 +5,13 @@ With `VIGIL_WITNESS_DIR` set (tests, the soak; off in production), each worker p
 one JSON line per finished generation to `<dir>/<pid>.jsonl`: the engine request id (`<request
 id>-<attempt>`, with `.r<N>` for a re-run inside one attempt), the tokens generated, how many
 generated tokens it was given to continue from (`resumed_from`, 0 for a run from the prompt)
-and the time.
+and the time. A canary (the one-token generation a fresh engine must pass: workers/engine/
+recovery.py) is written too, under its own engine id (`vigil-canary-<n>`, app/request_ids.py
+`canary_id`): it belongs to no request, and the readers keep it apart by that id.
 No Vigil code reads the file back: only checks do (tests/conftest.py `assert_witnessed`,
 bench/soak_findings.py), comparing it with the stored results, so a generation that ran without
-being recorded, or a stored result that no generation produced, is caught.
+being recorded, a request that ran to completion twice, or a stored result that no generation
+produced, is caught.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from app.request_ids import parse_engine_id
+from app.request_ids import CANARY_PREFIX, parse_engine_id
 
 
 class Witness:
@@ -44,22 +47,44 @@ class Witness:
 
 
 def read_witness(directory: Path) -> dict[str, list[dict]]:
-    """Every generation the witnesses of `directory` saw, by request id (for checks): each
-    {"attempt": int, "run": int (1 unless re-run inside the attempt), "tokens": int (made by
-    this run), "resumed_from": int, "total": tokens + resumed_from, "at", "samples": each
-    sample's tokens for one engine request of n > 1 samples (else None), "sample": the sample a
-    continuing run made (0 unless n > 1)}."""
+    """Every generation of a request the witnesses of `directory` saw, by request id (for
+    checks), canaries left out (`read_canaries`): each {"attempt": int, "run": int (1 unless
+    re-run inside the attempt), "tokens": int (made by this run), "resumed_from": int, "total":
+    tokens + resumed_from, "at", "samples": each sample's tokens for one engine request of n > 1
+    samples (else None), "sample": the sample a continuing run made (0 unless n > 1)}."""
     out: dict[str, list[dict]] = {}
+    for engine_id, entry in _lines(directory):
+        if engine_id.startswith(CANARY_PREFIX):
+            continue
+        eid = parse_engine_id(engine_id)
+        resumed = entry.get("resumed_from", 0)
+        out.setdefault(eid.request_id, []).append({"attempt": eid.attempt, "run": eid.run,
+                                        "tokens": entry["tokens"], "resumed_from": resumed,
+                                        "total": entry["tokens"] + resumed, "at": entry["at"],
+                                        "samples": entry.get("samples"),
+                                        "sample": entry.get("sample", 0)})
+    return out
+
+
+def read_canaries(directory: Path) -> list[dict]:
+    """Every canary generation the witnesses of `directory` saw (marked by their engine id,
+    `vigil-canary-<n>`): each {"engine_request_id", "tokens", "at"}."""
+    return [{"engine_request_id": engine_id, "tokens": entry["tokens"], "at": entry["at"]}
+            for engine_id, entry in _lines(directory) if engine_id.startswith(CANARY_PREFIX)]
+
+
+def finished_generations(seen: list[dict]) -> int:
+    """How many times a request ran to completion, from its entries in `read_witness`: one per
+    engine run, whatever its samples (a run from the prompt writes one line for all its
+    samples; a run that continued n > 1 samples writes one line per sample, sample 0 among
+    them). Exactly once is 1."""
+    return sum(1 for g in seen if g["sample"] == 0)
+
+
+def _lines(directory: Path):
+    """(engine request id, the line as written) for every line of every witness file."""
     for path in sorted(Path(directory).glob("*.jsonl")):
         for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            entry = json.loads(line)
-            eid = parse_engine_id(entry["engine_request_id"])
-            resumed = entry.get("resumed_from", 0)
-            out.setdefault(eid.request_id, []).append({"attempt": eid.attempt, "run": eid.run,
-                                            "tokens": entry["tokens"], "resumed_from": resumed,
-                                            "total": entry["tokens"] + resumed, "at": entry["at"],
-                                            "samples": entry.get("samples"),
-                                            "sample": entry.get("sample", 0)})
-    return out
+            if line.strip():
+                entry = json.loads(line)
+                yield entry["engine_request_id"], entry
