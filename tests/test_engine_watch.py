@@ -209,9 +209,9 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
-                            trainers.BpeTrainer(vocab_size=300,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
     return tok
 
 
