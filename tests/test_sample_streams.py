@@ -231,3 +231,18 @@ def test_the_watch_reads_every_sample_of_a_request_from_its_own_state():
     assert [(s.token_ids, s.text) for s in cp.samples] == [([10, 11, 12], "abd"), ([20], "c")]
     assert seen == [(0, [10, 11], []), (1, [20], []), (0, [12], [10, 11])]
     assert [e["token_id"] for e in cp.sample(0).logprobs] == [10, 11, 12]
+
+
+def test_a_resumed_run_without_detokenize_streams_token_ids_only():
+    """A resumed run's text is the seam's (vLLM is asked for token ids only): for a request
+    with detokenize=False none of it is streamed (its chunks carry "" as its result does),
+    while a detokenized request's seam text is; both stream every token id."""
+    def decoder(prompt):
+        return lambda t: chr(ord("a") + t)
+
+    for detokenize, text in ((True, "cde"), (False, "")):
+        cp = Checkpoint([0], [1], "" if not detokenize else "b", "", [])
+        tap = StreamTap(None, "r", "claim", 2, "tiny-llama", prior=cp)
+        run = WatchedRun(tap, Seam(cp, None, decoder), index=0, detokenize=detokenize)
+        run.feed([2, 3, 4], "ignored")
+        assert tap.token_ids == [1, 2, 3, 4] and tap.text == ("b" if detokenize else "") + text
