@@ -57,6 +57,8 @@ class Engine:
             kind += f"+named:{len(r.logprob_token_ids)}"
         elif r.logprobs is not None:
             kind += "+top"
+        if r.prompt_logprobs is not None:
+            kind += "+prompt"
         w.running.append(kind)
         w.mixes.append(frozenset(w.running))
         w.together.append(tuple(sorted(w.running)))
@@ -168,6 +170,27 @@ def test_requests_naming_logprob_token_ids_share_the_engine_only_with_as_many_na
         assert not named or m == named and len(named) == 1, m  # never beside another kind
     assert any(t.count("base+named:2") >= 2 for t in w.together)
     assert any("base" in m and "base+top" in m for m in w.mixes)  # the rest batch as before
+
+
+def test_a_prompt_logprobs_request_runs_alone_in_an_engine_with_lora(make_host):
+    """On an engine with LoRA enabled, vLLM 0.32 computes a prompt's logprobs with one adapter
+    index per request of the batch, and a prefill beside another request killed EngineCore
+    (tests/test_generation_contract_e2e.py sends two at once). Given plain, logprobs and
+    prompt_logprobs requests in one burst, then each prompt_logprobs request runs alone in the
+    engine and every request is served; on an engine without LoRA they batch as any."""
+    base = GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
+    kinds = [base, base.model_copy(update={"prompt_logprobs": 1}),
+             base.model_copy(update={"logprobs": 2, "prompt_logprobs": 0}),
+             base.model_copy(update={"logprobs": 2})] * 3
+    for spec, alone in ((SPEC, True), (SPEC.model_copy(update={"max_loras": 0}), False)):
+        w = World()
+        h = make_host(w)
+        threading.Timer(0.2, w.gate.set).start()
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            futs = [pool.submit(h.generate, r, spec, f"p{i}", 20) for i, r in enumerate(kinds)]
+            assert len([f.result() for f in futs]) == 12
+        with_prompt = [t for t in w.together if any("+prompt" in k for k in t)]
+        assert with_prompt and all(len(t) == 1 for t in with_prompt) == alone, with_prompt
 
 
 def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(make_host, tmp_path):

@@ -83,6 +83,8 @@ def test_malformed_version_2_fields_are_refused_with_the_field_named(bad, says):
     ({"logit_bias": {"2048": 1.0}}, "token_out_of_vocab", "logit_bias: token id 2048"),
     ({"prompt": "x" * 100_000, "prompt_logprobs": 20}, "invalid_request",
      "VIGIL_MAX_LOGPROB_ENTRIES"),
+    ({"n": 2, "temperature": 1.0, "prompt_logprobs": 1}, "invalid_request",
+     "prompt_logprobs with n > 1 cannot run on tiny-llama, which serves LoRA adapters"),
 ])
 def test_bounds_that_need_the_model_or_the_settings_are_checked_at_submit(bad, code, says):
     msg = refusal({**OK, **bad})

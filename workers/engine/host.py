@@ -269,7 +269,8 @@ class EngineHost:
                         timeout: float, tap=None, preemptible: bool = False) -> EngineOutput:
         t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
                    preemptible=preemptible)
-        engine = await self._admission.acquire(spec, arrived, lane_of(spec, adapter, req))
+        engine = await self._admission.acquire(spec, arrived,
+                                               lane_of(spec, adapter, req, engine_request_id))
         if t.urgent:
             self._preempt_for(t, engine)
         try:
