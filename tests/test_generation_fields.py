@@ -195,6 +195,22 @@ def test_the_mapping_onto_sampling_params_carries_every_field():
     assert named.logprob_token_ids == [4, 5] and named.logprobs is None
 
 
+def test_detokenize_false_reaches_vllm_on_a_run_from_the_prompt():
+    """`detokenize=False` is passed to vLLM (its front end then skips the incremental
+    detokenizer: the result's text is "" and logprob entries carry no token, which
+    tests/test_generation_contract_e2e.py checks on the real engine); left out, vLLM
+    detokenizes. A continued sample is never detokenized by vLLM, whatever the request says
+    (its text is the seam's)."""
+    from workers.engine.sampling import Continuation, sampling_params
+
+    off = parse_request({**OK, "detokenize": False, "logprobs": 2, "n": 2})
+    assert off.schema_version == 2 and wire_kwargs(off)["detokenize"] is False
+    p = sampling_params(off)
+    assert p.detokenize is False and p.n == 2 and p.logprobs == 2
+    assert sampling_params(parse_request(OK)).detokenize is True
+    assert sampling_params(off, Continuation(index=1, made=3)).detokenize is False
+
+
 def deep_schema(depth: int) -> dict:
     """A JSON schema of objects nested `depth` deep through `properties` (each level is two
     levels of JSON nesting: the properties object and the schema inside it)."""
