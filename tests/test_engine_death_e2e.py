@@ -5,6 +5,7 @@ finish, and a worker that cannot keep an engine alive hands its requests back an
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -79,18 +80,27 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, s
     """Given 32 innocent requests and one that kills the engine whenever it runs, sent together,
     then only the poison fails, with poison_request on its first attempt (`r.get()` raises the
     RequestError), the 32 succeed exactly once, and the engine was restarted a bounded number of
-    times."""
+    times. Two of the innocents are a request of n=2 samples and a structured (regex) one: each
+    ends correct (both samples whole; text that holds to the regex) exactly once."""
     before = fresh_entry(drill_worker)
-    prompts = [f"innocent request {i}" for i in range(32)]
+    prompts = [f"innocent request {i}" for i in range(30)]
     prompts.insert(11, f"a {POISON} in the batch")
+    samples = generate.delay(model=DRILL_MODEL, prompt="innocent samples", max_tokens=48, n=2,
+                             temperature=1.0, seed=3, ignore_eos=True)
+    # Held to letters for longer than max_tokens allows: it runs to its length.
+    shaped = generate.delay(model=DRILL_MODEL, prompt="innocent letters:", max_tokens=48,
+                            temperature=0.0, structured={"regex": "[a-z]{4000}"})
     rs = [generate.delay(model=DRILL_MODEL, prompt=p, max_tokens=48, ignore_eos=True)
           for p in prompts]
     poison = rs.pop(11)
+    rs += [samples, shaped]
     with pytest.raises(RequestError, match="^poison_request: ") as ei:
         poison.get(timeout=600)
     assert ei.value.code == "poison_request"
     outs = [r.get(timeout=600) for r in rs]
     assert all(o["completion_tokens"] == 48 for o in outs)
+    assert [c["completion_tokens"] for c in outs[-2]["choices"]] == [48, 48]
+    assert re.fullmatch("[a-z]+", outs[-1]["text"]) and outs[-1]["finish_reason"] == "length"
     assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     assert [(h["outcome"], h["error"]) for h in store.history(poison.id)] == [
         ("failed", "poison_request")]
