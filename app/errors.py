@@ -17,8 +17,9 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | redis_unavailable, engine_error,        |
 |                  |                                            | lora_adapter_pending, schema_too_new,   |
 |                  |                                            | preempted;                              |
-|                  |                                            | overloaded (raised by `.delay` only:    |
-|                  |                                            | the caller retries; nothing was sent)   |
+|                  |                                            | overloaded, workers_too_old (raised by  |
+|                  |                                            | `.delay` only: the caller retries;      |
+|                  |                                            | nothing was sent)                       |
 | WorkerFatalError | the worker's: it leaves                    | cuda_context_lost, repeated_engine_death|
 |                  |                                            | canary_failed, engine_start_failed      |
 | TerminalError    | none: Vigil ended the request itself       | deadline_exceeded, job_deleted,         |
@@ -54,6 +55,10 @@ REDIS_UNAVAILABLE = "redis_unavailable"
 # Backpressure: the job or the pool has as many open requests as its cap allows. Raised by
 # `.delay` at once, nothing written or published; the message says when to try again.
 OVERLOADED = "overloaded"
+# A rolling upgrade: the request needs a schema version that a live worker of its pool, from
+# before workers said which versions they read, would fail (`unsupported_version`). Raised by
+# `.delay` at once, nothing written or published (app/requests/version_gate.py).
+WORKERS_TOO_OLD = "workers_too_old"
 # The request's LoRA adapter is still being written: retried without using up an attempt.
 LORA_ADAPTER_PENDING = "lora_adapter_pending"
 # A bulk request that yielded its engine slot to an interactive request at a token boundary:

@@ -81,14 +81,21 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, s
     engine whenever it runs joins them, then only the poison fails, with poison_request on its
     first attempt (`r.get()` raises the RequestError), the 32 succeed exactly once, and the
     engine was restarted exactly 5 times (docs/failure-modes.md: the batch, the suspects
-    together, the poison's group, the poison alone, alone again)."""
+    together, the poison's group, the poison alone, alone again). Two of the innocents are a
+    request of n=2 samples and a structured (regex) one: each ends correct (both samples whole;
+    text that holds to the regex) exactly once."""
     before = fresh_entry(drill_worker)
     inst = before["instance_id"]
     log_mark = drill_worker.log.stat().st_size
     # Innocents long enough (200 tokens) to be still generating when the poison arrives: all
     # 33 are then suspects of the first death, which is what makes the count exact (below).
     rs = [generate.delay(model=DRILL_MODEL, prompt=f"innocent request {i}", max_tokens=200,
-                         ignore_eos=True) for i in range(32)]
+                         ignore_eos=True) for i in range(30)]
+    rs.append(generate.delay(model=DRILL_MODEL, prompt="innocent samples", max_tokens=200, n=2,
+                             temperature=1.0, seed=3, ignore_eos=True))
+    # Held to letters for longer than max_tokens allows: it runs to its length.
+    rs.append(generate.delay(model=DRILL_MODEL, prompt="innocent letters:", max_tokens=200,
+                             temperature=0.0, structured={"regex": "[a-z]{4000}"}))
     wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE)
              and all(store.get(r.id)["status"] == "RUNNING" for r in rs), 120,
              what="the 32 innocents to run")
@@ -98,7 +105,9 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(drill_worker, s
         poison.get(timeout=600)
     assert ei.value.code == "poison_request"
     outs = [r.get(timeout=600) for r in rs]
-    assert all(o["completion_tokens"] == 200 for o in outs)
+    assert all(o["completion_tokens"] == 200 for o in outs[:-1])
+    assert [c["completion_tokens"] for c in outs[-2]["choices"]] == [200, 200]
+    assert re.fullmatch("[a-z]+", outs[-1]["text"]) and outs[-1]["finish_reason"] == "length"
     assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     assert [(h["outcome"], h["error"]) for h in store.history(poison.id)] == [
         ("failed", "poison_request")]

@@ -1,6 +1,7 @@
 """Unit tier: LoRA in the engine host with fake engines: the gate (a refused adapter fails only
 its requests), warm adapters (LRU within max_loras), lanes (base and adapter requests never share
-a batch unless the model says mixing is safe), and admission of adapter names and paths."""
+a batch unless the model says mixing is safe; requests naming logprob_token_ids share one only
+with requests naming as many), and admission of adapter names and paths."""
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,15 @@ class Engine:
     async def run(self, r, rid, adapter=None):
         w = self.world
         kind = adapter.name if adapter is not None else "base"
+        if r.logprob_token_ids:
+            kind += f"+named:{len(r.logprob_token_ids)}"
+        elif r.logprobs is not None:
+            kind += "+top"
+        if r.prompt_logprobs is not None:
+            kind += "+prompt"
         w.running.append(kind)
         w.mixes.append(frozenset(w.running))
+        w.together.append(tuple(sorted(w.running)))
         try:
             while not w.gate.is_set():
                 await asyncio.sleep(0.002)
@@ -74,6 +82,7 @@ class World:
         self.gate = threading.Event()
         self.running: list[str] = []
         self.mixes: list[frozenset] = []
+        self.together: list[tuple] = []  # what ran at once, each request counted
         self.adds: list[str] = []
         self.removes: list[str] = []
         self.engines: list[Engine] = []
@@ -135,6 +144,53 @@ def test_base_and_adapter_requests_never_share_the_engine_unless_mixing_is_safe(
     threading.Timer(0.2, w2.gate.set).start()
     submit_all(h2, [None, a] * 8, spec=safe)
     assert any("base" in m and "a" in m for m in w2.mixes)  # batched together when safe
+
+
+def test_requests_naming_logprob_token_ids_share_the_engine_only_with_as_many_named(make_host):
+    """vLLM 0.32's sampler gives every request of a batch the named ids' logprobs once one of
+    them names ids (a logprobs=5 request beside one came back with its chosen token only, on
+    the real engine: tests/test_generation_contract_e2e.py). Given plain requests, logprobs=5
+    requests and requests naming 2 and 3 ids, in one burst, then a request naming ids never
+    shares the engine with one that does not name as many, those naming 2 share it with each
+    other, and every request is served."""
+    w = World()
+    h = make_host(w)
+    base = GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
+    kinds = [base, base.model_copy(update={"logprobs": 5}),
+             base.model_copy(update={"logprob_token_ids": [1, 2]}),
+             base.model_copy(update={"logprob_token_ids": [3, 4]}),
+             base.model_copy(update={"logprob_token_ids": [1, 2, 3]})] * 4
+    threading.Timer(0.2, w.gate.set).start()
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        futs = [pool.submit(h.generate, r, SPEC, f"n{i}", 20) for i, r in enumerate(kinds)]
+        outs = [f.result() for f in futs]
+    assert len(outs) == 20
+    for m in w.mixes:
+        named = {k for k in m if "named" in k}
+        assert not named or m == named and len(named) == 1, m  # never beside another kind
+    assert any(t.count("base+named:2") >= 2 for t in w.together)
+    assert any("base" in m and "base+top" in m for m in w.mixes)  # the rest batch as before
+
+
+def test_a_prompt_logprobs_request_runs_alone_in_an_engine_with_lora(make_host):
+    """On an engine with LoRA enabled, vLLM 0.32 computes a prompt's logprobs with one adapter
+    index per request of the batch, and a prefill beside another request killed EngineCore
+    (tests/test_generation_contract_e2e.py sends two at once). Given plain, logprobs and
+    prompt_logprobs requests in one burst, then each prompt_logprobs request runs alone in the
+    engine and every request is served; on an engine without LoRA they batch as any."""
+    base = GenerateRequest(model="model-a", prompt="hi", max_tokens=4)
+    kinds = [base, base.model_copy(update={"prompt_logprobs": 1}),
+             base.model_copy(update={"logprobs": 2, "prompt_logprobs": 0}),
+             base.model_copy(update={"logprobs": 2})] * 3
+    for spec, alone in ((SPEC, True), (SPEC.model_copy(update={"max_loras": 0}), False)):
+        w = World()
+        h = make_host(w)
+        threading.Timer(0.2, w.gate.set).start()
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            futs = [pool.submit(h.generate, r, spec, f"p{i}", 20) for i, r in enumerate(kinds)]
+            assert len([f.result() for f in futs]) == 12
+        with_prompt = [t for t in w.together if any("+prompt" in k for k in t)]
+        assert with_prompt and all(len(t) == 1 for t in with_prompt) == alone, with_prompt
 
 
 def test_warm_adapters_stay_within_max_loras_and_evict_the_least_recently_used(make_host, tmp_path):

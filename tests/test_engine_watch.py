@@ -1,19 +1,26 @@
 """Unit tier: the stall watchdog, pause/resume and the quarantine restart of the engine host, with
-fake engines that hang like a SIGSTOPped EngineCore (no error, no progress)."""
+fake engines that hang like a SIGSTOPped EngineCore (no error, no progress); and the real
+VllmEngine's resume of a request of n samples (and its refusal for a structured one) under a
+stand-in vLLM that never steps."""
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
 from app.errors import TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from app.retry_policy import rule_for
+from app.state.streams import Checkpoint
 from tests.conftest import wait_until
 from workers.engine.host import HandedBack
 from workers.engine.output import EngineOutput
+from workers.engine.vllm import VllmEngine
+from workers.streaming import StreamTap
 
 A = ModelSpec(name="model-a")
 
@@ -151,3 +158,136 @@ def test_named_requests_are_aborted_wherever_they_are(make_host):
         wait_until(lambda: w.engines[0].in_flight == 2)
         w.release.set()
         assert [futs[i].result(timeout=5).text for i in (1, 3)] == ["done", "done"]
+
+
+# -- the real VllmEngine's resume, under a vLLM that never steps ---------------------------------
+class SilentLLM:
+    """Stands in for vLLM's AsyncLLM where VllmEngine reads it, as a SIGSTOPped EngineCore
+    leaves it: every engine request it is given waits for ever (no step, no error), and is
+    aborted when its task is cancelled, as AsyncLLM.generate aborts on CancelledError. Records
+    each engine request (id, prompt, SamplingParams) and each abort."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.errored = False
+        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
+        self.started: list[tuple[str, dict, object]] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.started.append((request_id, prompt, params))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+        yield None  # an async generator, as AsyncLLM.generate is
+
+
+class StoppedVllm(VllmEngine):
+    """Vigil's real VllmEngine (its run, resume and seams) over a SilentLLM: no vLLM built."""
+
+    def __init__(self, llm: SilentLLM):
+        self._llm, self._watch, self.witness, self.spec = llm, None, None, A
+        self.max_model_len, self.max_num_seqs = 2048, 8
+        self.steps = SimpleNamespace(steps=0, outputs=0)  # `progress`: never moves
+
+    def kill(self):
+        pass
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        self._llm = None
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer trained here (`tokenizers`' own; no model hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    return tok
+
+
+def resumable_tap(tok, rid: str, samples: list[list[int]], prompt: list[int]):
+    """A tap (workers/streaming.py, no sink) whose prior attempt streamed `samples[i]` for
+    sample i, with their text as vLLM decodes it."""
+    from workers.engine.resume import fast_decoder
+
+    def text(ids):
+        step = fast_decoder(tok)(prompt)
+        return "".join(step(t) or "" for t in ids)
+
+    cps = [Checkpoint(prompt, ids, text(ids), "", []) for ids in samples]
+    prior = Checkpoint(prompt, cps[0].token_ids, cps[0].text, "", [], None, cps)
+    return StreamTap(None, rid, "claim", 2, "model-a", prior, samples=len(samples))
+
+
+def test_a_resumed_request_of_two_samples_is_aborted_whole_by_the_stall_watchdog(make_host):
+    """Given a request of n=2 whose earlier attempt streamed tokens of both samples, resumed
+    by the real VllmEngine as one engine request per sample (`<id>~0`, `<id>~1`), each from
+    its own tokens, when its engine makes no step for stall_timeout, then the watchdog aborts
+    it: both sample runs are aborted in the engine, the caller gets TransientError(wedged)
+    (retried at once, elsewhere: app/retry_policy.py) and the failure is reported once, and
+    the tap still holds every token, for the next attempt to resume from."""
+    tok = byte_tokenizer()
+    llm = SilentLLM(tok)
+    prompt = tok.encode("the quick ").ids
+    samples = [tok.encode("brown fox").ids, tok.encode("lazy dog jumps").ids]
+    tap = resumable_tap(tok, "rs", samples, prompt)
+    failures = []
+    host = make_host(lambda spec, plan=None: StoppedVllm(llm), stall_timeout=0.3,
+                     on_failure=failures.append)
+    r = GenerateRequest(model="model-a", prompt="the quick ", max_tokens=40, n=2,
+                        temperature=1.0, seed=3)
+    with pytest.raises(TransientError, match="^wedged: the engine made no progress") as ei:
+        host.generate(r, A, "rs-2", 30, tap=tap)
+    assert rule_for(ei.value).retried and rule_for(ei.value).at_once
+    started = {rid: (prompt_of["prompt_token_ids"], p) for rid, prompt_of, p in llm.started}
+    assert sorted(started) == ["rs-2~0", "rs-2~1"]
+    for i, ids in enumerate(samples):
+        given, params = started[f"rs-2~{i}"]
+        assert given == prompt + ids  # its own tokens, not the other sample's
+        assert (params.n, params.max_tokens, params.seed) == (1, 40 - len(ids), 3 + i)
+    wait_until(lambda: sorted(llm.aborted) == ["rs-2~0", "rs-2~1"])
+    assert len(failures) == 1 and failures[0].startswith("stall: ") and host.stalls == 1
+    cp = tap.resume_point()
+    assert [cp.sample(i).token_ids for i in (0, 1)] == samples
+    assert [tap.resumed_at_of(i) for i in (0, 1)] == [[len(samples[0])], [len(samples[1])]]
+
+
+def test_a_structured_request_of_two_samples_refuses_resume_counts_it_and_is_aborted_whole(
+        make_host):
+    """Given a structured request of n=2 whose earlier attempt streamed 5 tokens, when the real
+    VllmEngine runs it, then its resume is refused (the grammar's state cannot be given back):
+    the 5 tokens are counted in vigil_tokens_discarded_total and it runs from its prompt as one
+    engine request of 2 samples; when that engine makes no step, the watchdog aborts it and
+    the caller gets TransientError(wedged)."""
+    from app import metrics
+
+    tok = byte_tokenizer()
+    llm = SilentLLM(tok)
+    prompt = tok.encode("the ").ids
+    tap = resumable_tap(tok, "st", [tok.encode("fox").ids, tok.encode("dog").ids], prompt)
+    held = sum(len(tap.resume_point().sample(i).token_ids) for i in (0, 1))
+    host = make_host(lambda spec, plan=None: StoppedVllm(llm), stall_timeout=0.3)
+    r = GenerateRequest(model="model-a", prompt="the ", max_tokens=40, n=2, temperature=1.0,
+                        structured={"regex": "[a-z]+"})
+
+    def discarded() -> float:
+        return metrics.REGISTRY.get_sample_value("vigil_tokens_discarded_total",
+                                                 {"pool": "model-a"}) or 0.0
+
+    before = discarded()
+    with pytest.raises(TransientError, match="^wedged: "):
+        host.generate(r, A, "st-2", 30, tap=tap)
+    assert discarded() == before + held and held >= 2
+    assert [(rid, p.n) for rid, _, p in llm.started] == [("st-2", 2)]
+    assert llm.started[0][1] == {"prompt": "the "} and tap.resume_point() is None
+    wait_until(lambda: llm.aborted == ["st-2"])

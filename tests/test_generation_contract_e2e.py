@@ -1,9 +1,12 @@
 """Worker tier: the whole generation contract on a real worker and the real vLLM CPU engine
-(issue 31): logprobs against a witness outside Vigil (an AsyncLLM built directly from the
-worker's engine_args), n samples as one engine request, structured outputs checked by an
-independent validator, an uncompilable schema refused before publish, a SIGKILL mid-generation
-resumed with its logprobs (and a structured request refused resume), hostile version 2 fields,
-and a message of a newer schema version handed back, never failed."""
+(issue 31): logprobs and logprob_token_ids against a witness outside Vigil (an AsyncLLM built
+directly from the worker's engine_args), detokenize=False, n samples as one engine request,
+structured outputs checked by an independent validator, an uncompilable schema refused before
+publish, resumes on the shared warm worker provoked without a kill (tests/ghost_attempt.py: a
+repetition_penalty request equal to its uninterrupted twin, two samples each stopping across
+its own seam), a SIGKILL mid-generation resumed with its logprobs (and a structured request
+refused resume), hostile version 2 fields, and a message of a newer schema version handed back,
+never failed."""
 from __future__ import annotations
 
 import json
@@ -29,14 +32,15 @@ from app.state.streams import TokenStreams
 from tasks.inference import generate
 from tests.conftest import (DRILL_MODEL, WITNESS_DIR, RunningWorker, assert_witnessed,
                             engine_processes, wait_processes_gone)
+from tests.ghost_attempt import pieces, resubmit_after_a_ghost_attempt
 from workers.engine.witness import read_witness
 
 pytestmark = pytest.mark.worker
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [1, 300, 301, 302, 303, 304, 305]
-# Measured on the CPU engine (docs/performance.md, "Logprobs"): Vigil's logprobs equal the
-# direct engine's exactly; a resumed run's, computed with the prefix as prompt (prefill instead
-# of decode), differ by at most a few 1e-7 here.
+# Measured on the CPU engine (docs/field-notes.md, "The generation contract on vLLM CPU 0.32"):
+# Vigil's logprobs equal the direct engine's exactly; a resumed run's, computed with the prefix
+# as prompt (prefill instead of decode), differ by at most a few 1e-7 here (9.5e-7 measured).
 TOLERANCE = 1e-5
 REAP_TIMEOUT_S = 8
 
@@ -91,17 +95,52 @@ def entries_gap(a: list, b: list) -> float:
     return worst
 
 
+NAMED = [5, 17, 300, 301, 1999]  # logprob_token_ids: in the vocabulary, some in the prompt
+
+
+def named_gap(entries: list, raw: list, named: list[int]) -> float:
+    """The largest |logprob difference| between Vigil's entries of a logprob_token_ids request
+    and vLLM's raw positions, asserting the chosen token, the named ids in their order (rank
+    left out) and their strings at every position."""
+    worst = 0.0
+    assert len(entries) == len(raw)
+    for e, pos in zip(entries, raw):
+        by_id = {i: (x, rank, tok) for i, x, rank, tok in pos}
+        assert e["token_id"] == pos[0][0] and e["token"] == by_id[e["token_id"]][2]
+        assert e["rank"] == (None if e["token_id"] in named else by_id[e["token_id"]][1])
+        assert [t["token_id"] for t in e["top"]] == named and all(t["rank"] is None
+                                                                  for t in e["top"])
+        for t in e["top"] + [e]:
+            assert t["token"] == by_id[t["token_id"]][2]
+            worst = max(worst, abs(t["logprob"] - by_id[t["token_id"]][0]))
+    return worst
+
+
 def test_greedy_logprobs_and_prompt_logprobs_equal_a_direct_async_llms(warm_worker):
     """Given a greedy request with logprobs=5 and prompt_logprobs=1, when a real worker serves
     it through generate.delay, then its tokens, every position's chosen logprob, rank, top-5
     alternatives and their strings, its cumulative logprob and its prompt's logprobs equal what
     an AsyncLLM built directly from engine_args answers for the same request (SamplingParams
-    written by hand, not by Vigil's mapping)."""
+    written by hand, not by Vigil's mapping). So does a greedy request with logprob_token_ids
+    (5 named ids, scoring fixed choices): the logprobs of exactly those ids, in their order, at
+    every position, on the real CPU engine."""
     kw = dict(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=24, temperature=0.0,
               ignore_eos=True, logprobs=5, prompt_logprobs=1)
-    out = generate.delay(**kw).get(timeout=180)
-    (raw,) = direct("tiny-llama", [{"prompt_token_ids": PROMPT, "sampling": dict(
-        max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1)}])
+    r = generate.delay(**kw)
+    scored = generate.delay(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=16,
+                            temperature=0.0, ignore_eos=True, logprob_token_ids=NAMED)
+    out = r.get(timeout=180)
+    raw, raw_named = direct("tiny-llama", [
+        {"prompt_token_ids": PROMPT, "sampling": dict(
+            max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1)},
+        {"prompt_token_ids": PROMPT, "sampling": dict(
+            max_tokens=16, temperature=0.0, ignore_eos=True, logprob_token_ids=NAMED)}])
+    named = scored.get(timeout=180)
+    ncomp = raw_named["outputs"][0]
+    assert named["token_ids"] == ncomp["token_ids"] and len(named["logprobs"]) == 16
+    ngap = named_gap(named["logprobs"], ncomp["logprobs"], NAMED)
+    print(f"\nlogprob_token_ids vs a direct AsyncLLM: worst |delta| {ngap:.2e}")
+    assert ngap <= TOLERANCE
     comp = raw["outputs"][0]
     assert out["token_ids"] == comp["token_ids"] and out["text"] == comp["text"]
     gap = worst_gap(out["logprobs"], comp["logprobs"])
@@ -140,6 +179,113 @@ def test_n_samples_are_one_engine_request_streamed_with_their_index(warm_worker)
     for c in out["choices"]:
         s = by_index[c["index"]]
         assert (s["ids"], s["text"], s["lps"]) == (c["token_ids"], c["text"], c["logprobs"])
+
+
+def test_detokenize_false_returns_token_ids_only(warm_worker):
+    """Given a greedy request with detokenize=False (and logprobs, prompt logprobs), when a real
+    worker serves it, then vLLM was asked not to detokenize: its text is "", in the result and
+    in every streamed chunk, and no logprob entry (generated or prompt, chosen or alternative)
+    carries a token string, while its token ids and logprobs are its detokenized twin's.
+    (Left to vLLM's default, the same request would come back with the twin's text.) The two,
+    sent together, both ask prompt_logprobs on tiny-llama, whose engine serves LoRA adapters:
+    each runs alone (workers/engine/lora.py), and the engine is not restarted (together, they
+    killed it: docs/field-notes.md)."""
+    kw = dict(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=64, temperature=0.0,
+              ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    before = warm_worker.entry()
+    r = generate.delay(**kw, detokenize=False)
+    twin = generate.delay(**kw).get(timeout=180)
+    chunks = list(r.stream(timeout=180))
+    off = chunks[-1]["result"]
+    assert twin["text"] and any(e["token"] for e in twin["logprobs"])  # there was text to skip
+    assert off["text"] == "" and off["token_ids"] == twin["token_ids"]
+    assert all(c["text"] == "" for c in chunks), [c for c in chunks if c["text"] != ""][:3]
+    assert [t for c in chunks for t in c["token_ids"]] == off["token_ids"]
+    for e in off["logprobs"] + [p for p in off["prompt_logprobs"] if p is not None]:
+        assert e["token"] is None and all(t["token"] is None for t in e["top"]), e
+    assert [e["logprob"] for e in off["logprobs"]] == [e["logprob"] for e in twin["logprobs"]]
+    assert warm_worker.entry()["engine_restarts"] == before["engine_restarts"]
+
+
+def greedy_text_parts(prompt: list[int], max_tokens: int) -> tuple[dict, list[int], str, list[int]]:
+    """An uninterrupted greedy run of `prompt`: (its result, token ids, text, and where each
+    token's text ends in it, decoded as vLLM decodes)."""
+    whole = generate.delay(model="tiny-llama", prompt_token_ids=prompt, max_tokens=max_tokens,
+                           temperature=0.0, ignore_eos=True).get(timeout=180)
+    ids, text = whole["token_ids"], whole["text"]
+    parts = pieces(prompt, ids)
+    assert "".join(parts) == text  # the test decodes as the engine does
+    ends = [sum(len(p) for p in parts[:i + 1]) for i in range(len(parts))]
+    return whole, ids, text, ends
+
+
+def test_a_resumed_repetition_penalty_request_equals_its_uninterrupted_twin(warm_worker):
+    """Given a greedy request with repetition_penalty=1.3 whose first attempt streamed 70
+    tokens (a ghost attempt, tests/ghost_attempt.py), when the worker resumes it (the 70 tokens
+    given to the engine as prompt), then its result equals an uninterrupted run's token for token:
+    vLLM penalizes tokens of the prompt and of the output alike, so the resumed prefix is
+    penalized as the uninterrupted run penalized it (docs/api.md, "Resume": exactly). If vLLM
+    ever counted the output alone, the continuation would differ here."""
+    kw = dict(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=160, temperature=0.0,
+              ignore_eos=True, repetition_penalty=1.3)
+    whole = generate.delay(**kw).get(timeout=180)
+    plain, _, _, _ = greedy_text_parts(PROMPT, 160)
+    assert whole["token_ids"] != plain["token_ids"]  # the penalty acts on this generation
+    k = 70
+    ids = whole["token_ids"]
+    text = "".join(pieces(PROMPT, ids[:k]))
+    r = resubmit_after_a_ghost_attempt(f"rp-{uuid.uuid4()}", kw, PROMPT, [(ids[:k], text)])
+    out = r.get(timeout=180)
+    assert (out["attempts"], out["resumed_at"]) == (2, [k])
+    assert out["token_ids"] == ids and out["text"] == whole["text"]
+    assert_witnessed(store(), [r.id])
+
+
+def test_two_samples_resumed_with_a_stop_string_across_each_seam_end_as_unbroken_runs(
+        warm_worker):
+    """Given a request of n=2 samples (top_k=1: each sample is the greedy run, so the end is
+    known) with a stop string, whose first attempt streamed k tokens of sample 0 and k+1 of
+    sample 1, each cut inside the stop string (it begins in text the engine still held back
+    and ends in tokens only the next attempt makes), when the worker resumes it, then each
+    sample continues from its own tokens and stops at the same token, with the same text, as
+    the uninterrupted request's samples, and reports where it took over; the stream, put
+    together by sample, is each sample's text."""
+    whole, ids, text, ends = greedy_text_parts(PROMPT, 200)
+    pick = None
+    for k in range(60, 160):
+        c0, c1 = ends[k - 1], ends[k]
+        if c1 <= c0 or c0 < 3:
+            continue
+        s = c0 - 3
+        stop = text[s:c1 + 3]
+        if len(stop) == c1 + 3 - s and text.find(stop) == s and ends[k + 1] > c1:
+            pick = (k, s, stop)
+            break
+    assert pick is not None, "no stop string to split in this generation"
+    k, s, stop = pick
+    kw = dict(model="tiny-llama", prompt_token_ids=PROMPT, max_tokens=200, temperature=1.0,
+              top_k=1, n=2, ignore_eos=True, stop=[stop])
+    twin = generate.delay(**kw).get(timeout=180)
+    assert [(c["text"], c["finish_reason"]) for c in twin["choices"]] == [(text[:s], "stop")] * 2
+    held = len(stop) - 1  # the engine releases all but what might begin a stop string
+    samples = [(ids[:k], text[:ends[k - 1] - held]), (ids[:k + 1], text[:ends[k] - held])]
+    r = resubmit_after_a_ghost_attempt(f"seam-n2-{uuid.uuid4()}", kw, PROMPT, samples)
+    chunks = list(r.stream(timeout=180))
+    out = chunks[-1]["result"]
+    assert out["attempts"] == 2
+    by_index: dict[int, dict] = {}
+    for ch in chunks:
+        got = by_index.setdefault(ch["index"], {"ids": [], "text": ""})
+        assert ch["offset"] == len(got["ids"])
+        got["ids"] += ch["token_ids"]
+        got["text"] += ch["text"]
+    for c, t in zip(out["choices"], twin["choices"], strict=True):
+        assert (c["token_ids"], c["text"], c["finish_reason"]) == (
+            t["token_ids"], t["text"], "stop"), c["index"]
+        assert c["resumed_at"] == [len(samples[c["index"]][0])]
+        assert by_index[c["index"]] == {"ids": c["token_ids"], "text": c["text"]}
+    runs = [g for g in read_witness(WITNESS_DIR)[r.id] if g["attempt"] == 2]
+    assert sorted(g["sample"] for g in runs) == [0, 1], runs
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -211,6 +357,7 @@ def test_a_message_of_a_newer_version_is_handed_back_by_a_real_worker(warm_worke
     producer, when the real worker takes it, then it is never failed invalid_request: it is
     recorded, handed back again and again (schema_too_new, no attempt used) for a worker that
     reads version 3, and ends only by its deadline (deadline_exceeded)."""
+    assert warm_worker.entry()["schema_versions"] == "1,2"  # what the producer's gate reads
     r = app.send_task("vigil.generate", queue="vigil.pool.tiny-llama", kwargs={
         "model": "tiny-llama", "prompt": "from the future", "schema_version": 3,
         "speculative_mode": {"depth": 4}, "deadline_s": 8})

@@ -37,6 +37,7 @@ TABLE = {
     "wedged": (TransientError, True, True, True, None),
     "redis_unavailable": (TransientError, True, False, True, None),
     "overloaded": (TransientError, True, False, True, None),
+    "workers_too_old": (TransientError, True, False, True, None),
     "lora_adapter_pending": (TransientError, True, False, False, None),
     "schema_too_new": (TransientError, True, False, False, None),
     "preempted": (TransientError, True, True, False, None),

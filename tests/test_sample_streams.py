@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from app import metrics
 from app.requests.async_result import _Cursor
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
@@ -97,17 +98,28 @@ def test_each_sample_takes_over_from_its_own_tokens_on_the_next_attempt(store):
     assert [c.resumed_at for c in cp.samples] == [[3], [1], []]
 
 
+def discarded() -> float:
+    """The worker's vigil_tokens_discarded_total for tiny-llama (app/metrics.py)."""
+    return metrics.REGISTRY.get_sample_value("vigil_tokens_discarded_total",
+                                             {"pool": "tiny-llama"}) or 0.0
+
+
 @pytest.mark.redis
 def test_a_refused_resume_of_several_samples_restarts_every_sample(store):
+    """Given a 2-sample request whose stream holds 3 tokens, when its resume is refused, then
+    every sample restarts at token 0 and the 3 tokens thrown away are counted in
+    vigil_tokens_discarded_total."""
     ts = TokenStreams(store.raw)
     sink = StreamSink(ts, flush_ms=60000, chunk_tokens=64)
     b = running(store, "s3")
     tap = sink.open("s3", b.token, 1, "tiny-llama", None, samples=2)
     tap.set_prompt([1])
-    tap.add([10], "a", index=0)
+    tap.add([10, 11], "a", index=0)
     tap.add([20], "b", index=1)
     sink.flush(force=True)
+    before = discarded()
     tap.refuse_resume("test")
+    assert discarded() == before + 3
     assert tap.resume_point() is None
     tap.set_prompt([1])
     tap.add([50], "z", index=1)
@@ -219,3 +231,18 @@ def test_the_watch_reads_every_sample_of_a_request_from_its_own_state():
     assert [(s.token_ids, s.text) for s in cp.samples] == [([10, 11, 12], "abd"), ([20], "c")]
     assert seen == [(0, [10, 11], []), (1, [20], []), (0, [12], [10, 11])]
     assert [e["token_id"] for e in cp.sample(0).logprobs] == [10, 11, 12]
+
+
+def test_a_resumed_run_without_detokenize_streams_token_ids_only():
+    """A resumed run's text is the seam's (vLLM is asked for token ids only): for a request
+    with detokenize=False none of it is streamed (its chunks carry "" as its result does),
+    while a detokenized request's seam text is; both stream every token id."""
+    def decoder(prompt):
+        return lambda t: chr(ord("a") + t)
+
+    for detokenize, text in ((True, "cde"), (False, "")):
+        cp = Checkpoint([0], [1], "" if not detokenize else "b", "", [])
+        tap = StreamTap(None, "r", "claim", 2, "tiny-llama", prior=cp)
+        run = WatchedRun(tap, Seam(cp, None, decoder), index=0, detokenize=detokenize)
+        run.feed([2, 3, 4], "ignored")
+        assert tap.token_ids == [1, 2, 3, 4] and tap.text == ("b" if detokenize else "") + text

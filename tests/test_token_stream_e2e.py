@@ -6,8 +6,8 @@
 - A resume continues the tokens a previous attempt streamed. The previous attempt here is
   written by the test (a kill at an exact token cannot be had on demand): a "ghost" instance
   claims the request, its tokens go into the stream through the same fenced append a worker
-  uses, and the request is requeued and republished as the reaper does. The real kill is
-  tests/test_reaper_e2e.py's (its greedy requests come out token-identical).
+  uses, and the request is requeued and republished as the reaper does (tests/ghost_attempt.py).
+  The real kill is tests/test_reaper_e2e.py's (its greedy requests come out token-identical).
 """
 from __future__ import annotations
 
@@ -15,26 +15,20 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from app import app
 from app.local.embedded import vigil_env
 from app.ops.request_view import describe
 from app.requests.models import get_registry
-from app.requests.publish import republisher
-from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
 from app.settings import get_settings
 from app.state.store import RequestStore
-from app.state.streams import Chunk, TokenStreams
 from tasks.inference import generate
-from workers.engine.resume import fast_decoder
+from tests import ghost_attempt
+from tests.ghost_attempt import pieces
 
 pytestmark = pytest.mark.worker
-GHOST = 4242  # the instance id of the made-up first attempt
 PROMPT = [1, 300, 301, 302, 303, 304]
 
 
@@ -53,29 +47,12 @@ def whole_run() -> dict:
     return _whole
 
 
-def pieces(token_ids: list[int]) -> list[str]:
-    """The text each generated token adds, decoded as vLLM decodes it (primed with PROMPT)."""
-    tok = Tokenizer.from_file(str(Path(get_registry().get("tiny-llama").path) / "tokenizer.json"))
-    step = fast_decoder(tok)(PROMPT)
-    return [step(t) or "" for t in token_ids]
-
-
 def resubmit_after_a_ghost_attempt(rid: str, kw: dict, token_ids: list[int], text: str,
                                    fingerprint: str = ""):
-    """Record `rid` as if a worker ran attempt 1, streamed `token_ids` (releasing `text`) and
-    was reaped: the reaper's requeue and republish send it to the live worker as attempt 2."""
-    store = RequestStore(app.vigil_store.raw, get_settings().result_ttl)
-    req = parse_request(kw)
-    assert store.create(rid, record_fields(req, time.time(), 600))
-    b = store.begin(rid, 0, "ghost@nowhere", GHOST, time.time(), 3)
-    assert b.action == "run"
-    counts = [0] * (len(token_ids) - 1) + [len(text)]
-    assert TokenStreams(app.vigil_store.raw).append_many([Chunk(
-        rid, b.token, 1, 0, token_ids, text, counts, prompt_ids=PROMPT,
-        adapter_fingerprint=fingerprint)]) == [1]
-    assert store.requeue(rid, GHOST, 1)
-    republisher(app.vigil_ports.send)(rid, store.get(rid), 1)
-    return app.AsyncResult(rid)
+    """Record `rid` as if a worker ran attempt 1 from PROMPT, streamed `token_ids` (releasing
+    `text`) and was reaped (tests/ghost_attempt.py): it runs here as attempt 2."""
+    return ghost_attempt.resubmit_after_a_ghost_attempt(rid, kw, PROMPT, [(token_ids, text)],
+                                                        fingerprint)
 
 
 def test_a_request_streams_its_tokens_and_the_chunks_add_up_to_its_result(warm_worker):
@@ -119,7 +96,7 @@ def test_a_resumed_request_with_a_stop_string_across_the_seam_ends_as_an_unbroke
     reports where it took over."""
     whole = whole_run()
     text, ids = whole["text"], whole["token_ids"]
-    parts = pieces(ids)
+    parts = pieces(PROMPT, ids)
     assert "".join(parts) == text  # the test decodes as the engine does
     ends = [sum(len(p) for p in parts[:i + 1]) for i in range(len(parts))]
     pick = None

@@ -18,6 +18,7 @@ from app.celery_ports import CeleryPorts
 from app.drills import parse_drill
 from app.errors import WorkerFatalError
 from app.requests.publish import republisher
+from app.requests.version_gate import ADVERTISED
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
 from app.settings import VigilSettings, get_settings
 from app.state.health import HEALTHY
@@ -170,7 +171,7 @@ class WorkerRuntime:
         device = device_fields(lambda: probe_memory(*self.device), self._card_lost)
         return {**self.host.snapshot(), **self.health.fields(), "pools": ",".join(self.pools),
                 "configured_pools": ",".join(self.configured_pools),
-                "engine_kind": self.engine_kind, **device}
+                "engine_kind": self.engine_kind, "schema_versions": ADVERTISED, **device}
 
     def _card_lost(self, err: WorkerFatalError) -> None:
         if self.leaving is None:  # off the heartbeat thread: leaving stops that thread

@@ -1,7 +1,8 @@
 """The request's bounds that depend on the model or the settings, checked at submit and again
 in the worker (a message can bypass the producer): `n` under VIGIL_MAX_N, token ids inside the
-model's vocabulary, and the result's size (its logprob entries) under
-VIGIL_MAX_LOGPROB_ENTRIES. The schema (app/requests/schemas.py) checks everything else."""
+model's vocabulary, `prompt_logprobs` with n > 1 refused on a model serving LoRA adapters, and
+the result's size (its logprob entries) under VIGIL_MAX_LOGPROB_ENTRIES. The schema
+(app/requests/schemas.py) checks everything else."""
 from __future__ import annotations
 
 from app.errors import INVALID_REQUEST, TOKEN_OUT_OF_VOCAB, RequestError
@@ -11,9 +12,10 @@ from app.settings import VigilSettings
 
 
 def check_limits(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings) -> None:
-    """RequestError naming the bound `req` breaks: invalid_request for `n` or the result's
-    size, token_out_of_vocab for a token id the model does not have (when the registry knows
-    its vocabulary)."""
+    """RequestError naming the bound `req` breaks: invalid_request for `n`, for
+    `prompt_logprobs` with n > 1 on a model with LoRA adapters (max_loras > 0), or for the
+    result's size; token_out_of_vocab for a token id the model does not have (when the registry
+    knows its vocabulary)."""
     if req.n > settings.max_n:
         raise RequestError.of(INVALID_REQUEST, f"n={req.n} is above {settings.max_n}, the most "
                               "samples of one prompt a request may ask for (VIGIL_MAX_N)")
@@ -24,6 +26,14 @@ def check_limits(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings)
                 bad = next(int(t) for t in ids if int(t) >= spec.vocab_size)
                 raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"{name}: token id {bad} is out of "
                                       f"vocabulary ({spec.name} has {spec.vocab_size} tokens)")
+    if req.n > 1 and req.prompt_logprobs is not None and spec.max_loras:
+        # vLLM 0.32 runs the samples as child requests, each computing the prompt's logprobs in
+        # one batch: on an engine with LoRA enabled that kills EngineCore (docs/field-notes.md).
+        raise RequestError.of(INVALID_REQUEST, f"prompt_logprobs with n > 1 cannot run on "
+                              f"{spec.name}, which serves LoRA adapters (vLLM 0.32's engine "
+                              "dies computing the prompt's logprobs for several samples at "
+                              "once); ask for them with n=1: the prompt's logprobs are the same "
+                              "for every sample")
     entries = logprob_entries(req)
     if entries > settings.max_logprob_entries:
         raise RequestError.of(INVALID_REQUEST, f"the result would hold up to {entries:,} "

@@ -113,16 +113,16 @@ def _utf8(text: str) -> None:
 
 
 def nesting(value: Any, limit: int = MAX_JSON_NESTING) -> int:
-    """How deep objects and arrays nest in `value` (counted level by level, never recursively,
-    and never past `limit` + 1)."""
-    level, depth = [value], 0
-    while depth <= limit:
-        level = [c for node in level if isinstance(node, (dict, list))
+    """How many levels of objects and arrays `value` has, the outermost counted (`{}` is 1,
+    `{"a": []}` is 2), as vLLM 0.32 counts them (`_exceeds_json_nesting`): counted level by
+    level, never recursively, and never past `limit` + 1."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level and depth <= limit:
+        depth += 1
+        level = [c for node in level
                  for c in (node.values() if isinstance(node, dict) else node)
                  if isinstance(c, (dict, list))]
-        if not level:
-            return depth
-        depth += 1
     return depth
 
 

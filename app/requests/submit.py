@@ -8,7 +8,9 @@ and `vigil batch` call directly:
    `max_prompt_bytes`, `max_tokens` within the model's context and the cap, token prompts within
    `max_model_len` and the vocabulary, `n`, the token ids and the result's size within their
    bounds (app/requests/limits.py), a structured output the model's backend compiles
-   (app/requests/structured.py), a LoRA adapter allowed. A text prompt's token count needs
+   (app/requests/structured.py), a LoRA adapter allowed. A request that uses a schema version 2
+   field is refused (TransientError workers_too_old) while a live worker of its pool predates
+   version 2 and would fail it (app/requests/version_gate.py). A text prompt's token count needs
    the tokenizer, so `prompt_too_long` for text is found by the engine, at once, on the first
    attempt.
 2. The request id is the caller's `task_id` or a new uuid4, and stays the Celery task id for
@@ -43,6 +45,7 @@ from app.requests.publish import Send, announce_queue, publish
 from app.requests.schemas import JOB_PATTERN, MAX_DEADLINE_S, GenerateRequest, parse_request
 from app.requests.structured import backend_of, check_compiles
 from app.requests.tiers import tier_of_celery_priority
+from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.keys import PENDING
 from app.state.queues import DEFAULT_JOB, job_queue_name
@@ -60,11 +63,13 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
     `ports` (app/celery_ports.py); returns Celery's AsyncResult for it (Vigil's result class).
     `send` (default: `ports.send`) and `options` are handed to `publish`. Raises RequestError
     for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
-    TransientError(redis_unavailable)."""
+    TransientError(redis_unavailable), or TransientError(workers_too_old) for a request of
+    schema version 2 while a worker of its pool would fail it (app/requests/version_gate.py)."""
     send = send or ports.send
     if "priority" in options:  # Celery's own priority= picks the tier the request does not name
         kwargs = with_celery_priority(kwargs, options.pop("priority"))
     req, spec = admit(kwargs, settings, registry)
+    check_served(req, spec.name, store.workers, settings)  # a rolling upgrade's old workers
     request_id = task_id or str(uuid.uuid4())
     now = time.time()
     fields = record_fields(req, now, settings.request_deadline)

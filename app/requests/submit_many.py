@@ -36,6 +36,7 @@ from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish_many
 from app.requests.submit import (admit, record_fields, refusal, same_request_again,
                                  with_celery_priority, wire_kwargs)
+from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, RequestStore
 
@@ -52,7 +53,8 @@ def submit_many(items: list, task_ids: list[str] | None = None, *, settings: Vig
     """Admit, record and publish many requests (module docstring); one AsyncResult per item,
     in order. `task_ids` names their ids (default: new uuid4s); `priority` is Celery's
     priority= for the requests that name no tier. Raises RequestError (naming the item's
-    index), TerminalError(job_deleted), TransientError(overloaded) or
+    index), TerminalError(job_deleted), TransientError(overloaded),
+    TransientError(workers_too_old) (app/requests/version_gate.py; nothing written) or
     TransientError(redis_unavailable)."""
     if not isinstance(items, (list, tuple)) or not items:
         raise RequestError.of(INVALID_REQUEST, "generate_many takes a non-empty list of "
@@ -69,6 +71,8 @@ def submit_many(items: list, task_ids: list[str] | None = None, *, settings: Vig
             admitted.append(admit(with_celery_priority(kw, priority), settings, registry))
         except RequestError as e:
             raise type(e).of(e.code, f"request {i}: {e.detail}") from None
+    for req, spec in admitted:  # a rolling upgrade's old workers (read once per pool)
+        check_served(req, spec.name, store.workers, settings)
     now = time.time()
     fields = [record_fields(req, now, settings.request_deadline) for req, _ in admitted]
     created, to_publish = [], []

@@ -9,7 +9,7 @@ new job queue, the reaper. A worker is *live* when it heartbeated within the liv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -56,6 +56,10 @@ class WorkerEntry:
     health_state: str
     # Its GPUs (`device_cards` in the heartbeat); 0 on the CPU or when the probe failed.
     cards: int = 0
+    # The request schema versions it reads (app/requests/schemas.py SUPPORTED_VERSIONS); empty
+    # for a worker from before workers said so, which reads version 1 only and fails any other
+    # (app/requests/version_gate.py).
+    schema_versions: list[int] = field(default_factory=list)
 
     def live(self, now: float, window: float) -> bool:
         """True when it heartbeated within `window` seconds of `now`."""
@@ -77,7 +81,9 @@ class WorkerEntry:
             free_bytes=_num(entry, "device_free_bytes"),
             total_bytes=_num(entry, "device_total_bytes"),
             health_state=health_state or HEALTHY,
-            cards=len(_split(entry.get("device_cards", ""))))
+            cards=len(_split(entry.get("device_cards", ""))),
+            schema_versions=[int(v) for v in _split(entry.get("schema_versions", ""))
+                             if v.isdigit()])
 
 
 class WorkerRegistry:

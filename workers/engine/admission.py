@@ -5,8 +5,8 @@ Rules kept here, on the host's loop under its condition (workers/engine/host_sta
 - **one model at a time**: a request for another model stops new admissions for the current
   one (it claims the switch), waits for its in-flight requests to drain, and the engine slot
   evicts it and loads the new one (workers/engine/slot.py);
-- **one LoRA lane at a time**: the same for the lanes (workers/engine/lora.py), without
-  evicting anything;
+- **one lane at a time**: the same for the lanes (workers/engine/lora.py: adapter requests,
+  requests naming logprob_token_ids), without evicting anything;
 - **a failed load is shared**: a request that waited for a load that failed fails with that
   error;
 - **suspects first**: while a recovery runs (workers/engine/recovery.py), new requests wait;

@@ -8,8 +8,8 @@ never at import.
 The host is correct because of one condition: its parts all decide on one state (the engine,
 its model, the requests in it, the suspects of a death: workers/engine/host_state.py), on the
 loop, holding that condition. Its parts, by job:
-- admission and lanes (workers/engine/admission.py): one model and one LoRA lane at a time,
-  a failed load shared, suspects first;
+- admission and lanes (workers/engine/admission.py): one model and one lane at a time (LoRA,
+  logprob_token_ids: workers/engine/lora.py), a failed load shared, suspects first;
 - the engine slot (workers/engine/slot.py): load sized to free memory, switch, evict, idle;
 - recovery (workers/engine/recovery.py): engine death, suspects re-isolated, the canary, the
   death streak, the worker's fatal end;
@@ -269,7 +269,8 @@ class EngineHost:
                         timeout: float, tap=None, preemptible: bool = False) -> EngineOutput:
         t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
                    preemptible=preemptible)
-        engine = await self._admission.acquire(spec, arrived, lane_of(spec, adapter))
+        engine = await self._admission.acquire(spec, arrived,
+                                               lane_of(spec, adapter, req, engine_request_id))
         if t.urgent:
             self._preempt_for(t, engine)
         try:

@@ -10,7 +10,14 @@
 - **Lanes.** vLLM CPU 0.32 computes base requests wrong in a batch that mixes them with adapter
   requests (docs/field-notes.md). Unless the model says `lora_mixing_safe`, base requests and
   adapter requests never share the engine: the host admits one lane at a time and switches
-  like it switches models, without evicting anything (workers/engine/host.py).
+  like it switches models, without evicting anything (workers/engine/host.py). Requests that
+  name `logprob_token_ids` get lanes of their own too, one per number of ids: vLLM 0.32's
+  sampler gives every request of a batch the named ids' logprobs once any request of it names
+  ids (`Sampler.forward`: "prefer logprob_token_ids", batch-wide), so a `logprobs` request
+  beside one lost its alternatives, and a shorter list gets padding entries of token 0. On an
+  engine with LoRA enabled, a request asking `prompt_logprobs` runs alone in a lane of its own:
+  vLLM 0.32's LoRA logits path computes its prompt's logits with one adapter index per request
+  of the batch, and a prefill beside another request killed EngineCore (docs/field-notes.md).
 
 `AdapterCache` owns the adapter state (warm LRU, use counts, loads in progress, counters); it
 runs on the host's loop and waits on the host's condition, which it is handed per call.
@@ -23,17 +30,29 @@ from collections import OrderedDict
 
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
 from workers.engine.lora_gate import check_adapter_files, engine_cause, invalid
 from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
 BASE_LANE = "base"
 LORA_LANE = "lora"
+NAMED_LOGPROBS_LANE = "logprob_token_ids"
+PROMPT_LOGPROBS_LANE = "prompt_logprobs"
 
 
-def lane_of(spec: ModelSpec, adapter: AdapterRef | None) -> str:
-    """The lane a request runs in: adapter requests apart from base ones unless mixing is safe."""
-    return LORA_LANE if adapter is not None and not spec.lora_mixing_safe else BASE_LANE
+def lane_of(spec: ModelSpec, adapter: AdapterRef | None,
+            req: GenerateRequest | None = None, engine_request_id: str = "") -> str:
+    """The lane a request runs in: adapter requests apart from base ones unless mixing is safe;
+    a request naming `logprob_token_ids` apart from every request that does not name as many;
+    on an engine with LoRA enabled, a request asking `prompt_logprobs` alone (a lane of its
+    engine request id) (module docstring)."""
+    lane = LORA_LANE if adapter is not None and not spec.lora_mixing_safe else BASE_LANE
+    if req is not None and req.logprob_token_ids:
+        lane = f"{lane}+{NAMED_LOGPROBS_LANE}:{len(req.logprob_token_ids)}"
+    if req is not None and req.prompt_logprobs is not None and spec.max_loras:
+        lane = f"{lane}+{PROMPT_LOGPROBS_LANE}:{engine_request_id}"
+    return lane
 
 
 class AdapterCache:

@@ -60,6 +60,7 @@ class WatchedRun:
     task: asyncio.Future | None = None  # the engine request's task (cancelled on a cut)
     prompt_logprobs: list | None = None  # vLLM's, read once prefill made them
     prompt_ids: list[int] | None = None
+    detokenize: bool = True  # False: the seam's text is not streamed (token ids only)
 
     def of(self, index: int) -> Progress:
         """Sample `index`'s progress."""
@@ -98,7 +99,8 @@ class WatchedRun:
             if self.task is not None and not self.task.done():
                 self.task.cancel()  # vLLM aborts the request
             return
-        self.tap.add(token_ids, released, index=index, logprobs=logprobs)
+        self.tap.add(token_ids, released if self.detokenize else "", index=index,
+                     logprobs=logprobs)
 
 
 class StreamWatch:

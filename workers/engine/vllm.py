@@ -215,7 +215,8 @@ class VllmEngine:
         prompt_ids = list(cp.prompt_ids)
         run = WatchedRun(tap, seam, index=index,
                          convert=self._converter(req, lambda i: list(c.token_ids)),
-                         want_prompt_logprobs=req.prompt_logprobs is not None and index == 0)
+                         want_prompt_logprobs=req.prompt_logprobs is not None and index == 0,
+                         detokenize=req.detokenize)
         eid = request_id if req.n == 1 else f"{request_id}~{index}"  # vLLM ids are unique
         final = await self._watched({"prompt_token_ids": prompt_ids + list(c.token_ids)},
                                     sampling_params(req, Continuation(index, c.tokens)),
