@@ -103,7 +103,7 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
 # Task threads (engine slots) of a worker kept free of bulk work: the bulk tier may hold at
-# most concurrency - this many of a worker's messages at once (app/state/intake.py), so an
+# most concurrency - this many requests at once (app/state/intake.py), so an
 # interactive request arriving at a worker full of bulk work starts at once. Default-tier
 # requests may use every thread (a fleet that names no tiers loses nothing).
 DEFAULT_INTERACTIVE_SLOTS = 8

@@ -53,11 +53,16 @@ def conn(redis_db1_url):
     limit_intake(None)
 
 
-def publish(conn, queue: str, rid: str, tier: str) -> None:
+def publish(conn, queue: str, rid: str, tier: str, carries: list[str] | None = None) -> None:
+    """Publish one message at `tier`'s priority: a vigil.generate of request `rid`, or with
+    `carries` a vigil.generate_many naming those requests in its `vigil_ids` header."""
     q = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+    headers = {"task": "vigil.generate", "id": rid}
+    if carries is not None:
+        headers = {"task": "vigil.generate_many", "id": rid, "vigil_ids": carries}
     with conn.channel() as ch:
         Producer(ch).publish({"x": 1}, exchange=q.exchange, routing_key=queue, declare=[q],
-                             serializer="json", headers={"task": "vigil.generate", "id": rid},
+                             serializer="json", headers=headers,
                              priority=broker_priority(tier))
 
 
@@ -117,6 +122,34 @@ def test_at_the_bulk_cap_only_higher_tiers_are_taken(conn):
         while len(got) < 3:
             conn.drain_events(timeout=3)
         assert got[2].headers["id"] == "bulk-2"
+
+
+@pytest.mark.redis
+def test_the_bulk_cap_counts_the_requests_a_message_carries(conn):
+    """Given a worker whose cap for bulk work is 2 requests, holding one bulk message of many
+    that carries 2 requests (not acked), then a queued single bulk message is not taken while
+    an interactive one is: the cap counts requests, not messages (a batch object's window
+    arrives as such messages)."""
+    limit_intake(IntakeLimits(lower_cap=2))
+    publish(conn, JOBS[0], "many-1", BULK, carries=["r1", "r2"])
+    publish(conn, JOBS[0], "bulk-1", BULK)
+    queues = [Queue(q, Exchange(q, type="direct"), routing_key=q) for q in JOBS]
+    got = []
+    with Consumer(conn, queues, callbacks=[lambda b, m: got.append(m)], accept=["json"],
+                  prefetch_count=10):
+        while not got:
+            conn.drain_events(timeout=3)
+        assert [m.headers["id"] for m in got] == ["many-1"]
+        publish(conn, JOBS[1], "interactive-1", INTERACTIVE)
+        while len(got) < 2:
+            conn.drain_events(timeout=3)
+        assert got[1].headers["id"] == "interactive-1"
+        with pytest.raises(TimeoutError):  # 2 bulk requests held: bulk-1 waits
+            conn.drain_events(timeout=2.5)
+        got[0].ack()
+        while len(got) < 3:
+            conn.drain_events(timeout=3)
+        assert got[2].headers["id"] == "bulk-1"
 
 
 @pytest.mark.redis

@@ -38,7 +38,7 @@ def tier_of_celery_priority(priority: int) -> str:
 def intake_limits_for(concurrency: int, interactive_slots: int, bulk_floor: float
                       ) -> IntakeLimits:
     """A worker's intake limits (app/state/intake.py): the bulk tier holds at most
-    `concurrency` - `interactive_slots` of its task threads (at least one), and with a backlog
+    `concurrency` - `interactive_slots` requests (at least one), and with a backlog
     everywhere the lowest tier gets every round(1 / `bulk_floor`)-th pop first (0: never)."""
     floor_every = round(1 / bulk_floor) if bulk_floor > 0 else 0
     return IntakeLimits(lower_cap=max(1, concurrency - interactive_slots),
