@@ -113,6 +113,10 @@ DEFAULT_BULK_FLOOR = 0.1
 # A bulk request yields its engine slot to a waiting interactive request at most this many
 # times (each resumes from its stream, losing nothing); past it, it is never picked again.
 DEFAULT_MAX_PREEMPTIONS = 3
+# A request handed back by a stopping worker (SIGTERM: a scale-in, a deploy) gives its attempt
+# back at most this many times (each resumes from its stream, losing nothing); past it such a
+# hand-back uses the attempt, as a dead worker's does.
+DEFAULT_MAX_DRAINS = 3
 # `generate_many` publishes at most this many requests per Celery message: one message's intake,
 # Celery request and ack for all of them; a request that needs a retry goes back on its own.
 DEFAULT_REQUESTS_PER_MESSAGE = 32
