@@ -22,6 +22,22 @@ TRANSPORT = "app.state.transport:VigilRedisTransport"
 JOBS = ("vigil.test.tier.a", "vigil.test.tier.b")
 
 
+def test_a_messages_own_priority_picks_the_tier_of_a_request_sent_around_the_producer():
+    """`app.send_task("vigil.generate", priority=0)` reaches the worker with no `priority`
+    field: the message's Celery priority (its delivery info) picks the tier, as
+    `apply_async(priority=0)` would at submit; the field, when given, wins; anything but an int
+    0-9 leaves the default tier."""
+    from app.requests.submit import with_delivery_priority
+
+    kw = {"model": "tiny-llama", "prompt": "p"}
+    assert with_delivery_priority(kw, {"priority": 0})["priority"] == INTERACTIVE
+    assert with_delivery_priority(kw, {"priority": 9})["priority"] == BULK
+    assert with_delivery_priority(kw, {"priority": 3})["priority"] == DEFAULT
+    assert with_delivery_priority({**kw, "priority": BULK}, {"priority": 0})["priority"] == BULK
+    for info in (None, {}, {"priority": None}, {"priority": 255}, {"priority": "0"}):
+        assert "priority" not in with_delivery_priority(kw, info)
+
+
 def test_celery_priorities_map_onto_tiers_and_tiers_onto_kombus_steps():
     assert [tier_of_celery_priority(p) for p in range(10)] == \
         [INTERACTIVE] * 3 + [DEFAULT] * 3 + [BULK] * 4

@@ -141,6 +141,19 @@ def with_celery_priority(kwargs: object, priority: object) -> object:
     return {**kwargs, "priority": tier_of_celery_priority(priority)}
 
 
+def with_delivery_priority(kwargs: object, delivery_info: dict | None) -> object:
+    """`kwargs` of a delivered message with the tier its Celery message priority picks
+    (`with_celery_priority`), unless the request names its own: a message sent around the
+    producer (`app.send_task("vigil.generate", kwargs=..., priority=0)`) is interactive as
+    `apply_async(priority=0)` would have made it. Vigil's own messages carry their tier's
+    priority (app/requests/publish.py), which maps back to that tier. A priority that is not an
+    int 0-9 is left alone (the default tier)."""
+    prio = (delivery_info or {}).get("priority")
+    if type(prio) is not int or not 0 <= prio <= 9:
+        return kwargs
+    return with_celery_priority(kwargs, prio)
+
+
 def _never_published(store: RequestStore, request_id: str, record: dict, pool: str,
                      job: str) -> bool:
     """True for a record no attempt ever began and no message carries: PENDING at dispatch 0,
