@@ -110,6 +110,8 @@ def tally_recovery(rep: SoakReport, recs: dict[str, dict | None]) -> None:
     for k in rep.kills:
         if k.kind in ("worker", "drain") and k.held:
             backs = [_back_after(recs.get(rid), k.at) for rid in k.held]
+            if k.kind == "drain":  # a draining worker may finish some of them itself
+                backs = [b for b in backs if b is not None] or [None]
             if all(b is not None for b in backs):
                 k.handback_s = max(backs)
     backs = [k.handback_s for k in rep.kills if k.handback_s is not None]

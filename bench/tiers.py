@@ -1,14 +1,15 @@
 """Interactive latency under a saturating bulk backlog, with tiers and without, in one run
 (docs/performance.md, "Tiers").
 
-    python -m bench.tiers                               # 64 bulk x 256 tokens, 4 rounds
-    python -m bench.tiers --bulk 32 --rounds 2          # a quick look
+    python -m bench.tiers                               # 480-token bulk, 6 rounds of 5
+    python -m bench.tiers --rounds 2                    # a quick look
 
 Self-contained: a private redis-server and one `vigil worker --cpu` serving a pool of tiny-llama's
-weights whose engine runs a batch of `--seqs` (8) requests, at the worker's default task threads
+weights whose engine runs a batch of `--seqs` (4) requests, at the worker's default task threads
 and `VIGIL_INTERACTIVE_SLOTS`. A backlog of `--bulk` long greedy bulk requests is submitted as
-one `generate_many` call (messages of many, as a batch object's window is): more than the engine
-can finish while the trickle runs. Once the engine's batch is full of them, the bulk work runs
+`generate_many` calls (messages of many, as a batch object's window is), topped up with
+another `--bulk` whenever fewer than twice the engine's batch are open, so bulk work always
+waits while the trickle runs. Once the engine's batch is full of them, the bulk work runs
 alone for `--alone` seconds (its throughput alone), then a trickle of short greedy requests
 (`--trickle-tokens`, one at a time, `--gap` s apart) runs in blocks of `--per-block`, the blocks
 alternating between the two sides, `--rounds` times (the first side alternates too):
@@ -24,7 +25,7 @@ tokens made per second during its blocks (vLLM's own output count, the worker's
 throughput cost. Then: preemptions, the bulk tokens thrown away (`vigil_tokens_discarded_total`
 before and after: goal 0), and every preempted bulk request run again uninterrupted (its twin,
 default tier, after the backlog ended): each must be token-identical. `saturated` says whether
-bulk work still waited when the last block ended (if not, raise `--bulk`).
+bulk work still waited when the last block ended.
 
 Not part of `make test`.
 """
@@ -52,11 +53,12 @@ SIDES = {"with tiers": "interactive", "without": None}
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.split("\n")[0])
-    p.add_argument("--bulk", type=int, default=64, help="bulk requests in the backlog")
-    p.add_argument("--bulk-tokens", type=int, default=256, help="tokens per bulk request")
-    p.add_argument("--seqs", type=int, default=8, help="the engine's batch (max_num_seqs)")
-    p.add_argument("--rounds", type=int, default=4, help="blocks per side")
-    p.add_argument("--per-block", type=int, default=4, help="trickle requests per block")
+    p.add_argument("--bulk", type=int, default=24,
+                   help="bulk requests per generate_many call (the backlog and each top-up)")
+    p.add_argument("--bulk-tokens", type=int, default=480, help="tokens per bulk request")
+    p.add_argument("--seqs", type=int, default=4, help="the engine's batch (max_num_seqs)")
+    p.add_argument("--rounds", type=int, default=6, help="blocks per side")
+    p.add_argument("--per-block", type=int, default=5, help="trickle requests per block")
     p.add_argument("--trickle-tokens", type=int, default=16, help="tokens per trickle request")
     p.add_argument("--gap", type=float, default=0.5, help="seconds between trickle requests")
     p.add_argument("--alone", type=float, default=10.0, help="seconds of bulk work alone")
@@ -156,6 +158,7 @@ class TiersBench:
                 shutil.rmtree(self.tmp, ignore_errors=True)
 
     def measure(self) -> int:
+        from app.state import keys
         from app.state.store import RequestStore
         from tasks.inference import generate_many
 
@@ -166,10 +169,20 @@ class TiersBench:
                  f"(generate_many); trickle {a.rounds} blocks x {a.per_block} per side of "
                  f"{a.trickle_tokens} tokens, {a.gap:g} s apart; logs in {self.tmp}")
         discarded0 = self.metrics().get("vigil_tokens_discarded_total", 0.0)
-        bulk_kw = [dict(model=POOL, prompt=f"bulk {i}: a long story about the sea",
+        bulk_kw: list[dict] = []
+        bulk: list = []
+
+        def top_up() -> None:
+            """Another --bulk bulk requests when fewer than twice the batch are open."""
+            if bulk and store.raw.scard(keys.pool_requests(POOL)) >= 2 * a.seqs:
+                return
+            kws = [dict(model=POOL, prompt=f"bulk {len(bulk_kw) + i}: a long story about the sea",
                         max_tokens=a.bulk_tokens, temperature=0.0, ignore_eos=True, job="bulk")
                    for i in range(a.bulk)]
-        bulk = generate_many([{**kw, "priority": "bulk"} for kw in bulk_kw])
+            bulk_kw.extend(kws)
+            bulk.extend(generate_many([{**kw, "priority": "bulk"} for kw in kws]))
+
+        top_up()
 
         def streaming() -> int:
             return sum(int((store.get(r.id) or {}).get("streamed") or 0) > 0 for r in bulk)
@@ -186,6 +199,7 @@ class TiersBench:
             for side in order:
                 o0, t0, made = self.outputs(), time.monotonic(), 0
                 for _ in range(a.per_block):
+                    top_up()
                     s, n = self.trickle_one(SIDES[side], i)
                     i += 1
                     lat[side].append(s)
@@ -213,14 +227,15 @@ class TiersBench:
                      f"{quantile(xs, 0.99) * 1000:6.0f} ms, max {max(xs) * 1000:6.0f} ms "
                      f"({len(xs)} requests); bulk {statistics.median(tps[side]):.0f} tokens/s "
                      f"(median of {len(tps[side])} blocks)")
-        cost = 1 - statistics.median(tps["with tiers"]) / statistics.median(tps["without"])
+        without = statistics.median(tps["without"])
+        cost = 1 - statistics.median(tps["with tiers"]) / without if without else float("nan")
         self.say(f"  bulk alone {alone:.0f} tokens/s; bulk throughput cost of tiers "
-                 f"(with / without) {cost:+.1%}")
+                 f"(1 - with / without) {cost:+.1%}")
         self.say(f"  preempted {len(preempted)} bulk requests ({resumed} resumed from their "
                  f"streams); identical to their uninterrupted twins: {same} of {len(preempted)}")
         self.say(f"  bulk tokens discarded (vigil_tokens_discarded_total delta) {discarded:.0f}")
-        self.say(f"  saturated: {open_bulk > a.seqs} ({open_bulk} bulk requests open when the "
-                 f"last block ended)")
+        self.say(f"  saturated: {open_bulk > a.seqs} ({open_bulk} of {len(bulk)} bulk requests "
+                 f"open when the last block ended)")
         p50 = {s: quantile(lat[s], 0.5) for s in SIDES}
         self.say(f"ratio p50 {p50['with tiers'] / p50['without']:.2f}")
         return 0 if same == len(preempted) and discarded == 0 else 1

@@ -38,9 +38,10 @@ SEQS = 4  # the tiers model's engine batch (tests/conftest.py)
 # An interactive request under a full engine of bulk work finishes within this multiple of its
 # idle latency, plus this many seconds (one preemption: a read, a stream write, an abort).
 BUSY_FACTOR, BUSY_SLACK_S = 5, 1.0
-# A worker SIGTERMed with its engine full exits within this many seconds (measured on this
-# 2-core machine: docs/failure-modes.md, "SIGTERM drain under load"; twice the worst run).
-DRAIN_EXIT_BOUND_S = 30.0
+# A worker SIGTERMed with its engine full exits within this many seconds: measured 6.3-6.9 s
+# here (three runs, 6 requests held), 12.2 s in the drain soak with 45 held beside a second
+# worker (docs/failure-modes.md, "SIGTERM drain under load"); about 3x the e2e's worst.
+DRAIN_EXIT_BOUND_S = 20.0
 DRAIN_TOKENS = 400  # a drained generation's max_tokens: long enough to be cut mid-way
 
 
