@@ -23,18 +23,24 @@ JOBS = ("vigil.test.tier.a", "vigil.test.tier.b")
 
 
 def test_a_messages_own_priority_picks_the_tier_of_a_request_sent_around_the_producer():
-    """`app.send_task("vigil.generate", priority=0)` reaches the worker with no `priority`
+    """`app.send_task("vigil.generate", priority=9)` reaches the worker with no `priority`
     field: the message's Celery priority (its delivery info) picks the tier, as
-    `apply_async(priority=0)` would at submit; the field, when given, wins; anything but an int
-    0-9 leaves the default tier."""
+    `apply_async(priority=9)` would at submit; the field, when given, wins. 0 picks none:
+    kombu's Redis transport gives 0 to every message that names no priority (read from its
+    own `prepare_message`), so a plain `send_task` stays default; anything but an int 1-9
+    leaves the default tier."""
+    from kombu.transport.virtual import Channel
+
     from app.requests.submit import with_delivery_priority
 
     kw = {"model": "tiny-llama", "prompt": "p"}
-    assert with_delivery_priority(kw, {"priority": 0})["priority"] == INTERACTIVE
+    assert with_delivery_priority(kw, {"priority": 1})["priority"] == INTERACTIVE
     assert with_delivery_priority(kw, {"priority": 9})["priority"] == BULK
     assert with_delivery_priority(kw, {"priority": 3})["priority"] == DEFAULT
-    assert with_delivery_priority({**kw, "priority": BULK}, {"priority": 0})["priority"] == BULK
-    for info in (None, {}, {"priority": None}, {"priority": 255}, {"priority": "0"}):
+    assert with_delivery_priority({**kw, "priority": BULK}, {"priority": 1})["priority"] == BULK
+    unnamed = Channel.prepare_message(Channel.__new__(Channel), "body")["properties"]["priority"]
+    for info in (None, {}, {"priority": None}, {"priority": unnamed}, {"priority": 255},
+                 {"priority": "1"}):
         assert "priority" not in with_delivery_priority(kw, info)
 
 

@@ -144,12 +144,14 @@ def with_celery_priority(kwargs: object, priority: object) -> object:
 def with_delivery_priority(kwargs: object, delivery_info: dict | None) -> object:
     """`kwargs` of a delivered message with the tier its Celery message priority picks
     (`with_celery_priority`), unless the request names its own: a message sent around the
-    producer (`app.send_task("vigil.generate", kwargs=..., priority=0)`) is interactive as
-    `apply_async(priority=0)` would have made it. Vigil's own messages carry their tier's
-    priority (app/requests/publish.py), which maps back to that tier. A priority that is not an
-    int 0-9 is left alone (the default tier)."""
+    producer (`app.send_task("vigil.generate", kwargs=..., priority=9)`) is bulk as
+    `apply_async(priority=9)` would have made it. Priority 0 names no tier here: kombu's Redis
+    transport gives every message published without a priority 0, so a plain `send_task`
+    cannot be told from one that asked for 0 (it stays default; `priority=1` or 2, or the
+    `priority` field, makes it interactive). Vigil's own messages carry their tier in their
+    kwargs (app/requests/publish.py). Anything but an int 1-9 is left alone."""
     prio = (delivery_info or {}).get("priority")
-    if type(prio) is not int or not 0 <= prio <= 9:
+    if type(prio) is not int or not 1 <= prio <= 9:
         return kwargs
     return with_celery_priority(kwargs, prio)
 
