@@ -206,9 +206,10 @@ class EngineHost:
             return 0
         try:
             return self._bridge.run(freeze(timeout), timeout + 5)
-        except Exception as e:
-            log.warning("could not freeze the engine for the drain (%s: %s); its requests are "
-                        "read and handed back anyway", type(e).__name__, e)
+        except Exception as e:  # a dead engine (its process group signalled too) is expected
+            log.log(logging.INFO if getattr(eng, "dead", False) else logging.WARNING,
+                    "could not freeze the engine for the drain (%s: %s); its requests are "
+                    "read and handed back anyway", type(e).__name__, e)
             return 0
 
     def pause(self) -> None:

@@ -104,15 +104,25 @@ class VllmEngine:
         aborted) and then every output it sent processed by the front end (its output handler
         back waiting for the next batch, its queue empty), all within `timeout` seconds; then
         the stream watch reads every run once more. Returns how many runs it read. Raises
-        TimeoutError when the engine did not pause in time (the runs are read anyway: what the
-        engine makes after that counts as discarded when their taps close)."""
+        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
+        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
+        group, answers no pause); the runs are read anyway (what the engine makes after that
+        counts as discarded when their taps close)."""
+        llm = self._llm
+        pause = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
         try:
             async with asyncio.timeout(timeout):
-                await self._llm.pause_generation(mode="keep", clear_cache=False)
-                queue = getattr(self._llm.engine_core, "outputs_queue", None)
+                while not pause.done():
+                    if self.dead:
+                        raise RuntimeError("the engine died before it paused")
+                    await asyncio.sleep(0.005)
+                pause.result()
+                queue = getattr(llm.engine_core, "outputs_queue", None)
                 while not (self.steps.waiting and (queue is None or queue.empty())):
                     await asyncio.sleep(0.002)
         finally:
+            if not pause.done():
+                pause.cancel()
             read = self._watch.read_all() if self._watch is not None else 0
         return read
 
