@@ -8,6 +8,7 @@ operator tools, the local harness, the worker, the tasks) get this process's app
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 from billiard.common import TERM_SIGNAME
@@ -20,7 +21,7 @@ from kombu.utils.objects import cached_property
 from app.celery_ports import CeleryPorts
 from app.control import ControlBus
 from app.fleet import waiting
-from app.fleet.cancel import cancel_requests
+from app.fleet.cancel import ENDED_NOW, cancel_requests
 from app.housekeeping_schedule import schedule
 from app.requests.models import ModelRegistry, get_registry
 from app.result_backend import backend_url
@@ -31,6 +32,8 @@ from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues
 from app.state.store import RequestStore, open_store
 from app.state.streams import TokenStreams
 from app.state.transport import transport_for
+
+log = logging.getLogger("vigil.cancel")
 
 # The Celery app's name (its `main`): the worker hooks act only for a worker of this app.
 APP_NAME = "vigil"
@@ -46,13 +49,20 @@ class VigilControl(Control):
 
     def revoke(self, task_id, destination=None, terminate=False, signal=TERM_SIGNAME, **kwargs):
         """Cancel the Vigil requests among `task_id` (one id or a list), then revoke them as
-        Celery does (without terminate)."""
+        Celery does (without terminate). Returns what happened to each, {id: "cancelled" |
+        "already ended (STATUS)" | "unknown"} (app/fleet/cancel.py; an id that changed nothing
+        is also logged), or with `reply=True` Celery's own answer, the workers' replies."""
         ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        answer: dict[str, str] = {}
         if ids and isinstance(self.app, VigilCelery):
-            cancel_requests(self.app.vigil_store, ids, backend=self.app.backend,
-                            bus=ControlBus(self))
-        return super().revoke(task_id, destination=destination, terminate=False,
-                              signal=signal, **kwargs)
+            answer = cancel_requests(self.app.vigil_store, ids, backend=self.app.backend,
+                                     bus=ControlBus(self))
+            for rid, what in answer.items():
+                if what != ENDED_NOW:
+                    log.info("revoke %s: %s; nothing changed", rid, what)
+        replies = super().revoke(task_id, destination=destination, terminate=False,
+                                 signal=signal, **kwargs)
+        return replies if kwargs.get("reply") else answer
 
 
 class VigilCelery(Celery):

@@ -16,7 +16,7 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
 |                  |                                            | lora_adapter_pending, schema_too_new,   |
-|                  |                                            | preempted;                              |
+|                  |                                            | preempted, drained;                     |
 |                  |                                            | overloaded, workers_too_old (raised by  |
 |                  |                                            | `.delay` only: the caller retries;      |
 |                  |                                            | nothing was sent)                       |
@@ -65,6 +65,10 @@ LORA_ADAPTER_PENDING = "lora_adapter_pending"
 # back on its queue at once, resuming from its stream, no attempt used (workers/engine/
 # admission.py). Not a failure.
 PREEMPTED = "preempted"
+# A request whose worker stopped (SIGTERM: a scale-in, a deploy) and handed it back with every
+# token it had made: back on its queue at once, resuming from its stream, no attempt used, at
+# most VIGIL_MAX_DRAINS times (workers/held.py). Not a failure.
+DRAINED = "drained"
 # The message names a schema_version newer than this worker reads (a newer producer sent it during
 # a rolling upgrade): handed back for a worker that reads it, without using up an attempt.
 SCHEMA_TOO_NEW = "schema_too_new"

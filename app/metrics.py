@@ -112,6 +112,15 @@ def tokens_discarded(pool: str, n: int) -> None:
         TOKENS_DISCARDED.labels(pool).inc(n)
 
 
+def token_totals() -> tuple[int, int]:
+    """(generated tokens resumed, generated tokens discarded) by this process so far, every
+    pool's: what `vigil_tokens_resumed_total` and `vigil_tokens_discarded_total` say."""
+    def total(counter) -> int:
+        return int(sum(s.value for m in counter.collect() for s in m.samples
+                       if s.name.endswith("_total")))
+    return total(TOKENS_RESUMED), total(TOKENS_DISCARDED)
+
+
 def stream_read() -> None:
     """Count a token stream read begun by this process."""
     STREAM_READERS.inc()

@@ -5,7 +5,8 @@ the request again as its next dispatch) or `End(error)` (write the outcome, fina
 that asks the question asks it here: the worker's service after a failed attempt
 (workers/service.py), the task's one retry path (tasks/base.py: the countdown of an error that
 escaped the service undecided, e.g. Redis unreachable mid-delivery), and the hand-back of a
-dead or stopping worker's requests (app/fleet/handback.py). Celery's autoretry lists
+dead or stopping worker's requests (app/fleet/handback.py, which asks `may_drain` for a
+stopping one's). Celery's autoretry lists
 (tasks/inference.py) are derived from the same table (`RETRIED`, `NEVER_RETRIED`), and the
 bound on preemptions is asked here too, before a run (`may_preempt`, workers/service.py).
 
@@ -19,6 +20,7 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
 | TransientError schema_too_new | until the deadline | backoff on the dispatch | no |
 | TransientError preempted | VIGIL_MAX_PREEMPTIONS times (`may_preempt`) | at once | no |
+| TransientError drained | VIGIL_MAX_DRAINS times (`may_drain`), then as worker_lost | at once | no |
 | TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
 | WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
 
@@ -41,11 +43,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, LORA_ADAPTER_PENDING,
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, DRAINED, LORA_ADAPTER_PENDING,
                         MEMORY_PRESSURE, PREEMPTED, SCHEMA_TOO_NEW, WEDGED, WORKER_LOST,
                         RequestError, TerminalError, TransientError, VigilError,
                         WorkerFatalError)
-from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_PREEMPTIONS,
+from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DRAINS,
+                                   DEFAULT_MAX_PREEMPTIONS,
                                    DEFAULT_MEMORY_PRESSURE_WINDOW_S, DEFAULT_RETRY_BACKOFF_MAX_S,
                                    DEFAULT_RETRY_BACKOFF_S)
 
@@ -92,6 +95,11 @@ CODE_RULES: dict[str, Rule] = {
     # its stream, no attempt used; VIGIL_MAX_PREEMPTIONS bounds how often (`may_preempt`: a
     # request preempted that often is not preempted again), its deadline still rules.
     PREEMPTED: Rule(retried=True, at_once=True, uses_attempt=False),
+    # A request handed back by a worker that stops (SIGTERM), with its tokens: back at once,
+    # no attempt used (a scale-in is nobody's fault); VIGIL_MAX_DRAINS bounds how often
+    # (`may_drain`: past it the hand-back is worker_lost and uses the attempt), its deadline
+    # still rules.
+    DRAINED: Rule(retried=True, at_once=True, uses_attempt=False),
     MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
                           memory_window=True),
 }
@@ -114,13 +122,14 @@ def rule_for(error: VigilError) -> Rule:
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds a decision reads (VigilSettings has all five, and is accepted as they are)."""
+    """The bounds a decision reads (VigilSettings has all six, and is accepted as they are)."""
 
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     memory_pressure_window: float = DEFAULT_MEMORY_PRESSURE_WINDOW_S
     retry_backoff: float = DEFAULT_RETRY_BACKOFF_S
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX_S
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    max_drains: int = DEFAULT_MAX_DRAINS
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,14 @@ def may_preempt(preemptions: int, settings: Limits) -> bool:
     `preempted` row's bound): only while that is fewer than VIGIL_MAX_PREEMPTIONS. Asked before
     a run (workers/service.py), not after: a request at the bound runs to its end where it is."""
     return preemptions < settings.max_preemptions
+
+
+def may_drain(drains: int, settings: Limits) -> bool:
+    """Whether a request handed back `drains` times by stopping workers may be handed back once
+    more without using an attempt (the `drained` row's bound): only while that is fewer than
+    VIGIL_MAX_DRAINS. Past it, a stopping worker's hand-back is `worker_lost`, as a dead
+    worker's is, and uses the attempt (app/fleet/handback.py)."""
+    return drains < settings.max_drains
 
 
 def countdown(rule: Rule, state: Attempted, settings: Limits,

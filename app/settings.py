@@ -28,7 +28,8 @@ from app.settings_defaults import (DEFAULT_BATCH_MAX_BYTES, DEFAULT_BATCH_MAX_RE
                                     DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_CANARY_FAILURES,
                                     DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_N,
                                     DEFAULT_MAX_PENDING_PER_JOB, DEFAULT_MAX_PENDING_PER_POOL,
-                                    DEFAULT_MAX_PREEMPTIONS, DEFAULT_MAX_PROMPT_BYTES,
+                                    DEFAULT_MAX_DRAINS, DEFAULT_MAX_PREEMPTIONS,
+                                    DEFAULT_MAX_PROMPT_BYTES,
                                     DEFAULT_MAX_TOKENS_CAP, DEFAULT_MEMORY_PRESSURE_WINDOW_S,
                                     DEFAULT_MESSAGE_AUDIT_S, DEFAULT_METRICS_ADDRESS,
                                     DEFAULT_RECONCILE_CONCURRENCY, DEFAULT_RECONCILE_S,
@@ -145,6 +146,9 @@ class VigilSettings(BaseSettings):
     max_preemptions: int = Field(DEFAULT_MAX_PREEMPTIONS, ge=0, le=100, description="How often "
                                  "one bulk request may yield its engine slot to an "
                                  "interactive one (0: never preempt).")
+    max_drains: int = Field(DEFAULT_MAX_DRAINS, ge=0, le=100, description="How often one "
+                            "request may be handed back by a stopping worker (SIGTERM) without "
+                            "using an attempt (0: every such hand-back uses one).")
     bulk_floor: float = Field(DEFAULT_BULK_FLOOR, ge=0.0, le=1.0, description="The least share "
                               "of a worker's intake that lower tiers get while interactive "
                               "requests wait too (0: strict priority).")

@@ -107,7 +107,7 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
 # Task threads (engine slots) of a worker kept free of bulk work: the bulk tier may hold at
-# most concurrency - this many of a worker's messages at once (app/state/intake.py), so an
+# most concurrency - this many requests at once (app/state/intake.py), so an
 # interactive request arriving at a worker full of bulk work starts at once. Default-tier
 # requests may use every thread (a fleet that names no tiers loses nothing).
 DEFAULT_INTERACTIVE_SLOTS = 8
@@ -117,6 +117,10 @@ DEFAULT_BULK_FLOOR = 0.1
 # A bulk request yields its engine slot to a waiting interactive request at most this many
 # times (each resumes from its stream, losing nothing); past it, it is never picked again.
 DEFAULT_MAX_PREEMPTIONS = 3
+# A request handed back by a stopping worker (SIGTERM: a scale-in, a deploy) gives its attempt
+# back at most this many times (each resumes from its stream, losing nothing); past it such a
+# hand-back uses the attempt, as a dead worker's does.
+DEFAULT_MAX_DRAINS = 3
 # `generate_many` publishes at most this many requests per Celery message: one message's intake,
 # Celery request and ack for all of them; a request that needs a retry goes back on its own.
 DEFAULT_REQUESTS_PER_MESSAGE = 32

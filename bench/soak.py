@@ -2,6 +2,7 @@
 
     python -m bench.soak                                    # 10,000 requests, kills every 20/30 s
     python -m bench.soak --requests 2000 --json             # the report as JSON on stdout
+    python -m bench.soak --worker-signal term --greedy --engine-kill-every 0   # a drain soak
 
 Self-contained (bench/README.md says what it runs and reports): a private Redis, a steady and a
 victim `vigil worker --cpu`, `--beats` celery beats and the housekeeper (bench/soak_fleet.py;
@@ -11,6 +12,11 @@ supervisor thread that, while the producer submits, SIGKILLs the victim's whole 
 every `--worker-kill-every` s (and starts a fresh one) and an EngineCore every
 `--engine-kill-every` s (steady's and victim's in turn), or by progress with `--kill-worker-at N`
 / `--kill-engine-at N` (once N requests ended and the target holds some: tests/test_soak_e2e.py).
+With `--worker-signal term` the victim gets SIGTERM instead (a scale-in: its drain hands every
+request back with its tokens), and the report adds each drain's exit time and the tokens every
+worker incarnation discarded (its own counter, logged as it exits; the goal is 0); with
+`--greedy` the requests are greedy and `--twins` of the resumed ones are run again
+uninterrupted at the end: each must be token-identical.
 
 Kills land at any moment: the producer never pauses for them. A message a dying consumer takes
 with it (a BRPOP Redis answers on the dead socket) is published again by the reaper's audit
@@ -55,8 +61,10 @@ class Soak:
                  beats: int, max_tokens: int, window: int, rate: float, kill_worker_at: list[int],
                  kill_engine_at: list[int], reap_timeout: float, request_timeout: float,
                  drain_timeout: float | None, logdir: Path, cache_dir: str, seed: int, say,
-                 housekeeper: bool = True):
+                 housekeeper: bool = True, worker_signal: str = "kill", greedy: bool = False,
+                 twins: int = 24):
         self.n = requests
+        self.worker_signal, self.greedy, self.twins_n = worker_signal, greedy, twins
         self.housekeeper = housekeeper
         self.worker_every, self.engine_every = worker_kill_every, engine_kill_every
         self.beats_n, self.max_tokens, self.window, self.rate = beats, max_tokens, window, rate
@@ -76,6 +84,7 @@ class Soak:
         self.producer_done = threading.Event()
         self.ids: list[str] = []
         self.asked_tokens: dict[str, int] = {}
+        self.runs: dict[str, dict] = {}  # request id -> its kwargs (greedy twins)
         self.submit_retries: Counter = Counter()
         self.kills: list[Kill] = []
         self.rss: list[dict] = []  # the steady worker's memory every RSS_EVERY_S (`_sample`)
@@ -113,15 +122,17 @@ class Soak:
                         time.sleep(0.02)
                     if self.stop.is_set():
                         return
+                    kw = dict(model=MODEL, prompt=f"soak {i}: {words}", max_tokens=tokens,
+                              ignore_eos=True, **({"temperature": 0.0} if self.greedy else {}))
                     try:
-                        r = generate.delay(model=MODEL, prompt=f"soak {i}: {words}",
-                                           max_tokens=tokens, ignore_eos=True)
+                        r = generate.delay(**kw)
                         break
                     except TransientError as e:  # redis_unavailable / overloaded: wait, retry
                         self.submit_retries[e.code] += 1
                         time.sleep(0.5)
                 self.ids.append(r.id)
                 self.asked_tokens[r.id] = tokens
+                self.runs[r.id] = kw
         except BaseException as e:
             self.errors.append(e)
             raise
@@ -183,7 +194,14 @@ class Soak:
         return mem
 
     def kill_worker(self) -> None:
-        """SIGKILL the victim's whole process group, record the kill, start a fresh victim."""
+        """SIGKILL the victim's whole process group (or SIGTERM its main process, with
+        `--worker-signal term`: a drain), record it, start a fresh victim."""
+        if self.worker_signal == "term":
+            at, held, pid, exit_s = self.fleet.drain_worker(VICTIM)
+            self._record(Kill("drain", VICTIM, at, held, exit_s=exit_s),
+                         f"worker {VICTIM} (pid {pid}, exited "
+                         f"{'-' if exit_s is None else f'{exit_s:.1f} s'} later)", "SIGTERM")
+            return
         at, held, pgid = self.fleet.kill_worker(VICTIM)
         self._record(Kill("worker", VICTIM, at, held), f"worker {VICTIM} (group {pgid})")
 
@@ -192,10 +210,10 @@ class Soak:
         at, held, pids = self.fleet.kill_engine(name)
         self._record(Kill("engine", name, at, held), f"EngineCore {pids} of {name}")
 
-    def _record(self, kill: Kill, what: str) -> None:
+    def _record(self, kill: Kill, what: str, sig: str = "SIGKILL") -> None:
         kill.t_s = kill.at - self.t_wall0
         self.kills.append(kill)
-        self.say(f"[{kill.t_s:6.1f} s] SIGKILL {what}, holding {len(kill.held)}; ended "
+        self.say(f"[{kill.t_s:6.1f} s] {sig} {what}, holding {len(kill.held)}; ended "
                  f"{self.ended()}/{len(self.ids)}")
 
     # -- the run -----------------------------------------------------------------------------
@@ -287,7 +305,8 @@ class Soak:
                             "window": self.window,
                             "max_tokens": self.max_tokens, "rate": self.rate,
                             "worker_kill_every": self.worker_every,
-                            "engine_kill_every": self.engine_every})
+                            "engine_kill_every": self.engine_every,
+                            "worker_signal": self.worker_signal, "greedy": self.greedy})
         client = self.fleet.client
         recs = findings.read_records(client, self.ids)
         findings.tally_records(rep, recs, self.asked_tokens)
@@ -301,7 +320,15 @@ class Soak:
         findings.check_backend(rep, recs, self.seed)
         findings.tally_witness(rep, recs, self.witness_dir)
         findings.read_logs(rep, self.logdir)
+        if self.greedy:
+            findings.check_twins(rep, recs, self.runs, self.twins_n, self._twin)
         return rep
+
+    def _twin(self, kwargs: dict) -> dict:
+        """A request run again, uninterrupted (its result)."""
+        from tasks.inference import generate
+
+        return generate.delay(**kwargs).get(timeout=300)
 
     def close(self) -> None:
         """Stop the threads and every process this run started; nothing is left."""
@@ -315,7 +342,8 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
              kill_engine_at: list[int] | None = None, reap_timeout: float = 10,
              request_timeout: float = 120, drain_timeout: float | None = None,
              logdir: str | Path | None = None, cache_dir: str | None = None, seed: int = 0,
-             say=print, housekeeper: bool = True) -> SoakReport:
+             say=print, housekeeper: bool = True, worker_signal: str = "kill",
+             greedy: bool = False, twins: int = 24) -> SoakReport:
     """Run one soak (module docstring) and return its report. Starts and stops everything it
     needs (Redis, workers, beats), even on an exception or Ctrl-C; must run in a process whose
     Celery app is not built yet. Kills go by progress when `kill_worker_at` / `kill_engine_at`
@@ -331,12 +359,15 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
                 window=window, rate=rate, kill_worker_at=list(kill_worker_at or []),
                 kill_engine_at=list(kill_engine_at or []), reap_timeout=reap_timeout,
                 request_timeout=request_timeout, drain_timeout=drain_timeout, logdir=logdir,
-                cache_dir=cache, seed=seed, say=say, housekeeper=housekeeper)
+                cache_dir=cache, seed=seed, say=say, housekeeper=housekeeper,
+                worker_signal=worker_signal, greedy=greedy, twins=twins)
     report = None
     try:
         report = soak.run()
     finally:
         soak.close()
+        if report is not None:  # every worker has stopped and logged its token counters
+            findings.read_exit_totals(report, logdir)
         if not keep and report is not None and report.ok:
             shutil.rmtree(logdir, ignore_errors=True)
     report.shm_left = Fleet.shm_left(soak.shm_before)
@@ -356,6 +387,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the timed kills)")
     p.add_argument("--kill-engine-at", type=int, action="append", default=[], metavar="N",
                    help="kill an EngineCore once N requests ended (repeatable)")
+    p.add_argument("--worker-signal", choices=("kill", "term"), default="kill",
+                   help="how the victim worker is stopped: SIGKILL of its process group, or "
+                        "SIGTERM of its main process (a drain: its requests handed back with "
+                        "their tokens)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy requests (temperature 0), and --twins of the resumed ones run "
+                        "again at the end: each must be token-identical")
+    p.add_argument("--twins", type=int, default=24, metavar="N",
+                   help="with --greedy, resumed requests run again uninterrupted (at most N)")
     p.add_argument("--beats", type=int, default=2, help="celery beats running at once")
     p.add_argument("--no-housekeeper", action="store_true",
                    help="run beat's tasks on the workers only, as without `vigil housekeeper`")
@@ -396,7 +436,8 @@ def main(argv=None) -> int:
                    kill_worker_at=a.kill_worker_at, kill_engine_at=a.kill_engine_at,
                    reap_timeout=a.reap_timeout, request_timeout=a.request_timeout,
                    drain_timeout=a.drain_timeout, logdir=a.logdir, seed=a.seed, say=say,
-                   housekeeper=not a.no_housekeeper)
+                   housekeeper=not a.no_housekeeper, worker_signal=a.worker_signal,
+                   greedy=a.greedy, twins=a.twins)
     data = rep.to_dict()
     if a.report:
         Path(a.report).write_text(json.dumps(data, indent=1))

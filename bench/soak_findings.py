@@ -22,6 +22,9 @@ READ_CHUNK = 500
 RECORD_FIELDS = ("status", "created_at", "finished_at", "error", "result", "attempts",
                  "dispatch", "history", "last_error")
 REAPED = re.compile(r"reaped worker \S+ \(instance (\d+)\)")
+# workers/lifecycle.py, logged by a worker as it exits (SIGTERM): its own token counters.
+EXIT_TOTALS = re.compile(r"in this process (\d+) generated token\(s\) were resumed from and "
+                         r"(\d+) discarded")
 # app/fleet/message_audit.py audit_after_reap, logged by the reaper.
 AUDIT_REPUBLISHED = re.compile(r"(\d+) request\(s\) of pool\(s\) .* had lost their message to a "
                                r"dead worker's consumer")
@@ -105,8 +108,10 @@ def tally_recovery(rep: SoakReport, recs: dict[str, dict | None]) -> None:
     if recov:
         rep.recovery_worst_s, rep.recovery_median_s = max(recov), statistics.median(recov)
     for k in rep.kills:
-        if k.kind == "worker" and k.held:
+        if k.kind in ("worker", "drain") and k.held:
             backs = [_back_after(recs.get(rid), k.at) for rid in k.held]
+            if k.kind == "drain":  # a draining worker may finish some of them itself
+                backs = [b for b in backs if b is not None] or [None]
             if all(b is not None for b in backs):
                 k.handback_s = max(backs)
     backs = [k.handback_s for k in rep.kills if k.handback_s is not None]
@@ -298,6 +303,32 @@ def read_logs(rep: SoakReport, logdir: Path) -> None:
         if n:
             rep.log_errors[log.name] = n
     rep.log_error_samples = rep.log_error_samples[:15]
+
+
+def read_exit_totals(rep: SoakReport, logdir: Path) -> None:
+    """The tokens every worker incarnation discarded, from the line each logs as it exits
+    (SIGTERM: a drain, or the soak's own stop). Read once every process has stopped."""
+    total = n = 0
+    for log in sorted(logdir.glob("*.log")):
+        for m in EXIT_TOTALS.finditer(log.read_text(errors="replace")):
+            total += int(m.group(2))
+            n += 1
+    rep.tokens_discarded, rep.worker_exits_logged = total, n
+
+
+def check_twins(rep: SoakReport, recs: dict[str, dict | None], runs: dict[str, dict],
+                sample: int, run_twin) -> None:
+    """Greedy requests that were resumed (their result's `resumed_at`), `sample` of them at
+    most, run again uninterrupted through `run_twin(kwargs)` (-> the twin's result): each must
+    end with the same tokens."""
+    resumed = [rid for rid, rec in recs.items() if rec and rec["status"] == "SUCCEEDED"
+               and rec["result"] and json.loads(rec["result"]).get("resumed_at")]
+    for rid in resumed[:sample]:
+        twin = run_twin(runs[rid])
+        rep.twins_checked += 1
+        if twin["token_ids"] != json.loads(recs[rid]["result"])["token_ids"]:
+            rep.twin_mismatches += 1
+            rep.twin_mismatch_ids.append(rid)
 
 
 def _history(rec: dict) -> list[tuple]:

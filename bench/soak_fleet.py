@@ -2,7 +2,8 @@
 
 A private redis-server (append-only), two `vigil worker --cpu` processes serving one pool (the
 *steady* worker, whose main process is never killed, and the *victim*, whose whole process group
-is), and any number of `celery beat`s, each with its own schedule file.
+is SIGKILLed, or whose main process is SIGTERMed: a drain), and any number of `celery beat`s,
+each with its own schedule file.
 """
 from __future__ import annotations
 
@@ -200,6 +201,26 @@ class Fleet:
         stop_process(proc, timeout=10)  # waits for it; anything left of the group is killed
         self.start_worker(name)
         return at, held, proc.pid
+
+    def drain_worker(self, name: str, timeout: float = 120) -> tuple[float, list[str], int,
+                                                                     float | None]:
+        """SIGTERM the worker's main process (a scale-in: `docker stop`, a pod deleted) at
+        whatever moment this is, wait for it to exit (its drain hands every request it holds
+        back), then start a fresh worker under the same name. Past `timeout` s its whole group
+        is SIGKILLed. Returns when it was signalled (Unix time), the requests it held then, its
+        pid, and how long it took to exit (None: it had to be killed)."""
+        proc = self.procs[name]
+        held = self.held(name)
+        at, t0 = time.time(), time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+            exit_s = time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            exit_s = None
+        stop_process(proc, timeout=10)  # anything left of the group is killed
+        self.start_worker(name)
+        return at, held, proc.pid, exit_s
 
     def kill_engine(self, name: str) -> tuple[float, list[str], list[int]]:
         """SIGKILL the worker's EngineCore processes (the worker restarts its engine). Returns

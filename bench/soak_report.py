@@ -13,13 +13,14 @@ from dataclasses import asdict, dataclass, field
 class Kill:
     """One kill by the supervisor: what, when (Unix time), and what the worker held then."""
 
-    kind: str  # "worker" (whole process group) or "engine" (EngineCore only)
+    kind: str  # "worker" (whole process group), "engine" (EngineCore only), "drain" (SIGTERM)
     worker: str
     at: float
     held: list[str]
     t_s: float = 0.0  # seconds after the first submit
     recovery_s: float | None = None  # kill -> the last held request ended (None: some never did)
     handback_s: float | None = None  # worker kill -> the last held request requeued or begun again
+    exit_s: float | None = None  # a drain: SIGTERM -> the worker's exit (None: it was killed)
 
 
 @dataclass
@@ -82,6 +83,14 @@ class SoakReport:
     backend_disagreements: list[str] = field(default_factory=list)
     log_errors: dict[str, int] = field(default_factory=dict)  # log file -> ERROR/Traceback lines
     log_error_samples: list[str] = field(default_factory=list)
+    # A drain soak (SIGTERM): the generated tokens the workers threw away, every incarnation's
+    # own counter as it logged it at exit (None: not read); and, with greedy requests, resumed
+    # requests run again uninterrupted (twins) and those whose tokens differ.
+    tokens_discarded: int | None = None
+    worker_exits_logged: int = 0
+    twins_checked: int = 0
+    twin_mismatches: int = 0
+    twin_mismatch_ids: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     settings: dict = field(default_factory=dict)
     logdir: str = ""
@@ -90,6 +99,16 @@ class SoakReport:
     def worker_kills(self) -> int:
         """How many times the victim's whole process group was SIGKILLed."""
         return sum(k.kind == "worker" for k in self.kills)
+
+    @property
+    def drains(self) -> int:
+        """How many times the victim was SIGTERMed (a drain)."""
+        return sum(k.kind == "drain" for k in self.kills)
+
+    @property
+    def drain_exit_s(self) -> list[float]:
+        """Each drain's SIGTERM -> exit, in seconds (drains that needed a SIGKILL left out)."""
+        return [k.exit_s for k in self.kills if k.kind == "drain" and k.exit_s is not None]
 
     @property
     def engine_kills(self) -> int:
@@ -102,9 +121,14 @@ class SoakReport:
         they may, requests not accepted, instances reaped twice, backend disagreements."""
         out = []
         for name in ("lost", "duplicates", "requeued_twice", "failed_twice", "wrong_results",
-                     "witness_mismatches", "ran_too_often"):
+                     "witness_mismatches", "ran_too_often", "twin_mismatches"):
             if getattr(self, name):
                 out.append(f"{name} {getattr(self, name)}")
+        if self.drains:  # a drain loses no token, and every drain ends in an exit
+            if self.tokens_discarded:
+                out.append(f"tokens_discarded {self.tokens_discarded}")
+            if len(self.drain_exit_s) < self.drains:
+                out.append(f"drains that needed a SIGKILL {self.drains - len(self.drain_exit_s)}")
         if self.accepted < self.requests:
             out.append(f"accepted {self.accepted} of {self.requests}")
         twice = [i for i, n in self.reaps.items() if n > 1]
@@ -122,7 +146,8 @@ class SoakReport:
     def to_dict(self) -> dict:
         """Every field, plus the kill counts, `ok` and `problems` (for --json / --report)."""
         d = asdict(self)
-        d.update(worker_kills=self.worker_kills, engine_kills=self.engine_kills, ok=self.ok,
+        d.update(worker_kills=self.worker_kills, engine_kills=self.engine_kills,
+                 drains=self.drains, drain_exit_s=self.drain_exit_s, ok=self.ok,
                  problems=self.problems())
         return d
 
@@ -156,8 +181,14 @@ class SoakReport:
             ("attempts", fmt_counts(self.attempts)),
             ("latency p50 / p99 / max", f"{_secs(self.latency_p50_s)} / "
              f"{_secs(self.latency_p99_s)} / {_secs(self.latency_max_s)}"),
-            ("kills", f"{self.worker_kills} worker, {self.engine_kills} engine; held at kill: "
-             f"{sum(len(k.held) for k in self.kills)} requests"),
+            ("kills", f"{self.worker_kills} worker, {self.engine_kills} engine, {self.drains} "
+             f"drain (SIGTERM); held at kill: {sum(len(k.held) for k in self.kills)} requests"),
+            ("drain exit (SIGTERM -> exit)", _spread(self.drain_exit_s)),
+            ("tokens discarded (workers' own)", "-" if self.tokens_discarded is None else
+             f"{self.tokens_discarded} ({self.worker_exits_logged} worker exits logged; a "
+             f"SIGKILLed one logs none)"),
+            ("greedy twins", f"{self.twins_checked} resumed requests run again, "
+             f"{self.twin_mismatches} differ"),
             ("recovery worst / median", f"{_secs(self.recovery_worst_s)} / "
              f"{_secs(self.recovery_median_s)}"
              + (f"; {self.unrecovered_kills} kill(s) never recovered" if self.unrecovered_kills
@@ -185,7 +216,8 @@ class SoakReport:
         for k in self.kills:
             lines.append(f"  t {k.t_s:6.1f}  {k.kind:6s} {k.worker:18s} held {len(k.held):3d}, "
                          f"recovered {_secs(k.recovery_s)}"
-                         + (f", requeued {_secs(k.handback_s)}" if k.kind == "worker" else ""))
+                         + (f", requeued {_secs(k.handback_s)}" if k.kind != "engine" else "")
+                         + (f", exited {_secs(k.exit_s)}" if k.kind == "drain" else ""))
         lines += [f"  log: {line}" for line in self.log_error_samples]
         lines += [f"  slow: {x}" for x in self.slowest]
         lines += [f"  lost: {x}" for x in self.lost_detail]
@@ -197,6 +229,14 @@ class SoakReport:
 def fmt_counts(counts: dict) -> str:
     """`{"a": 1, "b": 2}` as "a: 1, b: 2", sorted by key."""
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: str(kv[0])))
+
+
+def _spread(xs: list[float]) -> str:
+    """Worst / median / best of some durations, or "-"."""
+    if not xs:
+        return "-"
+    return (f"worst {max(xs):.1f} s / median {sorted(xs)[len(xs) // 2]:.1f} s / best "
+            f"{min(xs):.1f} s over {len(xs)}")
 
 
 def _secs(x: float | None) -> str:

@@ -16,6 +16,7 @@ from app import app
 from app.celery_ports import ports_of
 from app.fleet.outcomes import result_key_for
 from app.requests.models import get_registry
+from app.requests.submit import with_delivery_priority
 from app.requests.submit_many import submit_many
 from app.retry_policy import NEVER_RETRIED, RETRIED
 from app.settings import get_settings
@@ -44,6 +45,8 @@ def generate(self, **kwargs) -> dict:
     message that reached a queue no pool owns is forwarded to its pool's queue instead. Raises
     the request's typed error when it ends failed; a retryable one is retried by Celery."""
     queue = (self.request.delivery_info or {}).get("routing_key")
+    # Sent around the producer with Celery's priority= only: the tier it picks (docs/api.md).
+    kwargs = with_delivery_priority(kwargs, self.request.delivery_info)
     try:
         if lifecycle.housekeeper() or (queue and not is_pool_queue(queue)):
             forward(shared_store(), get_registry(), get_settings(), ports_of(self.app),

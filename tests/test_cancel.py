@@ -91,3 +91,19 @@ def test_vigil_request_cancel_says_what_happened_to_each(app, settings):
     assert out.returncode == 1, out.stderr  # one of them was unknown
     assert out.stdout.splitlines() == [f"{r.id}: cancelled", "unknown-id: unknown"]
     assert app.vigil_store.get(r.id)["error"].startswith("cancelled: cancelled by an operator")
+
+
+def test_revoke_answers_what_it_did_for_an_open_a_finished_and_an_unknown_request(app, settings):
+    """Celery's own doors answer too: `r.revoke()` returns "cancelled" for an open request,
+    "already ended (SUCCEEDED)" for a finished one (its result stays) and "unknown" for an id
+    with no record (none is created); `app.control.revoke(ids)` returns the answer per id."""
+    r = submit(app, settings)
+    done = submit(app, settings, prompt="finished")
+    app.vigil_store.begin(done.id, 0, "w@h", 7, time.time(), 3)
+    app.vigil_store.finish(done.id, 7, time.time(), result={"text": "x"})
+    assert r.revoke() == ENDED_NOW
+    assert app.AsyncResult(done.id).revoke() == f"{ALREADY_ENDED} (SUCCEEDED)"
+    assert app.AsyncResult("no-such-request").revoke(terminate=True) == UNKNOWN
+    assert app.vigil_store.get("no-such-request") is None
+    assert app.control.revoke([r.id, "no-such-request"]) == {
+        r.id: f"{ALREADY_ENDED} (FAILED)", "no-such-request": UNKNOWN}

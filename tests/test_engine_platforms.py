@@ -5,7 +5,8 @@
   (vLLM's CUDA LoRA kernel asserts float16/bfloat16: read from vLLM's own source);
 - the batch defaults are vllm serve's, checked against vLLM's own table; the worker's
   concurrency is at least the engine's max_num_seqs;
-- a tensor-parallel worker's engine gets one rank per card.
+- a tensor-parallel worker's engine gets one rank per card;
+- every engine schedules its waiting requests by vLLM's priority policy (tiers).
 """
 from __future__ import annotations
 
@@ -157,6 +158,26 @@ def test_a_gpu_engine_gets_the_platforms_batch_under_what_the_registry_says():
     assert args["max_num_seqs"] == 1024 and args["max_num_batched_tokens"] == 8192
     own = ModelSpec(name="m", memory_gib=16, engine_args={"max_num_seqs": 256})
     assert engine_args(own, cuda_plan(own))["max_num_seqs"] == 256
+
+
+def test_every_engine_schedules_by_priority_unless_its_entry_says_and_vllm_takes_it():
+    """The waiting requests in vLLM go by tier (app/requests/tiers.py `engine_priority`): the
+    policy is vLLM's own "priority", which its scheduler config accepts; an entry's own wins."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from app.requests.tiers import engine_priority
+
+    spec = tiny()
+    for args in (engine_args(spec, platform="cpu"), engine_args(spec, cuda_plan(spec))):
+        assert args["scheduling_policy"] == "priority"
+    own = ModelSpec(name="m", memory_gib=16, engine_args={"scheduling_policy": "fcfs"})
+    assert engine_args(own, platform="cpu")["scheduling_policy"] == "fcfs"
+    assert AsyncEngineArgs(model="x", scheduling_policy="priority").scheduling_policy == \
+        SchedulerConfig(policy="priority", max_model_len=512,
+                        is_encoder_decoder=False).policy == "priority"
+    assert [engine_priority(t) for t in ("interactive", "default", "bulk", None)] == \
+        [0, 1, 2, 1]
 
 
 def test_a_workers_threads_are_at_least_its_engines_max_num_seqs(capsys):

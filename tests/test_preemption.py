@@ -1,7 +1,8 @@
 """Unit tier: lossless preemption in the engine host (workers/engine/host.py `_preempt_for`)
 with a fake engine whose batch holds two requests: an interactive request admitted to a full
 engine makes the youngest preemptible bulk run yield its slot (its tokens read first), and
-nothing else is ever picked."""
+nothing else is ever picked; bulk work beyond the batch waits at the bulk gate, outside the
+engine, so the one that yields holds a batch slot."""
 from __future__ import annotations
 
 import asyncio
@@ -96,6 +97,44 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
     assert eng.aborted == [] and host.stats.preemptions == 0
     eng.release.set()
     assert {f.result(10).text for f in (tired, plain, urgent)} == {"tired", "plain", "now"}
+    pool.shutdown()
+
+
+def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_slot(make_host):
+    """Given an engine whose batch holds two requests and four bulk requests started together
+    (one message of many), then only two enter the engine and the other two wait at the bulk
+    gate; an interactive request then makes the younger of the two running ones yield (a
+    request in a batch slot, never one that waits), and takes its slot before the waiting bulk
+    work; an abort of a waiting one releases its place; all the rest finish."""
+    from workers.engine.host import Aborted
+
+    eng = Batch(max_num_seqs=2)
+    host = make_host(eng)
+    first = host.submit(req("b0"), SPEC, "b0-1", 30, None, None, True)
+    wait_until(lambda: "b0-1" in eng.running)
+    time.sleep(0.05)  # the others start strictly later
+    rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
+    wait_until(lambda: len(eng.running) == 2)
+    time.sleep(0.2)
+    assert eng.running == ["b0-1", "b1-1"]  # b2 and b3 wait outside the engine
+    assert host.snapshot()["in_flight"] == 4
+    pool = ThreadPoolExecutor(1)
+    urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
+    with pytest.raises(Preempted):
+        host.result(rest[0])
+    assert eng.read == ["b1-1"]
+    wait_until(lambda: host.stats.preemptions == 1)
+    wait_until(lambda: eng.running == ["b0-1", "now-1"])
+    time.sleep(0.2)
+    assert eng.running == ["b0-1", "now-1"]  # the batch is full again: b2, b3 still wait
+    assert host.abort_requests({"b3"}) == 1
+    with pytest.raises(Aborted):
+        host.result(rest[2])
+    eng.release.set()
+    assert urgent.result(10).text == "now"
+    assert [host.result(p).text for p in (first, rest[1])] == ["b0", "b2"]
+    assert "b3-1" not in eng.aborted  # it never entered the engine
+    wait_until(lambda: host.snapshot()["in_flight"] == 0)
     pool.shutdown()
 
 

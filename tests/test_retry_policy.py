@@ -41,6 +41,7 @@ TABLE = {
     "lora_adapter_pending": (TransientError, True, False, False, None),
     "schema_too_new": (TransientError, True, False, False, None),
     "preempted": (TransientError, True, True, False, None),
+    "drained": (TransientError, True, True, False, None),
     "engine_error": (TransientError, True, False, True, None),
     "cuda_context_lost": (WorkerFatalError, True, True, True, None),
     "repeated_engine_death": (WorkerFatalError, True, True, True, None),

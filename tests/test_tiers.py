@@ -22,6 +22,28 @@ TRANSPORT = "app.state.transport:VigilRedisTransport"
 JOBS = ("vigil.test.tier.a", "vigil.test.tier.b")
 
 
+def test_a_messages_own_priority_picks_the_tier_of_a_request_sent_around_the_producer():
+    """`app.send_task("vigil.generate", priority=9)` reaches the worker with no `priority`
+    field: the message's Celery priority (its delivery info) picks the tier, as
+    `apply_async(priority=9)` would at submit; the field, when given, wins. 0 picks none:
+    kombu's Redis transport gives 0 to every message that names no priority (read from its
+    own `prepare_message`), so a plain `send_task` stays default; anything but an int 1-9
+    leaves the default tier."""
+    from kombu.transport.virtual import Channel
+
+    from app.requests.submit import with_delivery_priority
+
+    kw = {"model": "tiny-llama", "prompt": "p"}
+    assert with_delivery_priority(kw, {"priority": 1})["priority"] == INTERACTIVE
+    assert with_delivery_priority(kw, {"priority": 9})["priority"] == BULK
+    assert with_delivery_priority(kw, {"priority": 3})["priority"] == DEFAULT
+    assert with_delivery_priority({**kw, "priority": BULK}, {"priority": 1})["priority"] == BULK
+    unnamed = Channel.prepare_message(Channel.__new__(Channel), "body")["properties"]["priority"]
+    for info in (None, {}, {"priority": None}, {"priority": unnamed}, {"priority": 255},
+                 {"priority": "1"}):
+        assert "priority" not in with_delivery_priority(kw, info)
+
+
 def test_celery_priorities_map_onto_tiers_and_tiers_onto_kombus_steps():
     assert [tier_of_celery_priority(p) for p in range(10)] == \
         [INTERACTIVE] * 3 + [DEFAULT] * 3 + [BULK] * 4
@@ -53,11 +75,16 @@ def conn(redis_db1_url):
     limit_intake(None)
 
 
-def publish(conn, queue: str, rid: str, tier: str) -> None:
+def publish(conn, queue: str, rid: str, tier: str, carries: list[str] | None = None) -> None:
+    """Publish one message at `tier`'s priority: a vigil.generate of request `rid`, or with
+    `carries` a vigil.generate_many naming those requests in its `vigil_ids` header."""
     q = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+    headers = {"task": "vigil.generate", "id": rid}
+    if carries is not None:
+        headers = {"task": "vigil.generate_many", "id": rid, "vigil_ids": carries}
     with conn.channel() as ch:
         Producer(ch).publish({"x": 1}, exchange=q.exchange, routing_key=queue, declare=[q],
-                             serializer="json", headers={"task": "vigil.generate", "id": rid},
+                             serializer="json", headers=headers,
                              priority=broker_priority(tier))
 
 
@@ -117,6 +144,34 @@ def test_at_the_bulk_cap_only_higher_tiers_are_taken(conn):
         while len(got) < 3:
             conn.drain_events(timeout=3)
         assert got[2].headers["id"] == "bulk-2"
+
+
+@pytest.mark.redis
+def test_the_bulk_cap_counts_the_requests_a_message_carries(conn):
+    """Given a worker whose cap for bulk work is 2 requests, holding one bulk message of many
+    that carries 2 requests (not acked), then a queued single bulk message is not taken while
+    an interactive one is: the cap counts requests, not messages (a batch object's window
+    arrives as such messages)."""
+    limit_intake(IntakeLimits(lower_cap=2))
+    publish(conn, JOBS[0], "many-1", BULK, carries=["r1", "r2"])
+    publish(conn, JOBS[0], "bulk-1", BULK)
+    queues = [Queue(q, Exchange(q, type="direct"), routing_key=q) for q in JOBS]
+    got = []
+    with Consumer(conn, queues, callbacks=[lambda b, m: got.append(m)], accept=["json"],
+                  prefetch_count=10):
+        while not got:
+            conn.drain_events(timeout=3)
+        assert [m.headers["id"] for m in got] == ["many-1"]
+        publish(conn, JOBS[1], "interactive-1", INTERACTIVE)
+        while len(got) < 2:
+            conn.drain_events(timeout=3)
+        assert got[1].headers["id"] == "interactive-1"
+        with pytest.raises(TimeoutError):  # 2 bulk requests held: bulk-1 waits
+            conn.drain_events(timeout=2.5)
+        got[0].ack()
+        while len(got) < 3:
+            conn.drain_events(timeout=3)
+        assert got[2].headers["id"] == "bulk-1"
 
 
 @pytest.mark.redis

@@ -1,13 +1,25 @@
 """Worker tier: interactive and bulk on one worker (the real vLLM CPU engine, an engine batch of
-4, six task threads, two of them kept from bulk work): with the engine full of long greedy bulk
-generations and more bulk queued, an interactive request starts at once by preempting the
-youngest bulk run, and finishes within a small multiple of its idle latency; the preempted bulk
-request resumes from its stream and ends token-identical to an uninterrupted twin; no token is
-thrown away (the worker's own vigil_tokens_discarded_total); the engine's output count (vLLM's,
-witness outside Vigil's records) shows every bulk token made once."""
+4, six task threads, two of them kept from bulk work), one worker start for every check:
+
+- with the engine full of long greedy bulk generations and more bulk queued, an interactive
+  request starts at once by preempting the youngest bulk run, and finishes within a small
+  multiple of its idle latency; the preempted bulk request resumes from its stream and ends
+  token-identical to an uninterrupted twin; no token is thrown away (the worker's own
+  vigil_tokens_discarded_total); every stored result is backed by the engine's witness;
+- the same with the bulk work arriving as one message of many requests (`generate_many`, as a
+  batch object's window does): twice the engine's batch in one message, so the intake cap and
+  the engine's bulk gate, not the message count, keep the extra bulk requests out of vLLM, the
+  one that yields holds a batch slot, and vLLM's priority scheduling gives it to the
+  interactive request;
+- last, the worker is SIGTERMed under load (a drain: a scale-in), with default-tier greedy
+  generations streaming and bulk ones waiting at the gate: every request is handed back with
+  every token it made in its stream and its attempt given back, none counted discarded (the
+  worker's own counter, logged as it exits), the worker exits within DRAIN_EXIT_BOUND_S, and a
+  successor worker resumes each one token-identical to an uninterrupted twin."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 import uuid
 
@@ -16,11 +28,22 @@ import requests
 
 from app.local.embedded import free_port, wait_for
 from app.state.store import shared_store
-from tasks.inference import generate
-from tests.conftest import TIERS_MODEL, RunningWorker, assert_witnessed
+from tasks.inference import generate, generate_many
+from tests.conftest import (TIERS_MODEL, RunningWorker, assert_each_ran_to_a_result_once,
+                            assert_witnessed)
+from workers.held import FREEZE_TIMEOUT_S
 
 pytestmark = pytest.mark.worker
 LONG = 240  # tokens per bulk generation
+SEQS = 4  # the tiers model's engine batch (tests/conftest.py)
+# An interactive request under a full engine of bulk work finishes within this multiple of its
+# idle latency, plus this many seconds (one preemption: a read, a stream write, an abort).
+BUSY_FACTOR, BUSY_SLACK_S = 5, 1.0
+# A worker SIGTERMed with its engine full exits within this many seconds: measured 6.3-6.9 s
+# here (three runs, 6 requests held), 12.2 s in the drain soak with 45 held beside a second
+# worker (docs/failure-modes.md, "SIGTERM drain under load"); about 3x the e2e's worst.
+DRAIN_EXIT_BOUND_S = 20.0
+DRAIN_TOKENS = 400  # a drained generation's max_tokens: long enough to be cut mid-way
 
 
 def scrape(port: int) -> str:
@@ -40,41 +63,183 @@ def interactive(job: str) -> float:
     return time.monotonic() - t0
 
 
-def test_an_interactive_request_preempts_bulk_work_that_resumes_identical(redis_server, tmp_path):
+def bulk_kwargs(i: int, job: str, tier: str | None = "bulk") -> dict:
+    kw = dict(model=TIERS_MODEL, prompt=f"bulk number {i}", max_tokens=LONG, temperature=0.0,
+              ignore_eos=True, job=job)
+    return {**kw, "priority": tier} if tier else kw
+
+
+class TiersWorker:
+    """The module's worker and what its tests read of it."""
+
+    def __init__(self, worker: RunningWorker, port: int, idle: float):
+        self.worker, self.port, self.idle = worker, port, idle
+
+    def discarded(self) -> float:
+        return discarded(scrape(self.port))
+
+
+@pytest.fixture(scope="module")
+def tiers(redis_server, tmp_path_factory):
     port = free_port()
-    w = RunningWorker(redis_server, "tiers@testhost", tmp_path, pools=TIERS_MODEL, concurrency=6,
-                      VIGIL_INTERACTIVE_SLOTS="2", VIGIL_METRICS_PORT=str(port))
+    w = RunningWorker(redis_server, "tiers@testhost", tmp_path_factory.mktemp("tiers"),
+                      pools=TIERS_MODEL, concurrency=6, VIGIL_INTERACTIVE_SLOTS="2",
+                      VIGIL_METRICS_PORT=str(port))
     try:
         w.wait_engine()
-        job = f"tiers-{uuid.uuid4().hex[:6]}"
+        job = f"tiers-idle-{uuid.uuid4().hex[:6]}"
         idle = min(interactive(job) for _ in range(2))
-        before = discarded(scrape(port))
-        bulk = [generate.delay(model=TIERS_MODEL, prompt=f"bulk number {i}", max_tokens=LONG,
-                               temperature=0.0, ignore_eos=True, job=job, priority="bulk")
-                for i in range(6)]
-        store = shared_store()
-        wait_for(lambda: sum(int((store.get(r.id) or {}).get("streamed") or 0) > 0
-                             for r in bulk) >= 4, 120, 0.05, "four bulk runs streaming")
-        busy = interactive(job)
-        outs = [r.get(timeout=300) for r in bulk]
-        preempted = [r for r in bulk if int(store.get(r.id).get("preemptions") or 0) > 0]
-        print(f"tiers: interactive latency idle {idle * 1000:.0f} ms, under a full engine of "
-              f"bulk work {busy * 1000:.0f} ms ({busy / idle:.1f}x); preempted "
-              f"{len(preempted)} of {len(bulk)} bulk requests")
-        assert preempted, "no bulk run yielded its slot"
-        assert busy < 5 * idle + 1.0
-        assert all(o["completion_tokens"] == LONG for o in outs)
-        assert discarded(scrape(port)) == before
-        # Each preempted request resumed (from its stream) and matches its uninterrupted twin.
-        for r in preempted:
-            out = next(o for o in outs if o["request_id"] == r.id)
-            assert out["resumed_at"], out.get("resumed_at")
-            twin = generate.delay(model=TIERS_MODEL, prompt=f"bulk number {bulk.index(r)}",
-                                  max_tokens=LONG, temperature=0.0, ignore_eos=True,
-                                  job=job).get(timeout=300)
-            assert twin["token_ids"] == out["token_ids"]
-        # One finished generation each, the preempted ones' resumed runs included (an aborted
-        # run finishes nothing).
-        assert_witnessed(store, [r.id for r in bulk])
+        yield TiersWorker(w, port, idle)
     finally:
         w.stop()
+
+
+def streaming(store, rs) -> int:
+    return sum(int((store.get(r.id) or {}).get("streamed") or 0) > 0 for r in rs)
+
+
+def check_preempted_resumed_identical(store, bulk, outs, job: str) -> list:
+    """The preempted requests of `bulk` (one at least): each resumed from its stream and equals
+    its uninterrupted twin (default tier, run together as one message of many)."""
+    preempted = [i for i, r in enumerate(bulk)
+                 if int(store.get(r.id).get("preemptions") or 0) > 0]
+    assert preempted, "no bulk run yielded its slot"
+    twins = generate_many([bulk_kwargs(i, job, None) for i in preempted])
+    for i, twin in zip(preempted, twins):
+        out = outs[i]
+        assert out.get("resumed_at"), (f"bulk request {i} yielded its slot before making a "
+                                       "token: it held no batch slot")
+        assert twin.get(timeout=300)["token_ids"] == out["token_ids"]
+    return preempted
+
+
+def test_an_interactive_request_preempts_bulk_work_that_resumes_identical(tiers):
+    """Given six long greedy bulk requests (sent one by one) filling the engine's batch of 4,
+    when an interactive request arrives, then it preempts the youngest bulk run and finishes
+    within 5x its idle latency + 1 s; every bulk request completes, the preempted ones resumed
+    and identical to their twins, no token discarded, the witness backs each result."""
+    job = f"tiers-{uuid.uuid4().hex[:6]}"
+    before = tiers.discarded()
+    bulk = [generate.delay(**bulk_kwargs(i, job)) for i in range(6)]
+    store = shared_store()
+    wait_for(lambda: streaming(store, bulk) >= SEQS, 120, 0.05, "four bulk runs streaming")
+    busy = interactive(job)
+    print(f"tiers: interactive latency idle {tiers.idle * 1000:.0f} ms, under a full engine of "
+          f"bulk work {busy * 1000:.0f} ms ({busy / tiers.idle:.1f}x)")
+    assert busy < BUSY_FACTOR * tiers.idle + BUSY_SLACK_S
+    outs = [r.get(timeout=300) for r in bulk]
+    preempted = check_preempted_resumed_identical(store, bulk, outs, job)
+    print(f"tiers: preempted {len(preempted)} of {len(bulk)} bulk requests")
+    assert all(o["completion_tokens"] == LONG for o in outs)
+    assert tiers.discarded() == before
+    # One finished generation each, the preempted ones' resumed runs included (an aborted
+    # run finishes nothing).
+    assert_witnessed(store, [r.id for r in bulk])
+
+
+def test_bulk_in_one_message_of_many_still_yields_to_an_interactive_request(tiers):
+    """Given eight long greedy bulk requests in one `generate_many` message (twice the engine's
+    batch, over the worker's bulk cap of 4 requests: a batch object's window arrives so), when
+    the engine's batch is full of them and an interactive request arrives, then it still
+    starts at once and finishes within 5x its idle latency + 1 s (before: the four bulk
+    requests beyond the batch waited in vLLM ahead of it, first come first served, and the one
+    picked to yield was one of them, holding no slot); every bulk request completes, the
+    preempted ones identical to their twins, no token discarded, the witness backs each."""
+    job = f"tiers-many-{uuid.uuid4().hex[:6]}"
+    before = tiers.discarded()
+    bulk = generate_many([bulk_kwargs(i, job) for i in range(2 * SEQS)])
+    store = shared_store()
+    wait_for(lambda: streaming(store, bulk) >= SEQS, 120, 0.05, "four bulk runs streaming")
+    busy = interactive(job)
+    print(f"tiers (generate_many): interactive latency idle {tiers.idle * 1000:.0f} ms, under "
+          f"one message of {len(bulk)} bulk requests {busy * 1000:.0f} ms "
+          f"({busy / tiers.idle:.1f}x)")
+    assert busy < BUSY_FACTOR * tiers.idle + BUSY_SLACK_S
+    outs = [r.get(timeout=300) for r in bulk]
+    preempted = check_preempted_resumed_identical(store, bulk, outs, job)
+    print(f"tiers (generate_many): preempted {len(preempted)} of {len(bulk)}")
+    assert all(o["completion_tokens"] == LONG for o in outs)
+    assert tiers.discarded() == before
+    assert_witnessed(store, [r.id for r in bulk])
+
+
+def stopped_line(log: str) -> tuple[int, int]:
+    """(tokens resumed, tokens discarded) from the worker's last line as it exits."""
+    m = re.findall(r"in this process (\d+) generated token\(s\) were resumed from and (\d+) "
+                   r"discarded", log)
+    assert m, "no token totals in the worker's log as it stopped"
+    return int(m[-1][0]), int(m[-1][1])
+
+
+def test_sigterm_under_load_hands_back_every_token_and_each_resumes_identical(
+        tiers, redis_server, tmp_path):
+    """Given the module's worker (last test: it is stopped here) with four long greedy
+    default-tier generations streaming in its engine and two bulk ones of a message of many
+    waiting at its bulk gate, when it gets SIGTERM (a scale-in), then it freezes its engine and
+    writes every token made before handing back: each request is PENDING for its next
+    dispatch with its stream holding at least what was streamed before the signal, its
+    attempt given back (`drained`), and the worker's own vigil_tokens_discarded_total, logged
+    as it exits, is what it was before; the worker exits 0 within DRAIN_EXIT_BOUND_S; a
+    successor worker resumes each from its stream (`resumed_at` its stream's length), ends it
+    once (the witness agrees) on attempt 1 and token-identical to an uninterrupted twin."""
+    store = shared_store()
+    job = f"drain-{uuid.uuid4().hex[:6]}"
+    before = tiers.discarded()
+    kw = [dict(model=TIERS_MODEL, prompt=f"a long tale {i % 2}", max_tokens=DRAIN_TOKENS,
+               temperature=0.0, ignore_eos=True, job=job) for i in range(6)]
+    running = [generate.delay(**k) for k in kw[:SEQS]]
+    wait_for(lambda: all(int((store.get(r.id) or {}).get("streamed") or 0) >= 24
+                         for r in running), 120, 0.05, "four generations streaming")
+    waiting = generate_many([{**k, "priority": "bulk"} for k in kw[SEQS:]])
+    rs = running + waiting
+    wait_for(lambda: all((store.get(r.id) or {}).get("status") == "RUNNING" for r in rs), 60,
+             0.05, "the bulk requests begun (waiting at the gate)")
+    streamed = {r.id: int(store.get(r.id).get("streamed") or 0) for r in rs}
+    victim = tiers.worker
+    t0 = time.monotonic()
+    victim.proc.send_signal(signal.SIGTERM)
+    assert victim.proc.wait(timeout=120) == 0
+    exit_s = time.monotonic() - t0
+    log = victim.log.read_text()
+    _, discarded_at_exit = stopped_line(log)
+    handed = re.findall(r"handed back (\d+) request\(s\) \((\d+) aborted in the engine, (\d+) "
+                        r"read from it frozen, (\d+) token\(s\) left unwritten\)", log)
+    print(f"drain: exit {exit_s:.1f} s after SIGTERM with {len(rs)} requests held "
+          f"({SEQS} generating); hand-back {handed}; discarded {discarded_at_exit}")
+    assert handed and int(handed[-1][0]) == len(rs) and handed[-1][3] == "0"
+    assert discarded_at_exit == before
+    assert exit_s < DRAIN_EXIT_BOUND_S
+    streams = store.streams()
+    held = {}
+    for r in rs:
+        rec = store.get(r.id)
+        assert (rec["status"], rec["dispatch"], rec["attempts"], rec["drains"]) == (
+            "PENDING", "1", "0", "1"), rec
+        cp = streams.checkpoint(r.id)
+        held[r.id] = len(cp.token_ids) if cp is not None else 0
+        assert held[r.id] >= streamed[r.id]
+    assert all(held[r.id] > 0 for r in running) and all(held[r.id] == 0 for r in waiting)
+    port = free_port()
+    successor = RunningWorker(redis_server, "tiers2@testhost", tmp_path, pools=TIERS_MODEL,
+                              concurrency=6, VIGIL_METRICS_PORT=str(port))
+    try:
+        successor.wait_engine()
+        outs = {r.id: r.get(timeout=300) for r in rs}
+        twins = [generate.delay(**k).get(timeout=300) for k in kw[:2]]
+        for i, r in enumerate(rs):
+            out = outs[r.id]
+            assert out["worker"] == "tiers2@testhost" and out["attempts"] == 1
+            assert out["token_ids"] == twins[i % 2]["token_ids"], r.id
+            assert out.get("resumed_at", []) == ([held[r.id]] if held[r.id] else [])
+        assert_each_ran_to_a_result_once(store, [r.id for r in rs])
+        assert discarded(scrape(port)) == 0
+        # Stopped as the harness stops every worker, SIGTERM to its whole process group: its
+        # EngineCore gets it too and answers no pause, and the freeze must not wait out its
+        # bound for it (it stops at the engine's death).
+        successor.stop()
+        took = [float(s) for s in re.findall(r"left unwritten\), failed \d+ out of attempts or "
+                                             r"time, in ([\d.]+) s", successor.log.read_text())]
+        print(f"drain: the successor's group stop handed back in {took} s")
+        assert took and took[-1] < FREEZE_TIMEOUT_S
+    finally:
+        successor.stop()

@@ -37,6 +37,11 @@ def carried(request) -> list[str]:
     return [i["id"] for i in items if isinstance(i, dict) and isinstance(i.get("id"), str)] \
         if isinstance(items, list) else []
 
+# A drain's bounds: how long the engine may take to stop making tokens (it finishes the step it
+# is in), and how long the token streams may take to be written before the hand-back.
+FREEZE_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 10.0
+
 # Exit status of a worker that left because it is broken (repeated engine death, lost CUDA
 # context): non-zero, so its supervisor restarts it (EX_SOFTWARE).
 EXIT_WORKER_BROKEN = 70
@@ -59,21 +64,34 @@ class HeldRequests:
     max_attempts: int
     pools: Callable[[], list[str]]
     stop_heartbeat: Callable[[], None]
+    max_drains: int = 0
     leaving: WorkerFatalError | None = None
     aborted: int = 0
+    frozen: int = 0  # runs read out of the frozen engine by the last drain
+    unwritten: int = 0  # tokens its taps still held unwritten when the last hand-back began
 
-    def hand_back_held(self) -> tuple[int, int]:
+    def hand_back_held(self, drain: bool = False) -> tuple[int, int]:
         """Publish every request this worker holds again (same id, next dispatch; failed when
         out of attempts or time) and abort them in the engine, whose callers drop their stale
         copies; their token streams are written first, so the next attempts continue them. The
-        engine host must already refuse new requests. Returns (requeued, failed)."""
+        engine host must already refuse new requests. Returns (requeued, failed).
+
+        A `drain` (the worker stops: SIGTERM) loses no token and uses no attempt: the engine is
+        frozen first (it finishes its step and makes no more tokens) and every streamed
+        request's latest tokens are read out of vLLM into its tap, every tap is written, and
+        only then are the requests handed back, `drained` (app/fleet/handback.py: the attempt
+        given back, VIGIL_MAX_DRAINS times at most) and aborted. Without it (a quarantine, whose
+        engine may be wedged) what was read so far is written, the rest is made again."""
+        if drain:
+            self.frozen = self.host.freeze(FREEZE_TIMEOUT_S)
         if self.streams is not None:  # what they generated so far: the next attempts go on
-            try:
-                self.streams.flush(force=True)
-            except Exception as e:
-                log.warning("could not write the token streams before the hand-back: %s", e)
+            self.unwritten = self.streams.write_all(WRITE_TIMEOUT_S)
+            if self.unwritten:
+                log.warning("%d generated token(s) could not be written to their streams "
+                            "before the hand-back", self.unwritten)
         done = hand_back_all(self.store, time.time(), self.instance_id, self.republish,
-                             self.backend, self.max_attempts)
+                             self.backend, self.max_attempts,
+                             self.max_drains if drain else None)
         self.aborted = self.host.abort_in_flight()
         return done
 
@@ -126,20 +144,25 @@ class HeldRequests:
                         "back", n)
         return n
 
-    def hand_back(self) -> tuple[int, int]:
-        """Graceful stop (SIGTERM): stop heartbeating, publish every request this worker holds
-        again (same id, next dispatch) so another worker takes it now instead of after the reap
-        timeout, abort them in the engine, and unregister. Returns (requeued, failed)."""
+    def hand_back(self, drain: bool = False) -> tuple[int, int]:
+        """Graceful stop (SIGTERM, `drain`) or a broken worker's exit: stop heartbeating,
+        publish every request this worker holds again (same id, next dispatch) so another
+        worker takes it now instead of after the reap timeout, abort them in the engine, and
+        unregister. A drain freezes the engine and writes every token first, and gives the
+        attempts back (`hand_back_held`). Returns (requeued, failed)."""
         # Order matters: refuse new deliveries first (they go back on the queue untouched), then
-        # republish what is held, then abort it in the engine. A delivery that slipped in
-        # between is still RUNNING here when aborted, and retries itself (service.serve).
+        # freeze the engine and write what it made, then republish what is held, then abort it
+        # in the engine. A delivery that slipped in between is still RUNNING here when
+        # aborted, and retries itself (service.serve).
+        t0 = time.monotonic()
         self.host.refuse_new()
         self.stop_heartbeat()
-        done = self.hand_back_held()
+        done = self.hand_back_held(drain)
         self.store.workers.drop(self.instance_id)
-        log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine), "
-                    "failed %d out of attempts or time", self.name, done[0], self.aborted,
-                    done[1])
+        log.warning("worker %s stopping: handed back %d request(s) (%d aborted in the engine, "
+                    "%d read from it frozen, %d token(s) left unwritten), failed %d out of "
+                    "attempts or time, in %.2f s", self.name, done[0], self.aborted,
+                    self.frozen, self.unwritten, done[1], time.monotonic() - t0)
         return done
 
     def leave(self, err: WorkerFatalError) -> None:

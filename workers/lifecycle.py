@@ -16,6 +16,7 @@ from celery.signals import (task_revoked, worker_init, worker_ready, worker_shut
 from celery.worker import control as celery_control
 from celery.worker.control import control_command
 
+from app import metrics
 from app.celery_app import APP_NAME
 from app.celery_ports import ports_of
 from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
@@ -198,6 +199,10 @@ def _on_worker_shutdown(sender=None, **_):
         return
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
+    if runtime.installed() is not None:  # its tasks have ended: their taps are closed
+        resumed, discarded = metrics.token_totals()
+        log.info("worker stopping: in this process %d generated token(s) were resumed from and "
+                 "%d discarded (vigil_tokens_discarded_total)", resumed, discarded)
     metrics_server.stop()
     hold_deliveries(None)
     runtime.uninstall()

@@ -98,7 +98,7 @@ class WorkerRuntime:
             name, self.instance_id, self.store, self.host, self.streams,
             republisher(ports.send), ports.backend, ports.bus, settings.max_attempts,
             pools=lambda: self.pools, stop_heartbeat=lambda: self.heartbeat.stop(
-                unregister=False))
+                unregister=False), max_drains=settings.max_drains)
         self._others: dict[str, tuple[float, bool]] = {}  # pool -> (when, others_serve)
         self.health = WorkerHealth(
             self.store.health_ledger(window=settings.failure_window,
@@ -219,8 +219,9 @@ class WorkerRuntime:
         return self.held.leaving
 
     def hand_back(self) -> tuple[int, int]:
-        """Graceful stop (SIGTERM): the held requests go back to the queue (workers/held.py)."""
-        return self.held.hand_back()
+        """Graceful stop (SIGTERM): the held requests go back to the queue, drained: every
+        token written, no attempt used (workers/held.py)."""
+        return self.held.hand_back(drain=True)
 
     def stop(self) -> None:
         """Clean stop: engine shut down (no leaked processes or shared memory), unregistered."""

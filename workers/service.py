@@ -165,7 +165,13 @@ def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
         raise StaleDelivery(request_id) from None
     if isinstance(e, HandedBack):
         # The stopping worker republished what it held (its record moved to a newer dispatch):
-        # this copy is stale. A request begun after that scan is still ours: retried (below).
+        # this copy is stale. Asked here, not left to the release: a release finds the record
+        # PENDING under its next dispatch and this instance, which is also what a release of
+        # its own whose reply was lost leaves, and would say yes (a second message of that
+        # dispatch). A request begun after that scan is still ours: retried (below).
+        rec = rt.store.get(request_id) or {}
+        if rec.get("status") != "RUNNING" or rec.get("instance") != str(rt.instance_id):
+            raise StaleDelivery(request_id) from None
         e = TransientError.of(WORKER_LOST, "the worker stopped")
     if isinstance(e, (TransientError, WorkerFatalError)):
         return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)

@@ -323,6 +323,25 @@ class StreamSink:
                         tap.request_id, e)
         return tap.unwritten() == 0
 
+    def write_all(self, timeout: float) -> int:
+        """Write every open tap's pending tokens now, waiting out a chunk the flusher thread has
+        in flight, for at most `timeout` seconds: a hand-back (workers/held.py), after which
+        the next attempts go on from what is in Redis. Returns the tokens still unwritten on
+        taps that may write (0: every token the taps hold is in Redis); a fenced tap's are not
+        this attempt's to write."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.flush(force=True)
+            except Exception as e:  # Redis away: tried again until the deadline
+                log.warning("could not write token streams before the hand-back: %s", e)
+            with self._lock:
+                taps = list(self._taps.values())
+            left = sum(t.unwritten() for t in taps if not t.dead)
+            if left == 0 or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.01)
+
     def wake(self) -> None:
         """A tap has a full chunk: flush now."""
         self._wake.set()

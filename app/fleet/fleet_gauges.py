@@ -18,8 +18,9 @@ from app.state.store import RequestStore
 
 def pool_gauges(store: RequestStore, registry: ModelRegistry, settings: VigilSettings,
                 now: float) -> list[dict]:
-    """One row per pool and tier: {"pool", "tier", "waiting" (messages in the pool's queues
-    at that tier), "running" (requests RUNNING on live workers), "oldest_wait_s" (how long the
+    """One row per pool and tier: {"pool", "tier", "waiting" (requests in the pool's queues
+    at that tier: a message of many requests counts each one, estimated past the first 32
+    messages of a list), "running" (requests RUNNING on live workers), "oldest_wait_s" (how long the
     oldest waiting request of that tier has waited since it was submitted; None when none
     waits), "workers" (live healthy workers serving the pool, the same on every tier's row)}."""
     entries = store.workers.entries()
@@ -30,7 +31,7 @@ def pool_gauges(store: RequestStore, registry: ModelRegistry, settings: VigilSet
         waiting = dict.fromkeys(TIERS, 0)
         oldest: dict[str, float | None] = dict.fromkeys(TIERS, None)
         for queue in store.pool_queues(pool):
-            lengths = store.fleet.list_depths(queue)
+            lengths = store.fleet.list_requests(queue)
             heads = store.fleet.next_per_list(queue)
             for tier, n, head in zip(TIER_OF_LIST, lengths, heads):
                 waiting[tier] += n

@@ -11,15 +11,20 @@ published: a requeue refused because another worker took the request meanwhile p
 nothing, so no newer message is left behind to run the request a second time, and Celery's own
 copy, if it comes back after the visibility timeout, is an older dispatch and is dropped
 unexecuted.
+
+A stopping worker's hand-back (SIGTERM: a scale-in, a deploy: a drain) is nobody's fault: a
+request it was running goes back `drained`, its attempt given back, VIGIL_MAX_DRAINS times at
+most (then `worker_lost`, using the attempt, as a dead worker's). Its tokens are already in its
+stream (workers/held.py), so the next attempt resumes from them.
 """
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
-from app.errors import DEADLINE_EXCEEDED, WORKER_LOST, TerminalError, TransientError
+from app.errors import DEADLINE_EXCEEDED, DRAINED, WORKER_LOST, TerminalError, TransientError
 from app.fleet.outcomes import Backend, end_request
-from app.retry_policy import Attempted, End, Limits, decide
+from app.retry_policy import Attempted, End, Limits, decide, may_drain
 from app.state.keys import PENDING, RUNNING
 from app.state.store import RequestStore
 
@@ -28,6 +33,12 @@ log = logging.getLogger("vigil.housekeeping")
 # The error a handed-back request is judged by (app/retry_policy.py): retried at once, while it
 # has attempts and time left.
 LOST = TransientError.of(WORKER_LOST, "its worker stopped heartbeating and was reaped")
+# The error a stopping worker's hand-back (SIGTERM: a drain) is judged by, while the request
+# has drains left (VIGIL_MAX_DRAINS): retried at once, its attempt given back; past them, a
+# stopping worker's hand-back is judged as LOST_STOPPING, using the attempt.
+DRAINED_BACK = TransientError.of(DRAINED, "its worker stopped and handed it back with its "
+                                 "tokens; resumes from them")
+LOST_STOPPING = TransientError.of(WORKER_LOST, "its worker stopped and handed it back")
 
 # republish(request_id, record, dispatch): publish the request's message again under `dispatch`
 # (app/requests/publish.py `republish`).
@@ -35,9 +46,13 @@ Republish = Callable[[str, dict, int], None]
 
 
 def hand_back_one(store: RequestStore, now: float, request_id: str, instance: int | str,
-                  republish: Republish, backend: Backend | None, max_attempts: int) -> str:
+                  republish: Republish, backend: Backend | None, max_attempts: int,
+                  max_drains: int | None = None) -> str:
     """Hand one request of worker instance `instance` back: ended (its deadline passed, or it is
-    out of attempts: app/retry_policy.py decides, as for any `worker_lost`) or moved to its next dispatch and published again. Returns "failed",
+    out of attempts: app/retry_policy.py decides, as for any `worker_lost`) or moved to its
+    next dispatch and published again. With `max_drains` (a stopping worker's own hand-back:
+    a drain), a request it was running is `drained` instead while it was drained fewer than
+    `max_drains` times: its attempt is given back (`may_drain`). Returns "failed",
     "requeued", or "skipped" when it had ended or moved on (nothing done). Raises what the
     publish raises after the record moved (Redis gone between the two steps: the deadline sweep
     ends that request)."""
@@ -46,8 +61,13 @@ def hand_back_one(store: RequestStore, now: float, request_id: str, instance: in
     if status not in (RUNNING, PENDING) or (status == RUNNING
                                             and rec.get("instance") != str(instance)):
         return "skipped"
-    decision = decide(LOST, Attempted(int(rec.get("attempts", 0)), int(rec.get("dispatch", 0)),
-                                      float(rec.get("deadline_at") or 0)), Limits(max_attempts), now)
+    err, drained = LOST, False
+    if max_drains is not None:
+        drained = status == RUNNING and may_drain(int(rec.get("drains") or 0),
+                                                  Limits(max_drains=max_drains))
+        err = DRAINED_BACK if drained else LOST_STOPPING
+    decision = decide(err, Attempted(int(rec.get("attempts", 0)), int(rec.get("dispatch", 0)),
+                                     float(rec.get("deadline_at") or 0)), Limits(max_attempts), now)
     if isinstance(decision, End):
         err = decision.error
         if err.code == DEADLINE_EXCEEDED:
@@ -57,7 +77,9 @@ def hand_back_one(store: RequestStore, now: float, request_id: str, instance: in
                              backend=backend)
         return "failed" if won else "skipped"
     dispatch = int(rec.get("dispatch", 0)) + 1
-    if not store.requeue(request_id, instance, dispatch, now=now):
+    reason = str(err) if max_drains is not None else None
+    if not store.requeue(request_id, instance, dispatch, now=now, reason=reason,
+                         drained=drained):
         return "skipped"
     try:
         republish(request_id, rec, dispatch)
@@ -69,12 +91,14 @@ def hand_back_one(store: RequestStore, now: float, request_id: str, instance: in
 
 
 def hand_back_all(store: RequestStore, now: float, instance: int | str, republish: Republish,
-                  backend: Backend | None, max_attempts: int) -> tuple[int, int]:
-    """Hand back every request a worker instance holds (`hand_back_one` each). Returns
-    (requeued, failed)."""
+                  backend: Backend | None, max_attempts: int,
+                  max_drains: int | None = None) -> tuple[int, int]:
+    """Hand back every request a worker instance holds (`hand_back_one` each, drains with
+    `max_drains`). Returns (requeued, failed)."""
     requeued = failed = 0
     for rid in store.inflight_ids(instance):
-        outcome = hand_back_one(store, now, rid, instance, republish, backend, max_attempts)
+        outcome = hand_back_one(store, now, rid, instance, republish, backend, max_attempts,
+                                max_drains)
         requeued += outcome == "requeued"
         failed += outcome == "failed"
     return requeued, failed

@@ -46,7 +46,8 @@ from app.state.queues import HOUSEKEEPING_QUEUE, declared_queues, pool_queue
 from app.state.store import open_store
 
 # Celery's mingle waits a second at every worker start for its neighbours' revoked-task lists and
-# clocks; Vigil revokes nothing (requests end through their records: app/fleet/outcomes.py).
+# clocks; Vigil's cancel needs no revoked-task list (a revoked request ends in its record,
+# app/fleet/cancel.py, and a worker that never heard the revoke drops its message at claim).
 WITHOUT_MINGLE = ("--without-mingle",)
 # `vigil metrics`' port: beside the workers' (VIGIL_METRICS_PORT) and Flower's 5555.
 DEFAULT_METRICS_EXPORTER_PORT = 9108

@@ -47,6 +47,15 @@ class VigilAsyncResult(AsyncResult):
     and whose `get()` also watches Vigil's record (module docstring). `state`, `ready()` and
     `result` are Celery's own and cost nothing more."""
 
+    def revoke(self, connection=None, terminate=False, signal=None, wait=False, timeout=None):
+        """Celery's revoke (app/celery_app.py VigilControl: the request ends `cancelled`, once,
+        and is aborted in its engine), answering what happened: "cancelled", "already ended
+        (STATUS)" (a result or error written first stays) or "unknown" (no record: never
+        submitted, or past VIGIL_RESULT_TTL); None with `wait=True` (Celery's own)."""
+        answer = self.app.control.revoke(self.id, connection=connection, terminate=terminate,
+                                         signal=signal, reply=wait, timeout=timeout)
+        return answer.get(self.id) if isinstance(answer, dict) else None
+
     @property
     def info(self):
         """The result or exception once ready; before that, why_waiting(id) (falling back to

@@ -146,6 +146,21 @@ def with_celery_priority(kwargs: object, priority: object) -> object:
     return {**kwargs, "priority": tier_of_celery_priority(priority)}
 
 
+def with_delivery_priority(kwargs: object, delivery_info: dict | None) -> object:
+    """`kwargs` of a delivered message with the tier its Celery message priority picks
+    (`with_celery_priority`), unless the request names its own: a message sent around the
+    producer (`app.send_task("vigil.generate", kwargs=..., priority=9)`) is bulk as
+    `apply_async(priority=9)` would have made it. Priority 0 names no tier here: kombu's Redis
+    transport gives every message published without a priority 0, so a plain `send_task`
+    cannot be told from one that asked for 0 (it stays default; `priority=1` or 2, or the
+    `priority` field, makes it interactive). Vigil's own messages carry their tier in their
+    kwargs (app/requests/publish.py). Anything but an int 1-9 is left alone."""
+    prio = (delivery_info or {}).get("priority")
+    if type(prio) is not int or not 1 <= prio <= 9:
+        return kwargs
+    return with_celery_priority(kwargs, prio)
+
+
 def _never_published(store: RequestStore, request_id: str, record: dict, pool: str,
                      job: str) -> bool:
     """True for a record no attempt ever began and no message carries: PENDING at dispatch 0,

@@ -25,6 +25,10 @@ BROKER_PRIORITY = {INTERACTIVE: 0, DEFAULT: 3, BULK: 9}
 TIER_OF_LIST = (INTERACTIVE, DEFAULT, BULK, BULK)
 # The lowest broker step whose messages are bulk work (6 and 9).
 BULK_FROM_STEP = 6
+# vLLM's own per-request priority of each tier (lower first), which its "priority" scheduling
+# policy reads (workers/engine/vllm_args.py sets that policy): an interactive request waiting
+# in the engine is scheduled before default and bulk ones that came earlier.
+ENGINE_PRIORITY = {INTERACTIVE: 0, DEFAULT: 1, BULK: 2}
 
 
 def tier_of_celery_priority(priority: int) -> str:
@@ -38,11 +42,16 @@ def tier_of_celery_priority(priority: int) -> str:
 def intake_limits_for(concurrency: int, interactive_slots: int, bulk_floor: float
                       ) -> IntakeLimits:
     """A worker's intake limits (app/state/intake.py): the bulk tier holds at most
-    `concurrency` - `interactive_slots` of its task threads (at least one), and with a backlog
+    `concurrency` - `interactive_slots` requests (at least one), and with a backlog
     everywhere the lowest tier gets every round(1 / `bulk_floor`)-th pop first (0: never)."""
     floor_every = round(1 / bulk_floor) if bulk_floor > 0 else 0
     return IntakeLimits(lower_cap=max(1, concurrency - interactive_slots),
                         floor_every=floor_every, capped_from_step=BULK_FROM_STEP)
+
+
+def engine_priority(tier: str | None) -> int:
+    """vLLM's request priority of a tier (None: the default tier)."""
+    return ENGINE_PRIORITY[tier or DEFAULT]
 
 
 def broker_priority(tier: str | None) -> int:

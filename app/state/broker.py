@@ -117,6 +117,30 @@ def depths_by_list(client: redis.Redis, queue: str) -> list[int]:
     return [int(x) for x in pipe.execute()]
 
 
+def requests_by_list(client: redis.Redis, queue: str, sample: int = 32) -> list[int]:
+    """The requests waiting in each of `queue`'s lists, in the order workers pop them: a
+    message of many requests (vigil.generate_many) counts each request it carries. Exact for a
+    list of at most `sample` messages; past that, its length times the requests per message of
+    the `sample` messages next to be popped (a batch's window is messages of one size)."""
+    keys = queue_lists(queue)
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.llen(key)
+        pipe.lrange(key, -sample, -1)  # BRPOP pops from the right: the next ones
+    replies = pipe.execute()
+    out = []
+    for n, raws in zip(replies[0::2], replies[1::2]):
+        n = int(n)
+        carried = [max(1, len(request_ids(raw))) for raw in raws]
+        if not n or not carried:
+            out.append(0)
+        elif n <= len(carried):
+            out.append(sum(carried))
+        else:
+            out.append(round(sum(carried) * n / len(carried)))
+    return out
+
+
 def all_pool_queues(client: redis.Redis) -> list[str]:
     """Every pool queue that exists in Redis now (its own and its jobs'; a queue whose messages
     are all in a priority list counts too), found by SCAN."""

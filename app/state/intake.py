@@ -7,10 +7,15 @@ first, the queues in turn within a step. Vigil publishes each request at its tie
 first and, within a tier, jobs keep sharing round-robin. For a worker that set its limits
 (`limit_intake`), Vigil's channel (app/state/transport.py) changes two things:
 
-- **reserved slots**: messages of the bulk tier (steps from `capped_from_step`, 6, on) may be
-  at most `lower_cap` of what this process holds at once; past it, BRPOP names the higher
-  tiers' lists only, so the engine slots left (worker concurrency - lower_cap) wait for
-  interactive (and default) requests;
+- **reserved slots**: requests of the bulk tier (messages at steps from `capped_from_step`, 6,
+  on) may be at most `lower_cap` of what this process holds at once, counted in requests, not
+  messages: a `vigil.generate_many` message counts every request its `vigil_ids` header
+  names (up to VIGIL_REQUESTS_PER_MESSAGE). Past the cap, BRPOP names the higher tiers' lists
+  only, so the task threads left (worker concurrency - lower_cap) wait for interactive (and
+  default) requests. A message is taken whole, so the last bulk message taken may carry the
+  count past the cap by up to one message's requests, and its requests count until it is
+  acked (its last request ended); the engine host keeps any bulk request beyond its batch out
+  of the engine (workers/engine/host.py, "the bulk gate");
 - **the floor**: every `floor_every`-th BRPOP names the lists lowest tier first, so with a
   backlog in every tier the bulk work still gets at least 1/`floor_every` of the intake.
 """
@@ -24,9 +29,9 @@ from typing import Callable, Iterable
 
 @dataclass(frozen=True)
 class IntakeLimits:
-    """A worker's intake limits (module docstring): at most `lower_cap` held messages of steps
-    `capped_from_step` and above (the bulk tier), and one BRPOP in `floor_every` lowest tier
-    first (0: never)."""
+    """A worker's intake limits (module docstring): at most `lower_cap` held requests of
+    messages at steps `capped_from_step` and above (the bulk tier), and one BRPOP in
+    `floor_every` lowest tier first (0: never)."""
 
     lower_cap: int
     floor_every: int = 0
@@ -49,16 +54,25 @@ def intake_limits() -> IntakeLimits | None:
     return _limits
 
 
+def requests_carried(message) -> int:
+    """How many requests one delivered kombu message carries: each id of a
+    `vigil.generate_many` message's `vigil_ids` header, else 1."""
+    headers = getattr(message, "headers", None) or {}
+    ids = headers.get("vigil_ids") if isinstance(headers, dict) else None
+    return max(1, len(ids)) if isinstance(ids, list) else 1
+
+
 def held_capped(delivered: dict, acked: set, limits: IntakeLimits) -> int:
-    """Messages a channel holds (delivered, not acked) in the capped tiers (priority step
-    `limits.capped_from_step` and above)."""
+    """Requests a channel holds (its messages delivered, not acked) in the capped tiers
+    (priority step `limits.capped_from_step` and above): a message of many requests counts
+    each one (`requests_carried`)."""
     n = 0
     for tag, message in list(delivered.items()):
         if tag in acked:
             continue
         props = getattr(message, "properties", None) or {}
         if (props.get("priority") or 0) >= limits.capped_from_step:
-            n += 1
+            n += requests_carried(message)
     return n
 
 

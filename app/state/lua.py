@@ -270,12 +270,15 @@ return 1
 
 
 # KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
-# new dispatch, now, [reason: the error recorded, worker_lost by default]. Hands a dead worker's
+# new dispatch, now, [reason: the error recorded, worker_lost by default ('' too)], [drained:
+# '1' for a stopping worker's hand-back that gives the attempt back]. Hands a dead worker's
 # request (RUNNING under it, or PENDING: received but
 # not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
 # dispatch (the caller then publishes that dispatch's message: a refused requeue publishes
 # nothing); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
-# still open in `history` is closed 'requeued' with error worker_lost.
+# still open in `history` is closed 'requeued' with the reason's code. Drained, a RUNNING
+# request's attempt is given back (`attempts` - 1) and counted in `drains`; a PENDING one had
+# no attempt open, so nothing is given back or counted.
 REQUEUE = HISTORY_HELPERS + """
 redis.call('SREM', KEYS[2], ARGV[1])
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -283,8 +286,13 @@ if st ~= 'RUNNING' and st ~= 'PENDING' then return 0 end
 if st == 'RUNNING' and redis.call('HGET', KEYS[1], 'instance') ~= ARGV[2] then return 0 end
 local d = tonumber(redis.call('HGET', KEYS[1], 'dispatch') or '0')
 if tonumber(ARGV[3]) > d then d = tonumber(ARGV[3]) end
-local lost = ARGV[5] or 'worker_lost: its worker stopped heartbeating and was reaped'
+local lost = ARGV[5]
+if not lost or lost == '' then lost = 'worker_lost: its worker stopped heartbeating and was reaped' end
 redis.call('HSET', KEYS[1], 'status', 'PENDING', 'dispatch', d, 'last_error', lost)
+if ARGV[6] == '1' and st == 'RUNNING' then
+  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  redis.call('HINCRBY', KEYS[1], 'drains', 1)
+end
 close_attempt(KEYS[1], ARGV[2], ARGV[4], 'requeued', lost)
 return 1
 """

@@ -45,13 +45,15 @@ class HoldCalls:
         return holder
 
     def requeue(self, request_id: str, dead_instance: int | str, dispatch: int, *,
-                now: float | None = None, reason: str | None = None) -> bool:
+                now: float | None = None, reason: str | None = None,
+                drained: bool = False) -> bool:
         """Mark a dead worker's RUNNING request PENDING under `dispatch` (then publish that
         dispatch's message), closing its open attempt 'requeued' at `now` (default: the clock)
-        with `reason` (default: worker_lost, reaped). False when it had already ended or moved
-        on."""
+        with `reason` (default: worker_lost, reaped). `drained`: a stopping worker's hand-back
+        that gives a RUNNING request's attempt back and counts it in the record's `drains`.
+        False when it had already ended or moved on."""
         now = time.time() if now is None else now
-        args = [request_id, dead_instance, dispatch, now] + ([reason] if reason else [])
+        args = [request_id, dead_instance, dispatch, now, reason or "", "1" if drained else "0"]
         return bool(self._call(self._requeue,
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
                                args=args))

@@ -72,6 +72,12 @@ class FleetView:
         9)."""
         return self._call(broker.depths_by_list, self._client, queue)
 
+    def list_requests(self, queue: str) -> list[int]:
+        """Requests waiting in each of `queue`'s priority lists, in pop order: a message of
+        many counts each request it carries (estimated past the first 32 messages of a list:
+        broker.requests_by_list)."""
+        return self._call(broker.requests_by_list, self._client, queue)
+
     def next_per_list(self, queue: str) -> list[str | None]:
         """The request id of the next message in each of `queue`'s priority lists (None for an
         empty one), in pop order."""

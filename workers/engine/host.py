@@ -65,7 +65,8 @@ class Pending:
 
 class EngineHost:
     """Owns the warm engine. Thread-safe entry points: generate, abort_requests, refuse_new,
-    drain, pause, resume, abort_in_flight, preload, restart_with_canary, snapshot, shutdown."""
+    drain, freeze, pause, resume, abort_in_flight, preload, restart_with_canary, snapshot,
+    shutdown."""
 
     def __init__(self, factory: EngineFactory, *, idle_cleanup: float,
                  events: HostEvents | None = None,
@@ -191,6 +192,26 @@ class EngineHost:
         self._bridge.draining = True
         return self._bridge.cancel_all()
 
+    def freeze(self, timeout: float) -> int:
+        """A drain's first step, once the host refuses new requests: stop the engine making
+        tokens and read every streamed request's latest tokens into its tap (the engine's
+        `freeze`), so that a flush after it writes every token made and none is made after it
+        (workers/held.py). The requests stay in the engine, to be aborted by the hand-back.
+        Bounded by `timeout` seconds; returns how many runs were read (0: no live engine, or
+        one that does not freeze). Never raises: a freeze that fails is logged, and whatever the
+        engine makes after the flush then counts as discarded."""
+        eng = self._st.engine
+        freeze = getattr(eng, "freeze", None)
+        if freeze is None or getattr(eng, "dead", True):
+            return 0
+        try:
+            return self._bridge.run(freeze(timeout), timeout + 5)
+        except Exception as e:  # a dead engine (its process group signalled too) is expected
+            log.log(logging.INFO if getattr(eng, "dead", False) else logging.WARNING,
+                    "could not freeze the engine for the drain (%s: %s); its requests are "
+                    "read and handed back anyway", type(e).__name__, e)
+            return 0
+
     def pause(self) -> None:
         """Take no new requests (callers get HandedBack) until `resume()`."""
         self._bridge.paused = True
@@ -277,6 +298,8 @@ class EngineHost:
             while True:
                 if adapter is not None:
                     await self._gate_or_release(engine, t, spec)
+                if t.runs == 0 and t.bulk:
+                    await self._bulk_gate(engine, t)
                 outcome, value = await self._run_once(engine, t, spec)
                 if outcome == "ok":
                     return value
@@ -350,20 +373,50 @@ class EngineHost:
                 st.cond.notify_all()
             raise
 
-    # -- preemption -------------------------------------------------------------------------------
+    # -- the bulk gate and preemption ---------------------------------------------------------------
+    def _batch_used(self, but: Ticket | None = None) -> int:
+        """The engine batch slots the runs in the engine take now (`but` left out)."""
+        return sum(x.seqs for x in self._st.running if x is not but)
+
+    async def _bulk_gate(self, engine, t: Ticket) -> None:
+        """The bulk gate: a bulk request's first run enters an engine with a batch
+        (`max_num_seqs`) only while the runs in it leave a slot free; until then it waits here,
+        admitted (counted in flight, handed back or aborted like any) but not in the engine.
+        So no bulk request ever waits inside vLLM: every bulk run in the engine holds a batch
+        slot, a preempted one frees it, and work that arrives in messages of many requests
+        (vigil.generate_many, batch objects) cannot queue ahead of an interactive request in
+        vLLM. Interactive and default requests never wait here. An engine that died meanwhile
+        lets it through: its run then meets the death like any other."""
+        seqs = getattr(engine, "max_num_seqs", None)
+        if not seqs:
+            return
+        st = self._st
+        async with st.cond:
+            try:
+                await st.cond.wait_for(
+                    lambda: self._batch_used() + t.seqs <= seqs or self._batch_used() == 0
+                    or getattr(engine, "dead", False) or st.engine is not engine)
+            except asyncio.CancelledError:  # aborted while waiting: it never entered
+                st.release_slot()
+                st.cond.notify_all()
+                raise
+
     def _preempt_for(self, urgent: Ticket, engine) -> None:
-        """An interactive request was admitted to an engine whose batch is full (as many runs
-        as its `max_num_seqs`): the youngest preemptible bulk run (the one started last, whose
-        KV cache costs least to rebuild) yields its slot at the engine's next token boundary.
-        Its tokens so far are read into its tap first (nothing is lost), then its run is
-        cancelled with reason PREEMPTED: its caller hands it back to resume from them."""
+        """An interactive request was admitted to an engine whose batch is full (its runs take
+        every one of its `max_num_seqs` slots): the youngest preemptible bulk run (the one
+        started last, whose KV cache costs least to rebuild) yields its slot at the engine's
+        next token boundary. The bulk gate (`_bulk_gate`) lets a bulk run into the engine only
+        into a free slot, so the victim holds one, and vLLM's priority scheduling
+        (workers/engine/vllm_args.py) gives the freed slot to the interactive request, not to
+        an older default one waiting there. Its tokens so far are read into its tap first
+        (nothing is lost), then its run is cancelled with reason PREEMPTED: its caller hands it
+        back to resume from them."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
-        running = [x for x in st.running if x is not urgent]
-        if not seqs or len(running) < seqs:
+        if not seqs or self._batch_used(but=urgent) < seqs:
             return  # a slot is free: it starts at the next step anyway
-        pick = [x for x in running if x.preemptible and not x.preempting and not x.gone
-                and getattr(x.req, "priority", None) == "bulk"]
+        pick = [x for x in st.running if x is not urgent and x.preemptible and not x.preempting
+                and not x.gone and x.bulk]
         if not pick:
             return
         victim = max(pick, key=lambda x: st.running[x])

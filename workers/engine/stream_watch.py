@@ -150,6 +150,18 @@ class StreamWatch:
         for request_id, run in list(self._runs.items()):
             self._read_request(op, request_id, run)
 
+    def read_all(self) -> int:
+        """Read every watched request's new tokens now, out of turn (an engine frozen for a
+        drain: every token it made is then in a tap). Returns how many runs it read. Call on
+        the engine's loop."""
+        if self._llm is None:
+            return 0
+        op = self._llm.output_processor
+        runs = list(self._runs.items())
+        for request_id, run in runs:
+            self._read_request(op, request_id, run)
+        return len(runs)
+
     def read_one(self, request_id: str) -> None:
         """Read one request's new tokens now, out of turn (before it is preempted: every token
         it made is then in its tap), with each of its samples' engine requests

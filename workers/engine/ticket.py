@@ -32,6 +32,18 @@ class Ticket:
     extra: dict = field(default_factory=dict)
 
     @property
+    def bulk(self) -> bool:
+        """A bulk request: it enters the engine only into a free batch slot (the bulk gate,
+        workers/engine/host.py) and may yield its slot to an interactive one."""
+        return getattr(self.req, "priority", None) == "bulk"
+
+    @property
+    def seqs(self) -> int:
+        """The engine's batch slots its run takes: one per sample (vLLM runs each of n samples
+        as a request of its own)."""
+        return int(getattr(self.req, "n", 1) or 1)
+
+    @property
     def urgent(self) -> bool:
         """An interactive request: it may make a bulk one yield its slot."""
         return getattr(self.req, "priority", None) == "interactive"

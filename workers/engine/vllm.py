@@ -15,6 +15,7 @@ from app.requests.adapters import AdapterRef
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from app.requests.tiers import engine_priority
 from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
@@ -41,11 +42,18 @@ class StepCounter:
     def __init__(self, llm):
         self.steps = 0
         self.outputs = 0
+        # True while the output handler waits for EngineCore's next batch: everything before it
+        # has been processed into vLLM's request states.
+        self.waiting = False
         core = llm.engine_core
         fetch = core.get_output_async
 
         async def counted():
-            out = await fetch()
+            self.waiting = True
+            try:
+                out = await fetch()
+            finally:
+                self.waiting = False
             self.steps += 1
             self.outputs += len(out.outputs)
             return out
@@ -91,6 +99,35 @@ class VllmEngine:
         if self._watch is not None:
             self._watch.read_one(request_id)
 
+    async def freeze(self, timeout: float) -> int:
+        """Stop this engine making tokens and read every streamed request's tokens into its tap
+        (a drain: workers/held.py). vLLM's own pause (`pause_generation(mode="keep")`: EngineCore
+        finishes the step it is in, then schedules nothing; the requests stay in it, to be
+        aborted) and then every output it sent processed by the front end (its output handler
+        back waiting for the next batch, its queue empty), all within `timeout` seconds; then
+        the stream watch reads every run once more. Returns how many runs it read. Raises
+        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
+        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
+        group, answers no pause); the runs are read anyway (what the engine makes after that
+        counts as discarded when their taps close)."""
+        llm = self._llm
+        pause = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            async with asyncio.timeout(timeout):
+                while not pause.done():
+                    if self.dead:
+                        raise RuntimeError("the engine died before it paused")
+                    await asyncio.sleep(0.005)
+                pause.result()
+                queue = getattr(llm.engine_core, "outputs_queue", None)
+                while not (self.steps.waiting and (queue is None or queue.empty())):
+                    await asyncio.sleep(0.002)
+        finally:
+            if not pause.done():
+                pause.cancel()
+            read = self._watch.read_all() if self._watch is not None else 0
+        return read
+
     def kill(self) -> None:
         """SIGKILL this engine's EngineCore: a stopped or wedged process ignores a polite stop."""
         for pid in engine_core_pids():
@@ -110,15 +147,17 @@ class VllmEngine:
         (and their logprobs) go to the request's token stream while it runs, and the run
         continues from the tap's resume point, if it has one and may (workers/engine/resume.py):
         each of the request's samples from its own tokens."""
+        prio = engine_priority(req.priority)
         if tap is None:
-            final = await self._final(_prompt(req), sampling_params(req), request_id, adapter)
+            final = await self._final(_prompt(req), sampling_params(req), request_id, adapter,
+                                      prio)
             self._witness_final(request_id, final)
             return output_of(final, req)
         cp, seams = self._resume_point(req, tap)
         if cp is None:
             run = WatchedRun(tap, samples=req.n, convert=self._converter(req, None))
             final = await self._watched(_prompt(req), sampling_params(req), request_id,
-                                        adapter, run)
+                                        adapter, run, prio)
             self._witness_final(request_id, final)
             return output_of(final, req, tap.resumed_at)
         tap.took_over()
@@ -169,19 +208,24 @@ class VllmEngine:
         """Decoding of logprob tokens for runs vLLM does not detokenize (None: not wanted)."""
         return logprob_decoder(self._llm.tokenizer) if req.detokenize else None
 
-    async def _final(self, prompt: dict, params, request_id: str, adapter):
+    async def _final(self, prompt: dict, params, request_id: str, adapter, priority: int = 0):
+        """One engine request to its end (at vLLM priority `priority`: its tier's,
+        app/requests/tiers.py); its final output."""
         final = None
         async for out in self._llm.generate(prompt, params, request_id=request_id,
-                                            lora_request=self._lora(adapter)):
+                                            lora_request=self._lora(adapter),
+                                            priority=priority):
             final = out
         return final
 
-    async def _watched(self, prompt: dict, params, request_id: str, adapter, run: WatchedRun):
+    async def _watched(self, prompt: dict, params, request_id: str, adapter, run: WatchedRun,
+                       priority: int = 0):
         """One engine request, read while it runs by the engine's StreamWatch; its final
         output, or None when its seam cut it (a stop string: the request was cancelled)."""
         if self._watch is None:
             self._watch = StreamWatch(self._llm, run.tap.watch_period)
-        run.task = asyncio.ensure_future(self._final(prompt, params, request_id, adapter))
+        run.task = asyncio.ensure_future(self._final(prompt, params, request_id, adapter,
+                                                     priority))
         self._watch.watch(request_id, run)
         final = None
         try:
@@ -220,7 +264,7 @@ class VllmEngine:
         eid = request_id if req.n == 1 else f"{request_id}~{index}"  # vLLM ids are unique
         final = await self._watched({"prompt_token_ids": prompt_ids + list(c.token_ids)},
                                     sampling_params(req, Continuation(index, c.tokens)),
-                                    eid, adapter, run)
+                                    eid, adapter, run, engine_priority(req.priority))
         lps_new = run.own.logprobs if wants else None
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]

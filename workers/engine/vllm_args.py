@@ -12,6 +12,9 @@ from app.requests.engine_defaults import batch_defaults
 from app.requests.models import ModelSpec
 from workers.engine.memory import MemoryPlan
 
+# The scheduling policy of every engine whose registry entry names none.
+SCHEDULING_POLICY = "priority"
+
 
 def engine_env_defaults() -> None:
     """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
@@ -46,7 +49,8 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
     dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
     under what the registry says; on CUDA, one tensor-parallel rank per card of the worker (the
-    plan's probe). Refuses, as `invalid_model_config`, an entry that cannot run here (float32
+    plan's probe). vLLM's "priority" scheduling policy, so its waiting requests go by tier.
+    Refuses, as `invalid_model_config`, an entry that cannot run here (float32
     with LoRA on CUDA) and a `tensor_parallel_size` other than the worker's number of cards."""
     platform = platform or (plan.probe.device if plan is not None else _current_platform())
     if plan is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and \
@@ -71,8 +75,12 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
             raise RequestError.of(INVALID_MODEL_CONFIG, problem)
         if len(cards) > 1:
             defaults["tensor_parallel_size"] = len(cards)
-    args = {"disable_log_stats": True, **executor_args(spec, platform), **defaults,
-            **spec.engine_args, **plan_args}
+    # vLLM's "priority" scheduling: the requests waiting in the engine are taken by their
+    # tier (app/requests/tiers.py `engine_priority`), then by arrival, and vLLM's own KV-cache
+    # preemption picks the youngest request of the lowest tier; it never stops a running
+    # request for a waiting one (the engine host's preemption does: workers/engine/host.py).
+    args = {"disable_log_stats": True, "scheduling_policy": SCHEDULING_POLICY,
+            **executor_args(spec, platform), **defaults, **spec.engine_args, **plan_args}
     dtype = spec.dtype_on(platform)
     if dtype is not None:
         args["dtype"] = dtype
