@@ -1,16 +1,18 @@
 """Throughput of Vigil (Celery + Redis + one warm AsyncLLM) against vLLM's AsyncLLM fed directly.
 
-    python -m bench.throughput                 # full run: overhead, 5 + 5 rounds, LoRA cost
-    python -m bench.throughput --requests 128 --rounds 1 --skip-overhead   # quick look
+    python -m bench.throughput                 # full run: overhead, main 5 rounds, short 3, LoRA
+    python -m bench.throughput --requests 128 --rounds 1 --skip-overhead --workloads main
+    python -m bench.throughput --many --bare-celery --skip-overhead --lora-rounds 0
+    python -m bench.throughput --workloads short --bare-celery --skip-overhead   # eval scoring
     python -m bench.throughput --stream-cost   # token streams on vs off (bench/stream_cost.py)
     python -m bench.throughput --logprobs 5    # also both sides with 5 top logprobs per token
 
 Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
 
 Part 2 (printed first, it runs first): per-request cost of `vigil.generate` on a worker with the
-instant engine (VIGIL_ENGINE=instant: no model) against a bare Celery no-op task
-(bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians
-(bench/overhead.py).
+instant engine (VIGIL_ENGINE=instant: no model), through `.delay` and through `generate_many`,
+against a bare Celery no-op task (bench/noop_app.py) and a no-op with Vigil's Celery settings;
+submit-all + get-all, the sides going first in turn, medians and spreads (bench/overhead.py).
 
 Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` tokens each
 (ignore_eos, so every request is the same length), through `generate.delay` and one
@@ -20,14 +22,25 @@ workers/engine/vllm_args.py, `engine_args`, LoRA lanes and KV cache size include
 turns going first; the engines stay warm and an idle one costs nothing. Each round is
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
-The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
+The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s (the
+main workload's; the short one's when it runs alone).
 
-`--logprobs K` adds two sides to each round, the same requests with K top logprobs per token
-through Celery and directly: `with/without` is what logprobs cost each side (vLLM computing and
-the front end converting them; Vigil also turning them into JSON entries, storing and returning
-them), `celery/direct with logprobs` the ratio under that load.
+`--many` adds a side to the main workload: the same requests through `generate_many`
+(VIGIL_REQUESTS_PER_MESSAGE requests per Celery message, one call per round: all of them reach
+the worker's engine at once, as on the direct side), with `many/direct` (and `many/bare`).
 
-`--bare-celery` adds a third side to each round: a bare Celery worker with a warm AsyncLLM in a
+The short workload (`--workloads`, by default after the main one, on the same warm engines):
+`--short-requests` (4,096) prompts x `--short-max-tokens` (1) with `--short-logprobs` (5) top
+logprobs per token, asked by every side alike: `.delay`, direct, `generate_many` and, with
+`--bare-celery`, bare Celery. Eval scoring: one engine step per request, so what feeds the engine
+sets the pace.
+
+`--logprobs K` adds two sides to each round of the main workload, the same requests with K top
+logprobs per token through Celery and directly: `with/without` is what logprobs cost each side
+(vLLM computing and the front end converting them; Vigil also turning them into JSON entries,
+storing and returning them), `celery/direct with logprobs` the ratio under that load.
+
+`--bare-celery` adds a side to each round: a bare Celery worker with a warm AsyncLLM in a
 process global, the same engine args, Celery's defaults and nothing of Vigil
 (bench/bare_engine_app.py). It is what a team runs before Vigil, so `bare/direct` is what Celery
 feeding an engine reaches on these cores at all, and `celery/bare` is what Vigil's promises cost
