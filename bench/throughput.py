@@ -500,9 +500,10 @@ def _overhead_summary(o: dict) -> list[str]:
     """The summary's lines for part 2 (bench/overhead.py's figures per round): each side's
     time and worker CPU per request, median (min-max), then each side against the bare no-op
     of the same round."""
-    us, ms = o["us"], o["worker_cpu_ms"]
+    us, ms, rus = o["us"], o["worker_cpu_ms"], o["redis_cpu_us"]
     out = [f"overhead {side:16s}: {_spread(us[side], 'us/req')}; worker CPU "
-           f"{_spread(ms[side], 'ms/req')}" for side in us]
+           f"{_spread(ms[side], 'ms/req')}; Redis CPU {_spread(rus[side], 'us/req')}"
+           for side in us]
     for side in us:
         if side == "noop-bare":
             continue
