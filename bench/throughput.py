@@ -386,6 +386,13 @@ class Bench:
                 "celery+lp": lambda k, p: celery_side(k, p, "celery+lp", a.logprobs),
                 "direct+lp": lambda k, p: direct_side(k, p, "direct+lp", a.logprobs)}
         sides = w.sides
+        if w.logprobs is not None:  # each engine's first logprobs steps are slow (seconds)
+            warm = make_prompts(16, 998)
+            kw = dict(model=MODEL, max_tokens=w.max_tokens, ignore_eos=True, logprobs=w.logprobs)
+            collect([generate.delay(prompt=p, **kw) for p in warm])
+            direct.run_round(998, len(warm), w.max_tokens, w.logprobs)
+            if bare is not None:
+                bare.run_round(warm, w.max_tokens, w.logprobs)
         for k in range(w.rounds):  # each side goes first in turn
             prompts = make_prompts(w.requests, w.round_base + k)
             for side in sides[k % len(sides):] + sides[:k % len(sides)]:
