@@ -29,9 +29,12 @@ class BareCelery:
             raise RuntimeError(f"the bare worker failed its warm-up ({errors[0]}); "
                                f"see {self.log}")
 
-    def run_round(self, prompts: list[str], max_tokens: int) -> tuple[int, int, list[str]]:
-        """Submit every prompt, then wait for every result: (tokens, successes, errors)."""
-        values, errors = collect([self._generate.delay(p, max_tokens) for p in prompts])
+    def run_round(self, prompts: list[str], max_tokens: int,
+                  logprobs: int | None = None) -> tuple[int, int, list[str]]:
+        """Submit every prompt (with `logprobs` top logprobs per token if given), then wait for
+        every result: (tokens, successes, errors)."""
+        extra = () if logprobs is None else (logprobs,)
+        values, errors = collect([self._generate.delay(p, max_tokens, *extra) for p in prompts])
         return sum(v["completion_tokens"] for v in values), len(values), errors
 
     def steps(self) -> Steps:

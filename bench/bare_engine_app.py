@@ -55,7 +55,7 @@ class WarmEngine:
 
         from app.requests.models import get_registry
         from workers.engine.vllm import StepCounter
-            from workers.engine.vllm_args import engine_args
+        from workers.engine.vllm_args import engine_args
 
         spec = get_registry().get(MODEL)
         loop = asyncio.new_event_loop()
@@ -69,11 +69,18 @@ class WarmEngine:
         self.llm, self.counter = asyncio.run_coroutine_threadsafe(build(), loop).result()
         self.loop = loop
 
-    def generate(self, prompt: str, max_tokens: int) -> dict:
-        """Run one prompt to its end (the direct engine's sampling: bench/direct_engine.py)."""
+    def generate(self, prompt: str, max_tokens: int, logprobs: int | None = None) -> dict:
+        """Run one prompt to its end (the direct engine's sampling: bench/direct_engine.py),
+        with `logprobs` top logprobs per token if given, returned as a team would return
+        them: per token, [token id, logprob, decoded token] of each candidate."""
         out = asyncio.run_coroutine_threadsafe(
-            run_to_end(self.llm, prompt, max_tokens, uuid.uuid4().hex), self.loop).result()
-        return {"text": out.text, "completion_tokens": len(out.token_ids)}
+            run_to_end(self.llm, prompt, max_tokens, uuid.uuid4().hex, logprobs),
+            self.loop).result()
+        got = {"text": out.text, "completion_tokens": len(out.token_ids)}
+        if logprobs is not None:
+            got["logprobs"] = [[[tid, lp.logprob, lp.decoded_token] for tid, lp in step.items()]
+                               for step in out.logprobs or []]
+        return got
 
     def shutdown(self) -> None:
         """Stop the engine (its EngineCore process) if it was built."""
@@ -99,9 +106,10 @@ def make_app(redis_url: str | None = None) -> Celery:
     return app
 
 
-def bare_generate(prompt: str, max_tokens: int) -> dict:
-    """The prompt's completion from the warm engine: {"text", "completion_tokens"}."""
-    return ENGINE.ready().generate(prompt, max_tokens)
+def bare_generate(prompt: str, max_tokens: int, logprobs: int | None = None) -> dict:
+    """The prompt's completion from the warm engine: {"text", "completion_tokens"}, and
+    "logprobs" (per token, [token id, logprob, decoded token] of each candidate) when asked."""
+    return ENGINE.ready().generate(prompt, max_tokens, logprobs)
 
 
 def bare_steps() -> dict:

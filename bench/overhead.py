@@ -1,9 +1,10 @@
 """Part 2 of bench/throughput.py: the per-request cost of `vigil.generate` on a worker with the
-instant engine (VIGIL_ENGINE=instant: Vigil's whole path, no model) against a bare Celery no-op
-task (bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians."""
+instant engine (VIGIL_ENGINE=instant: Vigil's whole path, no model), through `.delay` (one request a
+message) and `generate_many` (VIGIL_REQUESTS_PER_MESSAGE a message), against a bare Celery no-op
+task (bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all. The
+sides take turns going first (round k starts at side k); medians and spreads (min-max) over the
+rounds, and each round's ratio of a side to the bare no-op measured in the same round."""
 from __future__ import annotations
-
-import statistics
 
 import redis
 
@@ -14,9 +15,11 @@ from bench.direct_engine import MODEL
 
 def overhead(bench) -> dict:
     """Part 2 for `bench` (bench/throughput.py's Bench: its args, Redis, CPU meter, process
-    list): each side's median microseconds per request and worker CPU milliseconds per request,
-    {"median_us": {side: us}, "median_worker_cpu_ms": {side: ms}}; the workers it started are
-    stopped before it returns."""
+    list): each side's microseconds per request and worker CPU milliseconds per request, one
+    figure per round, {"us": {side: [us, ...]}, "worker_cpu_ms": {side: [ms, ...]},
+    "redis_cpu_us": {side: [us, ...]}} (round k's figures at index k; Redis' CPU includes the
+    idle polling of every worker over the segment); the workers it started are stopped before
+    it returns."""
     from bench.noop_app import PROFILES, make_app
     from tasks.inference import generate, generate_many
 
@@ -58,9 +61,12 @@ def overhead(bench) -> dict:
                 **{f"noop-{p}": v[0].pid for p, v in noops.items()}}
         times: dict[str, list[float]] = {s: [] for s in sides}
         cpu_ms: dict[str, list[float]] = {s: [] for s in sides}
+        redis_us: dict[str, list[float]] = {s: [] for s in sides}
         bench.cpu.add("redis", bench.redis.proc.pid)
-        for k in range(a.overhead_rounds):
-            for side, submit in sides.items():
+        names = list(sides)
+        for k in range(a.overhead_rounds):  # each side goes first in turn
+            for side in names[k % len(names):] + names[:k % len(names)]:
+                submit = sides[side]
                 bench.cpu.add("worker", pids[side])
 
                 def go(side=side, submit=submit):
@@ -72,13 +78,13 @@ def overhead(bench) -> dict:
                 wcpu = sum(v for key, v in cpu.items() if key.startswith("worker")) * wall / 100
                 times[side].append(per_us)
                 cpu_ms[side].append(1e3 * wcpu / n)
+                redis_us[side].append(1e6 * cpu.get("redis", 0.0) * wall / 100 / n)
                 bench.say(f"overhead round {k + 1} {side:16s}: {n} req in {wall:6.2f} s = "
                          f"{n / wall:7.1f} req/s, {per_us:7.0f} us/req, worker CPU "
-                         f"{1e3 * wcpu / n:.2f} ms/req{_errors_note(errors)} | cpu% "
+                         f"{1e3 * wcpu / n:.2f} ms/req, Redis CPU {redis_us[side][-1]:.0f} us/req"
+                         f"{_errors_note(errors)} | cpu% "
                          f"{_fmt_cpu(cpu)}")
-        med = {s: statistics.median(v) for s, v in times.items()}
-        med_cpu = {s: statistics.median(v) for s, v in cpu_ms.items()}
-        return {"median_us": med, "median_worker_cpu_ms": med_cpu}
+        return {"us": times, "worker_cpu_ms": cpu_ms, "redis_cpu_us": redis_us}
     finally:
         bench.emb.stop_process(inst)
         for proc, _ in noops.values():

@@ -1,4 +1,6 @@
-"""Redis work per request: `vigil.generate` against a bare Celery no-op, counted on both ends.
+"""Redis work per request: `vigil.generate` (one request a message, `.delay`) and
+`generate_many` (VIGIL_REQUESTS_PER_MESSAGE a message) against a bare Celery no-op, counted on
+both ends.
 
     python -m bench.redis_ops [--requests 1000]
 
@@ -7,8 +9,8 @@ instant: Vigil's whole path, no model) and a bare Celery no-op worker (bench/noo
 profile `bare`), both threads pools of 64, each run under bench/redis_counter.py, which counts the
 round trips and commands each process sends (redis-py's connection, which kombu and Celery's
 result backend use). The producer is this process, counted the same way. For each side, after a
-warm-up, N requests are submitted and their results read (`delay` then `get`), and the table
-gives, per request:
+warm-up, N requests are submitted and their results read (`delay`, or `generate_many` in slices
+of 512, then `get`), and the table gives, per request:
 
 - producer and worker round trips and commands sent (client side);
 - commands Redis executed (its own `INFO commandstats`: commands inside Lua scripts included,
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     from app.local import embedded
     from bench.cpu_meter import collect
     from bench.noop_app import make_app
-    from tasks.inference import generate
+    from tasks.inference import generate, generate_many
 
     rds = EmbeddedRedis(port=port).start()
     procs = []
@@ -83,25 +85,36 @@ def main(argv=None) -> int:
              "ops-noop@%h"], env("noop", BENCH_NOOP_PROFILE="bare"), tmp / "noop.log")
         procs += [vigil, noop]
         noop_task = make_app("bare", rds.url).tasks["bench.noop"]
-        sides = {"vigil": lambda i: generate.delay(model="tiny-llama", prompt=f"hello {i}",
-                                                   max_tokens=1),
-                 "noop": lambda i: noop_task.delay(i)}
+        def many(count: int) -> list:
+            out = []
+            for start in range(0, count, 512):
+                out += generate_many([{"model": "tiny-llama", "prompt": f"hello {i}",
+                                       "max_tokens": 1}
+                                      for i in range(start, min(count, start + 512))])
+            return out
+
+        one = {"vigil": lambda i: generate.delay(model="tiny-llama", prompt=f"hello {i}",
+                                                 max_tokens=1),
+               "noop": lambda i: noop_task.delay(i)}
+        sides = {"vigil": lambda n: [one["vigil"](i) for i in range(n)], "vigil-many": many,
+                 "noop": lambda n: [one["noop"](i) for i in range(n)]}
+        worker_of = {"vigil": "vigil", "vigil-many": "vigil", "noop": "noop"}
         redis_counter.install()
         for submit in sides.values():  # warm-up: the workers are up, connections open
-            values, errors = collect([submit(i) for i in range(100)])
+            values, errors = collect(submit(100))
             assert not errors, errors[:3]
         client = redis.Redis.from_url(rds.url)
         rows: dict[str, dict] = {}
         for side, submit in sides.items():
-            w0 = redis_counter.ask(counts[side])
+            w0 = redis_counter.ask(counts[worker_of[side]])
             p0 = redis_counter.counts()
             s0 = server_stats(client)
             t0 = time.perf_counter()
-            values, errors = collect([submit(i) for i in range(a.requests)])
+            values, errors = collect(submit(a.requests))
             wall = time.perf_counter() - t0
             s1 = server_stats(client)
             p1 = redis_counter.counts()
-            w1 = redis_counter.ask(counts[side])
+            w1 = redis_counter.ask(counts[worker_of[side]])
             assert not errors and len(values) == a.requests, errors[:3]
             n = a.requests
             srv = delta(s0, s1)
@@ -124,17 +137,22 @@ def main(argv=None) -> int:
         rds.stop()
     print(f"per request, {a.requests} requests per side (delay + get), workers of "
           f"{a.concurrency} threads:")
-    print(f"{'':34s}{'vigil.generate':>16s}{'bare no-op':>14s}")
+    print(f"{'':34s}{'vigil.generate':>16s}{'generate_many':>15s}{'bare no-op':>14s}")
     labels = [("producer round trips", "producer_rtt"), ("producer commands sent", "producer_cmds"),
               ("worker round trips", "worker_rtt"), ("worker commands sent", "worker_cmds"),
               ("Redis commands run (Lua inside)", "server_cmds"), ("bytes into Redis", "net_in"),
               ("bytes out of Redis", "net_out")]
     for label, key in labels:
-        print(f"{label:34s}{rows['vigil'][key]:>16.1f}{rows['noop'][key]:>14.1f}")
+        print(f"{label:34s}{rows['vigil'][key]:>16.1f}{rows['vigil-many'][key]:>15.1f}"
+              f"{rows['noop'][key]:>14.1f}")
     print("Redis commands run per vigil.generate request, most first:")
     print("  " + ", ".join(f"{k} {v:.2f}" for v, k in rows["vigil"]["top"]))
+    print("per generate_many request:")
+    print("  " + ", ".join(f"{k} {v:.2f}" for v, k in rows["vigil-many"]["top"]))
     print("per bare no-op request:")
     print("  " + ", ".join(f"{k} {v:.2f}" for v, k in rows["noop"]["top"]))
+    print(f"generate_many/no-op {rows['vigil-many']['server_cmds'] / rows['noop']['server_cmds']:.2f}"
+          " (Redis commands run per request)")
     print(f"ratio {rows['vigil']['server_cmds'] / rows['noop']['server_cmds']:.2f}")
     return 0
 

@@ -1,16 +1,18 @@
 """Throughput of Vigil (Celery + Redis + one warm AsyncLLM) against vLLM's AsyncLLM fed directly.
 
-    python -m bench.throughput                 # full run: overhead, 5 + 5 rounds, LoRA cost
-    python -m bench.throughput --requests 128 --rounds 1 --skip-overhead   # quick look
+    python -m bench.throughput                 # full run: overhead, main 5 rounds, short 3, LoRA
+    python -m bench.throughput --requests 128 --rounds 1 --skip-overhead --workloads main
+    python -m bench.throughput --many --bare-celery --skip-overhead --lora-rounds 0
+    python -m bench.throughput --workloads short --bare-celery --skip-overhead   # eval scoring
     python -m bench.throughput --stream-cost   # token streams on vs off (bench/stream_cost.py)
     python -m bench.throughput --logprobs 5    # also both sides with 5 top logprobs per token
 
 Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
 
 Part 2 (printed first, it runs first): per-request cost of `vigil.generate` on a worker with the
-instant engine (VIGIL_ENGINE=instant: no model) against a bare Celery no-op task
-(bench/noop_app.py) and a no-op with Vigil's Celery settings; submit-all + get-all, medians
-(bench/overhead.py).
+instant engine (VIGIL_ENGINE=instant: no model), through `.delay` and through `generate_many`,
+against a bare Celery no-op task (bench/noop_app.py) and a no-op with Vigil's Celery settings;
+submit-all + get-all, the sides going first in turn, medians and spreads (bench/overhead.py).
 
 Part 1 (the main figure): `--requests` prompts of ~10 words, `--max-tokens` tokens each
 (ignore_eos, so every request is the same length), through `generate.delay` and one
@@ -20,14 +22,25 @@ workers/engine/vllm_args.py, `engine_args`, LoRA lanes and KV cache size include
 turns going first; the engines stay warm and an idle one costs nothing. Each round is
 timed from the first submit to the last result. The summary gives each side's median and
 spread, then the LoRA lanes' own cost (the direct engine with vs without them, alternating).
-The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s.
+The last line printed is `ratio R`: the median over rounds of celery req/s / direct req/s (the
+main workload's; the short one's when it runs alone).
 
-`--logprobs K` adds two sides to each round, the same requests with K top logprobs per token
-through Celery and directly: `with/without` is what logprobs cost each side (vLLM computing and
-the front end converting them; Vigil also turning them into JSON entries, storing and returning
-them), `celery/direct with logprobs` the ratio under that load.
+`--many` adds a side to the main workload: the same requests through `generate_many`
+(VIGIL_REQUESTS_PER_MESSAGE requests per Celery message, one call per round: all of them reach
+the worker's engine at once, as on the direct side), with `many/direct` (and `many/bare`).
 
-`--bare-celery` adds a third side to each round: a bare Celery worker with a warm AsyncLLM in a
+The short workload (`--workloads`, by default after the main one, on the same warm engines):
+`--short-requests` (4,096) prompts x `--short-max-tokens` (1) with `--short-logprobs` (5) top
+logprobs per token, asked by every side alike: `.delay`, direct, `generate_many` and, with
+`--bare-celery`, bare Celery. Eval scoring: one engine step per request, so what feeds the engine
+sets the pace.
+
+`--logprobs K` adds two sides to each round of the main workload, the same requests with K top
+logprobs per token through Celery and directly: `with/without` is what logprobs cost each side
+(vLLM computing and the front end converting them; Vigil also turning them into JSON entries,
+storing and returning them), `celery/direct with logprobs` the ratio under that load.
+
+`--bare-celery` adds a side to each round: a bare Celery worker with a warm AsyncLLM in a
 process global, the same engine args, Celery's defaults and nothing of Vigil
 (bench/bare_engine_app.py). It is what a team runs before Vigil, so `bare/direct` is what Celery
 feeding an engine reaches on these cores at all, and `celery/bare` is what Vigil's promises cost
@@ -46,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -55,6 +69,25 @@ from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, re
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
 from bench.overhead import overhead
 from bench.step_meter import Steps, scrape_steps
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload of part 1: `requests` prompts x `max_tokens` tokens (ignore_eos), every
+    side asking `logprobs` top logprobs per token (None: none), `rounds` rounds with the sides
+    going first in turn, prompts seeded from `round_base` + the round."""
+
+    name: str
+    requests: int
+    max_tokens: int
+    logprobs: int | None
+    rounds: int
+    round_base: int
+    sides: list[str]
+
+    def describe(self) -> str:
+        lp = "" if self.logprobs is None else f", logprobs={self.logprobs}"
+        return f"{self.name}: {self.requests} req x {self.max_tokens} tokens{lp}"
 
 
 # -- the orchestrator -------------------------------------------------------------------------
@@ -88,21 +121,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
                         "instead of app.local.embedded's one session per process")
     p.add_argument("--many", action="store_true",
-                   help="one more side (part 1): the same requests through generate_many "
-                        "(many requests per Celery message: app/requests/submit_many.py)")
+                   help="one more side in the main workload: the same requests through "
+                        "generate_many (VIGIL_REQUESTS_PER_MESSAGE requests per Celery message: "
+                        "app/requests/submit_many.py); the short workload always has it")
+    p.add_argument("--workloads", default="main,short",
+                   help="comma-separated, in order: main (--requests x --max-tokens) and short "
+                        "(--short-requests x --short-max-tokens, --short-logprobs on every side)")
+    p.add_argument("--short-requests", type=int, default=4096, help="requests per round (short)")
+    p.add_argument("--short-max-tokens", type=int, default=1, help="tokens per request (short)")
+    p.add_argument("--short-logprobs", type=int, default=5, metavar="K",
+                   help="top logprobs per token on every side of the short workload "
+                        "(-1: none)")
+    p.add_argument("--short-rounds", type=int, default=3, help="rounds per side (short)")
     p.add_argument("--bare-celery", action="store_true",
                    help="a third side: a bare Celery worker with a warm vLLM engine in a process "
                         "global (bench/bare_engine_app.py), what Celery alone reaches here")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of quiet before each measured segment")
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
-    p.add_argument("--skip-throughput", action="store_true", help="skip part 1")
+    p.add_argument("--skip-throughput", action="store_true", help="skip part 1 (every workload)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
     p.add_argument("--stream-cost", action="store_true",
                    help="instead: the Celery side with token streams on vs off "
                         "(bench/stream_cost.py, with --requests, --rounds, --max-tokens)")
     p.add_argument("--direct-server", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.short_logprobs is not None and args.short_logprobs < 0:
+        args.short_logprobs = None
+    return args
 
 
 class Bench:
@@ -196,10 +242,30 @@ class Bench:
             cpu["steal"] = 100.0 * (sys1.steal - sys0.steal) / wall
         return wall, out, cpu
 
-    # -- part 1 -----------------------------------------------------------------------------
-    def throughput(self) -> dict:
-        from tasks.inference import generate, generate_many
+    # -- part 1 and the short workload -----------------------------------------------------
+    def workloads(self) -> list[Workload]:
+        """What this run measures, in order (`--workloads`): the main workload (`--requests` x
+        `--max-tokens`) and the short one (`--short-requests` x `--short-max-tokens` with
+        `--short-logprobs` top logprobs on every side)."""
+        a = self.args
+        out = []
+        for name in a.workloads.split(","):
+            if name == "main":
+                sides = ["celery", "direct"] + (["many"] if a.many else []) + (
+                    ["bare"] if a.bare_celery else []) + (
+                    ["celery+lp", "direct+lp"] if a.logprobs is not None else [])
+                out.append(Workload("main", a.requests, a.max_tokens, None, a.rounds, 0, sides))
+            elif name == "short":
+                sides = ["celery", "direct", "many"] + (["bare"] if a.bare_celery else [])
+                out.append(Workload("short", a.short_requests, a.short_max_tokens,
+                                    a.short_logprobs, a.short_rounds, 100, sides))
+            else:
+                raise SystemExit(f"--workloads: unknown workload {name!r} (main, short)")
+        return out
 
+    def throughput(self) -> dict[str, dict]:
+        """Every workload of `workloads()` on one set of warm engines (the Vigil worker, the
+        direct engine and, with `--bare-celery`, the bare worker): {workload name: figures}."""
         a = self.args
         metrics_port = _free_port()
         worker, wlog = self.start_worker("bench-cpu", VIGIL_METRICS_PORT=str(metrics_port),
@@ -214,6 +280,7 @@ class Bench:
             bare = BareCelery(self.emb, self.redis.url, self.tmp / "bare.log", a.concurrency)
             self.procs.append(bare.proc)
         r = redis.Redis.from_url(self.redis.url)
+        out: dict[str, dict] = {}
         try:
             t0 = time.monotonic()
             info = direct.wait_ready()
@@ -229,70 +296,26 @@ class Bench:
             self.say(f"engine args, both sides (workers/engine/vllm_args.py engine_args): "
                      f"{info['args']}; the worker's KV cache: {_worker_kv(wlog)}")
             # warm-up: one small round each (first steps, connections, thread start-up)
-            warm = make_prompts(min(a.requests, 128), 999)
+            from tasks.inference import generate
+
+            warm = make_prompts(128, 999)
             collect([generate.delay(model=MODEL, prompt=p, max_tokens=8, ignore_eos=True)
                      for p in warm])
             direct.run_round(999, len(warm), 8)
-            sides = ["celery", "direct"] + (["many"] if a.many else []) + (
-                ["bare"] if bare else []) + (
-                ["celery+lp", "direct+lp"] if a.logprobs is not None else [])
+            if any("many" in w.sides for w in self.workloads()):
+                from tasks.inference import generate_many
+
+                collect(generate_many([dict(model=MODEL, prompt=p, max_tokens=8,
+                                            ignore_eos=True) for p in warm]))
             if bare:
                 bare.warm(warm, 8)
                 self.cpu.add("bare", bare.proc.pid)
             self.cpu.add("redis", self.redis.proc.pid)
             self.cpu.add("worker", worker.pid)
             self.cpu.add("direct", direct.proc.pid)
-            rates: dict[str, list[float]] = {side: [] for side in sides}
-            steps: dict[str, list[Steps]] = {side: [] for side in sides}
-
-            def celery_side(k: int, prompts: list[str], side: str = "celery",
-                            logprobs: int | None = None, many: bool = False) -> None:
-                submit_s = []
-                extra = {} if logprobs is None else {"logprobs": logprobs}
-
-                def celery_round():
-                    t0 = time.perf_counter()
-                    items = [dict(model=MODEL, prompt=p, max_tokens=a.max_tokens,
-                                  ignore_eos=True, **extra) for p in prompts]
-                    rs = generate_many(items) if many else self.submit_all(generate, items)
-                    submit_s.append(time.perf_counter() - t0)
-                    values, errors = collect(rs)
-                    return sum(v["completion_tokens"] for v in values), len(values), errors
-
-                before = scrape_steps(metrics_port)
-                wall, (tokens, ok, errors), cpu = self.measure(celery_round)
-                st = scrape_steps(metrics_port).over(before, wall)
-                steps[side].append(st)
-                self._report(k, side, wall, tokens, cpu, rates,
-                             f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)} | "
-                             f"{st.describe()}", ok)
-
-            def direct_side(k: int, prompts: list[str], side: str = "direct",
-                            logprobs: int | None = None) -> None:
-                _, reply, cpu = self.measure(lambda: direct.run_round(k, a.requests,
-                                                                       a.max_tokens, logprobs))
-                st = Steps(reply["steps"], reply["step_outputs"], reply["elapsed"])
-                steps[side].append(st)
-                self._report(k, side, reply["elapsed"], reply["tokens"], cpu, rates,
-                             f" | {st.describe()}")
-
-            def bare_side(k: int, prompts: list[str]) -> None:
-                before = bare.steps()
-                wall, (tokens, ok, errors), cpu = self.measure(
-                    lambda: bare.run_round(prompts, a.max_tokens))
-                st = bare.steps().over(before, wall)
-                steps["bare"].append(st)
-                self._report(k, "bare", wall, tokens, cpu, rates,
-                             f"{_errors_note(errors)} | {st.describe()}", ok)
-
-            runs = {"celery": celery_side, "direct": direct_side, "bare": bare_side,
-                    "many": lambda k, p: celery_side(k, p, "many", a.logprobs, many=True),
-                    "celery+lp": lambda k, p: celery_side(k, p, "celery+lp", a.logprobs),
-                    "direct+lp": lambda k, p: direct_side(k, p, "direct+lp", a.logprobs)}
-            for k in range(a.rounds):  # each side goes first in turn
-                prompts = make_prompts(a.requests, k)
-                for side in sides[k % len(sides):] + sides[:k % len(sides)]:
-                    runs[side](k, prompts)
+            for w in self.workloads():
+                self.say(f"-- workload {w.describe()}: sides {', '.join(w.sides)} --")
+                out[w.name] = self._workload(w, metrics_port, direct, bare)
             for label in ("worker", "direct", "bare"):
                 self.cpu.remove(label)
             h = {k.decode(): v.decode() for k, v in r.hgetall(wkey).items()}
@@ -303,26 +326,97 @@ class Bench:
             self.emb.stop_process(worker)
             if bare:
                 self.emb.stop_process(bare.proc)
-        out = {"rates": rates, "ratios": [c / d for c, d in zip(rates["celery"],
-                                                                 rates["direct"])],
+        if a.lora_rounds and "main" in out:
+            out["main"]["lora"] = self.lora_cost()
+        return out
+
+    def _workload(self, w: "Workload", metrics_port: int, direct, bare) -> dict:
+        """`w`'s rounds, each side going first in turn; per side its req/s per round, and the
+        ratios of each round's pair of sides."""
+        from tasks.inference import generate, generate_many
+
+        a = self.args
+        rates: dict[str, list[float]] = {side: [] for side in w.sides}
+        steps: dict[str, list[Steps]] = {side: [] for side in w.sides}
+
+        def celery_side(k: int, prompts: list[str], side: str, logprobs: int | None,
+                        many: bool = False) -> None:
+            submit_s = []
+            extra = {} if logprobs is None else {"logprobs": logprobs}
+
+            def celery_round():
+                t0 = time.perf_counter()
+                items = [dict(model=MODEL, prompt=p, max_tokens=w.max_tokens,
+                              ignore_eos=True, **extra) for p in prompts]
+                rs = generate_many(items) if many else self.submit_all(generate, items)
+                submit_s.append(time.perf_counter() - t0)
+                values, errors = collect(rs)
+                return sum(v["completion_tokens"] for v in values), len(values), errors
+
+            before = scrape_steps(metrics_port)
+            wall, (tokens, ok, errors), cpu = self.measure(celery_round)
+            st = scrape_steps(metrics_port).over(before, wall)
+            steps[side].append(st)
+            self._report(w, k, side, wall, tokens, cpu, rates,
+                         f" [submit {submit_s[0]:.2f} s]{_errors_note(errors)} | "
+                         f"{st.describe()}", ok)
+
+        def direct_side(k: int, prompts: list[str], side: str, logprobs: int | None) -> None:
+            _, reply, cpu = self.measure(lambda: direct.run_round(w.round_base + k, w.requests,
+                                                                   w.max_tokens, logprobs))
+            st = Steps(reply["steps"], reply["step_outputs"], reply["elapsed"])
+            steps[side].append(st)
+            self._report(w, k, side, reply["elapsed"], reply["tokens"], cpu, rates,
+                         f" | {st.describe()}")
+
+        def bare_side(k: int, prompts: list[str], logprobs: int | None) -> None:
+            before = bare.steps()
+            wall, (tokens, ok, errors), cpu = self.measure(
+                lambda: bare.run_round(prompts, w.max_tokens, logprobs))
+            st = bare.steps().over(before, wall)
+            steps["bare"].append(st)
+            self._report(w, k, "bare", wall, tokens, cpu, rates,
+                         f"{_errors_note(errors)} | {st.describe()}", ok)
+
+        lp = w.logprobs  # what every side of the workload asks; the +lp sides add a.logprobs
+        runs = {"celery": lambda k, p: celery_side(k, p, "celery", lp),
+                "direct": lambda k, p: direct_side(k, p, "direct", lp),
+                "bare": lambda k, p: bare_side(k, p, lp),
+                "many": lambda k, p: celery_side(k, p, "many", lp, many=True),
+                "celery+lp": lambda k, p: celery_side(k, p, "celery+lp", a.logprobs),
+                "direct+lp": lambda k, p: direct_side(k, p, "direct+lp", a.logprobs)}
+        sides = w.sides
+        if w.logprobs is not None:  # each engine's first logprobs steps are slow (seconds)
+            warm = make_prompts(16, 998)
+            kw = dict(model=MODEL, max_tokens=w.max_tokens, ignore_eos=True, logprobs=w.logprobs)
+            collect([generate.delay(prompt=p, **kw) for p in warm])
+            direct.run_round(998, len(warm), w.max_tokens, w.logprobs)
+            if bare is not None:
+                bare.run_round(warm, w.max_tokens, w.logprobs)
+        for k in range(w.rounds):  # each side goes first in turn
+            prompts = make_prompts(w.requests, w.round_base + k)
+            for side in sides[k % len(sides):] + sides[:k % len(sides)]:
+                runs[side](k, prompts)
+
+        def per_round(x: str, y: str) -> list[float]:
+            return [p / q for p, q in zip(rates[x], rates[y])]
+
+        out = {"rates": rates, "ratios": per_round("celery", "direct"),
                "step_ratios": [c.per_s / d.per_s for c, d in zip(steps["celery"],
                                                                   steps["direct"])],
                "batch_ratios": [c.batch / d.batch for c, d in zip(steps["celery"],
                                                                   steps["direct"])]}
-        if a.logprobs is not None:
+        if "celery+lp" in rates:
             for side in ("celery", "direct"):
-                out[f"{side}_lp_cost"] = [w / wo for w, wo in zip(rates[f"{side}+lp"],
-                                                                   rates[side])]
-            out["lp_ratios"] = [c / d for c, d in zip(rates["celery+lp"], rates["direct+lp"])]
-        if a.many:
-            out["many_ratios"] = [m / d for m, d in zip(rates["many"], rates["direct"])]
-        if bare:
-            out["bare_ratios"] = [b / d for b, d in zip(rates["bare"], rates["direct"])]
-            if a.many:
-                out["many_bare_ratios"] = [m / b for m, b in zip(rates["many"], rates["bare"])]
-            out["celery_bare_ratios"] = [c / b for c, b in zip(rates["celery"], rates["bare"])]
-        if a.lora_rounds:
-            out["lora"] = self.lora_cost()
+                out[f"{side}_lp_cost"] = per_round(f"{side}+lp", side)
+            out["lp_ratios"] = per_round("celery+lp", "direct+lp")
+        if "many" in rates:
+            out["many_ratios"] = per_round("many", "direct")
+        if "bare" in rates:
+            out["bare_ratios"] = per_round("bare", "direct")
+            if "many" in rates:
+                out["many_bare_ratios"] = per_round("many", "bare")
+            out["celery_bare_ratios"] = per_round("celery", "bare")
         return out
 
     def lora_cost(self) -> dict[str, list[float]]:
@@ -346,19 +440,20 @@ class Bench:
                 for name in names:
                     _, reply, cpu = self.measure(
                         lambda e=engines[name]: e.run_round(k, a.requests, a.max_tokens))
-                    self._report(k, name, reply["elapsed"], reply["tokens"], cpu, rates)
+                    self._report(Workload("lora", a.requests, a.max_tokens, None, 0, 0, []),
+                                 k, name, reply["elapsed"], reply["tokens"], cpu, rates)
         finally:
             for e in engines.values():
                 e.close(self.emb.stop_process)
         return rates
 
-    def _report(self, k, side, wall, tokens, cpu, rates, extra: str = "", ok=None) -> None:
-        a = self.args
-        rate = (a.requests if ok is None else ok) / wall  # failed requests do not count
+    def _report(self, w: "Workload", k, side, wall, tokens, cpu, rates, extra: str = "",
+                ok=None) -> None:
+        rate = (w.requests if ok is None else ok) / wall  # failed requests do not count
         rates[side].append(rate)
-        note = "" if tokens == a.requests * a.max_tokens or ok is not None and ok < a.requests \
-            else f" (!) {tokens} tokens, expected {a.requests * a.max_tokens}"
-        self.say(f"round {k + 1} {side:13s}: {a.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
+        note = "" if tokens == w.requests * w.max_tokens or ok is not None and ok < w.requests \
+            else f" (!) {tokens} tokens, expected {w.requests * w.max_tokens}"
+        self.say(f"round {k + 1} {side:13s}: {w.requests} req in {wall:6.2f} s = {rate:6.1f} req/s "
                  f"({tokens / wall:7.0f} tok/s){note}{extra} | cpu% {_fmt_cpu(cpu)}")
 
     # -- the whole run ----------------------------------------------------------------------
@@ -378,50 +473,14 @@ class Bench:
             self.say(f"vigil bench {time.strftime('%Y-%m-%d %H:%M')}: {os.cpu_count()} CPUs, "
                      f"logs in {self.tmp}")
             if not a.skip_overhead:
-                o = overhead(self)
-                med, mcpu = o["median_us"], o["median_worker_cpu_ms"]
-                for side in med:
-                    summary.append(f"overhead median {side:16s}: {med[side]:7.0f} us/req, "
-                                   f"worker CPU {mcpu[side]:.2f} ms/req")
-                summary.append(f"overhead ratio vigil/noop-bare {med['vigil'] / med['noop-bare']:.2f}"
-                               f" (vigil/noop-vigil-conf {med['vigil'] / med['noop-vigil-conf']:.2f};"
-                               f" worker CPU per request vigil/noop-bare "
-                               f"{mcpu['vigil'] / mcpu['noop-bare']:.2f}, vigil-many/noop-bare "
-                               f"{mcpu['vigil-many'] / mcpu['noop-bare']:.2f})")
+                summary += _overhead_summary(overhead(self))
             ratio = None
             if not a.skip_throughput:
                 t = self.throughput()
-                summary.append(f"throughput {a.requests} req x {a.max_tokens} tokens, "
-                               f"{a.rounds} rounds each, each side going first in turn:")
-                for side, values in t["rates"].items():
-                    summary.append(f"  {side:6s} {_spread(values, 'req/s')}")
-                summary.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
-                summary.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
-                summary.append(f"  x batch (outputs per step) celery/direct "
-                               f"{_spread(t['batch_ratios'], '')}")
-                if "lp_ratios" in t:
-                    summary.append(f"logprobs={a.logprobs} (the same rounds): with/without "
-                                   f"celery {_spread(t['celery_lp_cost'], '')}")
-                    summary.append(f"  with/without direct {_spread(t['direct_lp_cost'], '')}")
-                    summary.append(f"  ratio celery/direct with logprobs "
-                                   f"{_spread(t['lp_ratios'], '')}")
-                if "many_ratios" in t:
-                    summary.append(f"  ratio many/direct per round {_spread(t['many_ratios'], '')}")
-                if "many_bare_ratios" in t:
-                    summary.append(f"  ratio many/bare per round "
-                                   f"{_spread(t['many_bare_ratios'], '')}")
-                if "bare_ratios" in t:
-                    summary.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
-                    summary.append(f"  ratio celery/bare per round "
-                                   f"{_spread(t['celery_bare_ratios'], '')}")
-                if "lora" in t:
-                    lr = t["lora"]
-                    summary.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")
-                    for side, values in lr.items():
-                        summary.append(f"  {side:13s} {_spread(values, 'req/s')}")
-                    summary.append(f"  with/without LoRA: "
-                                   f"{statistics.median(lr['direct+lora']) / statistics.median(lr['direct-nolora']):.2f}")
-                ratio = statistics.median(t["ratios"])
+                for w in self.workloads():
+                    summary += _summary(w, t[w.name], a)
+                first = t.get("main") or next(iter(t.values()))
+                ratio = statistics.median(first["ratios"])
             self.say("-- summary --")
             for line in summary:
                 self.say(line)
@@ -442,6 +501,53 @@ def stop_all(emb, procs: list, redis, tmp: Path, keep_logs: bool) -> None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _overhead_summary(o: dict) -> list[str]:
+    """The summary's lines for part 2 (bench/overhead.py's figures per round): each side's
+    time and worker CPU per request, median (min-max), then each side against the bare no-op
+    of the same round."""
+    us, ms, rus = o["us"], o["worker_cpu_ms"], o["redis_cpu_us"]
+    out = [f"overhead {side:16s}: {_spread(us[side], 'us/req')}; worker CPU "
+           f"{_spread(ms[side], 'ms/req')}; Redis CPU {_spread(rus[side], 'us/req')}"
+           for side in us]
+    for side in us:
+        if side == "noop-bare":
+            continue
+        t = [x / b for x, b in zip(us[side], us["noop-bare"])]
+        c = [x / b for x, b in zip(ms[side], ms["noop-bare"])]
+        out.append(f"overhead ratio {side}/noop-bare per round: time {_spread(t, '')}; "
+                   f"worker CPU {_spread(c, '')}")
+    return out
+
+
+def _summary(w: Workload, t: dict, a: argparse.Namespace) -> list[str]:
+    """The summary's lines for one workload's figures `t` (Bench._workload)."""
+    out = [f"throughput {w.describe()}, {w.rounds} rounds each, each side going first in turn:"]
+    for side, values in t["rates"].items():
+        out.append(f"  {side:9s} {_spread(values, 'req/s')}")
+    out.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
+    out.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
+    out.append(f"  x batch (outputs per step) celery/direct {_spread(t['batch_ratios'], '')}")
+    if "lp_ratios" in t:
+        out.append(f"  logprobs={a.logprobs} (the same rounds): with/without celery "
+                   f"{_spread(t['celery_lp_cost'], '')}")
+        out.append(f"  with/without direct {_spread(t['direct_lp_cost'], '')}")
+        out.append(f"  ratio celery/direct with logprobs {_spread(t['lp_ratios'], '')}")
+    if "many_ratios" in t:
+        out.append(f"  ratio many/direct per round {_spread(t['many_ratios'], '')}")
+    if "many_bare_ratios" in t:
+        out.append(f"  ratio many/bare per round {_spread(t['many_bare_ratios'], '')}")
+    if "bare_ratios" in t:
+        out.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
+        out.append(f"  ratio celery/bare per round {_spread(t['celery_bare_ratios'], '')}")
+    if "lora" in t:
+        lr = t["lora"]
+        out.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")
+        for side, values in lr.items():
+            out.append(f"  {side:13s} {_spread(values, 'req/s')}")
+        out.append(f"  with/without LoRA: {statistics.median(lr['direct+lora']) / statistics.median(lr['direct-nolora']):.2f}")
+    return out
 
 
 def _spread(values: list[float], unit: str) -> str:

@@ -105,13 +105,29 @@ class VigilTask(Task):
                        dispatch=retries, send=self._send, **options)
 
     def apply_async(self, args=None, kwargs=None, task_id=None, **options):
-        """Submit a request: validated, recorded, published (app/requests/submit.py)."""
+        """Submit a request: validated, recorded, published (app/requests/submit.py). Celery's
+        canvas works as far as it sends plain messages (`group`, a one-task `chain`); a chain
+        of several, a chord or a link (callbacks) is refused here with RequestError
+        (invalid_request), nothing recorded: a worker drops a message carrying them
+        (workers/consumer.py), and the next request could not take this one's result anyway
+        (keyword arguments only)."""
         if args:
             raise RequestError.of(INVALID_REQUEST, "pass the request as keyword arguments, "
                                   "e.g. generate.delay(model=..., prompt=...)")
+        carried = [name for name in CANVAS_CALLBACKS if options.get(name)]
+        if carried:
+            raise RequestError.of(INVALID_REQUEST, (
+                f"Vigil runs no Celery callbacks ({', '.join(carried)}): chain requests in your "
+                "own code (wait for r.get(), then submit the next), or submit them together "
+                "with group() or generate_many()"))
         return submit_request(kwargs or {}, task_id, settings=get_settings(),
                               registry=get_registry(), store=self.store,
                               ports=ports_of(self.app), send=self._send, **options)
+
+
+# Celery's options that make a message carry other tasks to run after it (its embed's
+# callbacks, errbacks, chain and chord: what the worker's message guard drops).
+CANVAS_CALLBACKS = ("link", "link_error", "chain", "chord")
 
 
 class RetrySignature(Signature):

@@ -14,7 +14,7 @@ from celery.exceptions import Ignore, Reject
 
 from app import app
 from app.celery_ports import ports_of
-from app.fleet.outcomes import result_key_for
+from app.fleet.outcomes import result_key_for, result_keys_for
 from app.requests.models import get_registry
 from app.requests.submit import with_delivery_priority
 from app.requests.submit_many import submit_many
@@ -88,7 +88,7 @@ def generate_many_task(self, requests=None) -> dict:
         raise Ignore()
     rt = get_runtime(self.request.hostname or "", ports)
     try:
-        return serve_many(rt, requests, lambda rid: result_key_for(self.backend, rid))
+        return serve_many(rt, requests, result_keys_for(self.backend))
     except GiveBack:  # stopping: the whole message back on its queue, untouched
         raise Reject(requeue=True)
 

@@ -1,6 +1,7 @@
 """Worker tier: many requests in few messages (`generate_many`) on the shared warm worker (the
 real vLLM CPU engine): every request gets its own result through `AsyncResult(id).get()`, also
-from another process, its engine ran each exactly once (the witness); and a worker SIGKILLed
+from another process, its engine ran each exactly once (the witness); a Celery `group` of
+single requests runs each as its own request; and a worker SIGKILLed
 in the middle of its many-request messages loses none of them: the reaper hands each request
 on alone, and each ends once, on the survivor."""
 from __future__ import annotations
@@ -47,6 +48,25 @@ def test_sixty_four_requests_in_two_messages_each_end_once_with_its_own_result(
                          text=True, env=vigil_env(redis_server.url), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == outs[17]
+
+
+def test_a_celery_group_of_generate_signatures_runs_each_as_a_request_of_its_own(warm_worker):
+    """Celery's canvas as far as Vigil runs it (docs/api.md, "Many requests at once"): a
+    `group` of `generate` signatures is six plain requests, each with its own record and
+    result, read back in order through the group's result; the engines ran each once."""
+    from celery import group
+
+    from tasks.inference import generate
+
+    sigs = [generate.s(model="tiny-llama", prompt=f"group member {i}", max_tokens=3,
+                       ignore_eos=True, temperature=0.0) for i in range(6)]
+    grouped = group(sigs).apply_async()
+    outs = grouped.get(timeout=240)
+    ids = [r.id for r in grouped.results]
+    assert [o["request_id"] for o in outs] == ids and len(set(ids)) == 6
+    assert all(o["completion_tokens"] == 3 and o["worker"] == warm_worker.name for o in outs)
+    assert {shared_store().get(i)["status"] for i in ids} == {"SUCCEEDED"}
+    assert_witnessed(shared_store(), ids)
 
 
 def test_a_worker_killed_mid_message_loses_none_of_its_requests(warm_worker, redis_server,

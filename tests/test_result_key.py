@@ -16,7 +16,7 @@ from celery import states
 from celery.backends.base import DisabledBackend
 
 from app.errors import TerminalError
-from app.fleet.outcomes import end_request, result_key_for
+from app.fleet.outcomes import end_request, result_key_for, result_keys_for
 from app.state.conn import connect
 from app.state.store import RequestStore
 from tests.test_store_and_service import create
@@ -71,9 +71,46 @@ def test_a_lost_or_failed_finish_leaves_the_result_key_to_celery(store, celery_a
     assert won and not rk.written and store.raw.get(rk.key) is None
 
 
+def test_keys_for_many_ids_share_one_meta_and_read_back_as_celerys_own(store, celery_app,
+                                                                      monkeypatch):
+    """Given a message of many requests, when their result keys come from one encoded meta
+    (`result_keys_for`: what a generate_many task uses), then each key is what
+    `result_key_for` gives that id (its own key and task id, an id needing JSON escapes
+    included), Celery's `AsyncResult.get()` reads each result, and the meta is built again
+    once it is older than META_REUSE_S (its `date_done`)."""
+    from app.fleet import outcomes
+
+    backend = celery_app.backend
+    keys = result_keys_for(backend)
+    ids = ["r1", 'r"2\\', "r3-\u00e9"]
+    for rid in ids:
+        one, many = result_key_for(backend, rid), keys(rid)
+        assert many.key == one.key and many.expires_s == one.expires_s
+        ours, theirs = (json.loads(k.prefix + "1" + k.suffix) for k in (many, one))
+        assert ours.pop("date_done") and theirs.pop("date_done")
+        assert ours == theirs and ours["task_id"] == rid
+        create(store, rid)
+        store.begin(rid, 0, "w1", 11, time.time(), 3)
+        won, _ = end_request(store, rid, result={**RESULT, "request_id": rid}, instance=11,
+                             result_key=many)
+        assert won and many.written
+        assert celery_app.AsyncResult(rid).get(timeout=5)["request_id"] == rid
+    built = []
+    real = outcomes.result_key_for
+    monkeypatch.setattr(outcomes, "result_key_for", lambda *a: built.append(1) or real(*a))
+    clock = [100.0]
+    monkeypatch.setattr(outcomes.time, "monotonic", lambda: clock[0])
+    keys = result_keys_for(backend)
+    keys("a"), keys("b")
+    clock[0] += outcomes.META_REUSE_S + 0.1
+    keys("c")
+    assert len(built) == 2
+
+
 def test_only_celerys_redis_backend_gets_its_key_written_by_a_finish(celery_app):
     """Any other result backend is written by Celery itself."""
     assert result_key_for(DisabledBackend(celery_app), "r1") is None
+    assert result_keys_for(DisabledBackend(celery_app))("r1") is None
     assert result_key_for(celery_app.backend, "r1").key == "celery-task-meta-r1"
 
 

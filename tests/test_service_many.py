@@ -1,16 +1,21 @@
 """Redis tier: serving one message that carries many requests (workers/service_many.py) with a
 scripted engine, on a real Redis (database 1): one claim round trip, the requests run together,
-one finish round trip; each request its own end; a request that needs a retry goes back alone
-as its next dispatch; a bad one fails alone; the message goes back whole when the worker takes
-nothing new."""
+one finish round trip for those that end together; each request its own end, written as it
+ends (a short one never waits for a slower sibling); a request that needs a retry or yields
+its slot (a preemption) goes back alone as its next dispatch; a sibling the reaper requeued is
+dropped alone; a bad one fails alone; the message goes back whole when the worker takes nothing
+new."""
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from app.errors import TransientError
-from tests.conftest import RecordingPorts
+from tests.conftest import RecordingPorts, wait_until
 from tests.test_store_and_service import KW, Scripted, create
 from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
@@ -44,14 +49,44 @@ class Counting(Scripted):
             self.now -= 1
 
 
+class Held(Counting):
+    """Counting, except that a prompt in `held` runs until `release` is set (or is cancelled:
+    the abort), with a batch of `max_num_seqs` runs (the engine host preempts for an
+    interactive request only when it is full)."""
+
+    def __init__(self, held, max_num_seqs=128):
+        super().__init__({})
+        self.held, self.max_num_seqs = set(held), max_num_seqs
+        self.release = threading.Event()
+        self.running: list[str] = []
+        self.aborted: list[str] = []
+
+    async def run(self, req, rid, *a, **kw):
+        if req.prompt not in self.held:
+            return await super().run(req, rid)
+        self.running.append(rid)
+        try:
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+            return EngineOutput(req.prompt, [1], "length", 1)
+        except asyncio.CancelledError:
+            self.aborted.append(rid)
+            raise
+        finally:
+            self.running.remove(rid)
+
+    def read_now(self, rid):  # a preempted run's tokens read into its tap (none here)
+        pass
+
+
 @pytest.fixture()
 def runtime(settings):
     made = []
 
-    def _make(answers=None):
+    def _make(answers=None, engine=None):
         rt = WorkerRuntime(settings, "w-many", engine="instant", guard=False,
                            ports=RecordingPorts())
-        rt.engine = Counting(answers or {})
+        rt.engine = engine or Counting(answers or {})
         rt.host = EngineHost(rt.engine, idle_cleanup=0).start()
         made.append(rt)
         return rt
@@ -93,6 +128,85 @@ def test_a_retry_goes_back_alone_and_a_bad_request_fails_alone(runtime):
     assert (rec["status"], rec["dispatch"]) == ("PENDING", "1")
     assert rt.ports.sent == [("m1", 1)]  # alone, as its next dispatch
     assert rt.store.get("m2")["error"].startswith("invalid_request: ")
+
+
+def test_a_request_is_finished_as_it_ends_without_waiting_for_a_slower_sibling(runtime):
+    """Given a message of three requests, one of which runs until released, when the other
+    two end, then their results are stored (and their waiters told) while the slow one still
+    runs; it ends later in its own finish."""
+    rt = runtime(engine=Held({"p2"}))
+    batch = items(3)
+    for it in batch:
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"])
+    pool = ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(serve_many, rt, batch)
+        wait_until(lambda: rt.store.get("m0")["status"] == rt.store.get("m1")["status"]
+                   == "SUCCEEDED")
+        assert rt.engine.running == ["m2-1"] and rt.store.get("m2")["status"] == "RUNNING"
+        assert not fut.done()
+        rt.engine.release.set()
+        assert fut.result(10) == {"requests": 3, "succeeded": 3, "failed": 0, "retried": 0,
+                                  "dropped": 0}
+        assert rt.store.get("m2")["status"] == "SUCCEEDED"
+    finally:
+        rt.engine.release.set()
+        pool.shutdown()
+
+
+def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime):
+    """Given a message of three bulk requests filling the engine's batch (max_num_seqs 3),
+    when an interactive request arrives, then the youngest sibling yields its slot (the host's
+    own preemption, workers/engine/host.py `_preempt_for`) and goes back alone: published as
+    its next dispatch, its record PENDING with its attempt given back and one preemption
+    counted; its two siblings and the interactive request end SUCCEEDED, nothing else is
+    published."""
+    from workers.service import serve
+
+    rt = runtime(engine=Held({"p0", "p1", "p2", "now"}, max_num_seqs=3))
+    batch = items(3, priority="bulk")
+    for it in batch:
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"], priority="bulk")
+    create(rt.store, "i1", prompt="now", priority="interactive")
+    pool = ThreadPoolExecutor(2)
+    try:
+        many = pool.submit(serve_many, rt, batch)
+        wait_until(lambda: len(rt.engine.running) == 3)
+        youngest = rt.engine.running[-1].rsplit("-", 1)[0]
+        urgent = pool.submit(serve, rt, "i1", 0, {**KW, "prompt": "now",
+                                                   "priority": "interactive"})
+        wait_until(lambda: rt.ports.sent)
+        assert rt.ports.sent == [(youngest, 1)]  # alone, as its next dispatch
+        assert rt.engine.aborted == [f"{youngest}-1"]
+        rec = rt.store.get(youngest)
+        assert (rec["status"], rec["dispatch"], rec["attempts"], rec["preemptions"]) == (
+            "PENDING", "1", "0", "1")
+        rt.engine.release.set()
+        assert many.result(10) == {"requests": 3, "succeeded": 2, "failed": 0, "retried": 1,
+                                   "dropped": 0}
+        assert urgent.result(10)["text"] == "now"
+        others = [it["id"] for it in batch if it["id"] != youngest]
+        assert [rt.store.get(rid)["status"] for rid in others] == ["SUCCEEDED"] * 2
+        assert rt.ports.sent == [(youngest, 1)]
+    finally:
+        rt.engine.release.set()
+        pool.shutdown()
+
+
+def test_a_sibling_the_reaper_requeued_is_dropped_alone(runtime):
+    """Given a message of three whose middle request the reaper already requeued (its record
+    at dispatch 1, its copy published by the reaper), when the message is served, then that
+    request is dropped as a stale copy (not run, not published again) and its siblings run."""
+    rt = runtime()
+    batch = items(3)
+    for it in batch:
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"])
+    rt.store.begin("m1", 0, "w-dead", 99, time.time(), 3)
+    assert rt.store.requeue("m1", 99, 1)
+    tally = serve_many(rt, batch)
+    assert tally == {"requests": 3, "succeeded": 2, "failed": 0, "retried": 0, "dropped": 1}
+    assert rt.ports.sent == [] and rt.engine.calls == 2
+    assert rt.store.get("m1")["dispatch"] == "1"
 
 
 def test_the_message_goes_back_whole_when_the_worker_takes_nothing_new(runtime):

@@ -42,3 +42,26 @@ def test_many_creates_begins_and_finishes_each_as_alone_in_one_round_trip_each(s
     assert again[0][0] is False and again[0][1].result == {"text": "a"}  # set-once
     assert json.loads(store.get("m1")["result"]) == {"text": "b"}
     assert store.get("m2")["status"] == "RUNNING"
+
+
+def test_a_pipeline_is_its_script_calls_alone_and_survives_an_emptied_script_cache(store):
+    """Given Redis' script cache emptied (as by a restart), when many requests are begun and
+    finished, then each request is begun and finished once (the scripts loaded, the refused
+    calls sent again: attempt 1, not 2); and a pipeline asks Redis nothing before its script
+    calls (no SCRIPT EXISTS round trip, which redis-py's own pipelined scripts send each
+    time)."""
+    now = time.time()
+    ids = [f"c{i}" for i in range(6)]
+    store.create_many([(rid, fields()) for rid in ids], now)
+    store.raw.script_flush()
+    for part in (ids[:3], ids[3:]):  # the first with the cache empty, then as usual
+        store.raw.config_resetstat()
+        begins = store.begin_many([(rid, 0) for rid in part], "w@h", 5, now, 3)
+        assert [(b.action, b.attempts) for b in begins] == [("run", 1)] * 3
+        ends = store.finish_many([(rid, {"text": rid}, None) for rid in part], 5, now)
+        assert [won for won, _ in ends] == [True] * 3
+    stats = store.raw.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 6
+    assert not any(k.startswith("cmdstat_script") for k in stats), stats
+    assert [store.get(rid)["attempts"] for rid in ids] == ["1"] * 6
+    assert {store.get(rid)["status"] for rid in ids} == {"SUCCEEDED"}

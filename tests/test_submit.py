@@ -66,6 +66,25 @@ def test_positional_arguments_are_refused_with_advice(r):
         generate.delay("tiny-llama", "hello")
 
 
+def test_a_chain_a_chord_or_a_callback_is_refused_at_submit_and_nothing_is_enqueued(r):
+    """A worker drops a message that carries other tasks (workers/consumer.py), so the producer
+    refuses them first: a chain of two requests, a link, a link_error, nothing recorded or
+    queued; a one-task chain is a plain message and goes through."""
+    from celery import chain
+
+    kw = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+    before = queue_state(r)
+    with pytest.raises(RequestError, match="^invalid_request: Vigil runs no Celery callbacks "
+                       r"\(chain\)"):
+        chain(generate.s(**kw), generate.s(**kw)).apply_async()
+    for option in ("link", "link_error"):
+        with pytest.raises(RequestError, match=rf"callbacks \({option}\)"):
+            generate.apply_async(kwargs=kw, **{option: generate.s(**kw)})
+    assert queue_state(r) == before
+    one = chain(generate.s(**kw)).apply_async()
+    assert r.exists(f"vigil:req:{one.id}")
+
+
 def test_an_unreachable_redis_fails_the_submit_fast_with_a_clear_error():
     port = free_port()  # nothing listens here
     code = (

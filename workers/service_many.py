@@ -2,9 +2,11 @@
 app/requests/submit_many.py): every request lives as one `vigil.generate` delivery would
 (workers/service.py: its own record, attempt, stream, deadline and set-once end), but the
 message's intake, Celery request and ack are shared, the claims are one round trip
-(`begin_many`), the requests run in the engine together from one task thread (the engine host's
-`submit`/`result`), and the results are written in one round trip (`finish_many`, each with
-Celery's result key).
+(`begin_many`), the requests run in the engine together from one task thread (handed to the
+engine's loop in one hop: the engine host's `submit_many`, then `result`), and each result is
+written as its run ends, those ending together in one round trip (`finish_many`, each with
+Celery's result key, its meta encoded once for the message: app/fleet/outcomes.py
+`result_keys_for`). A short request's result does not wait for a slower sibling.
 
 A request that needs a retry (app/retry_policy.py) goes back alone, as a `vigil.generate`
 message of its next dispatch after the decision's countdown; its siblings are not touched. A
@@ -16,6 +18,7 @@ records that moved on and runs nothing twice.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +38,10 @@ from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitt
                              after_run_error, open_tap, preemptible)
 
 log = logging.getLogger("vigil.service")
+
+# Siblings that end within this long of the first of them are finished with it, in one round
+# trip (an engine step's outputs reach the loop together, well inside it).
+FINISH_GATHER_S = 0.005
 
 
 @dataclass
@@ -82,34 +89,82 @@ def serve_many(rt: WorkerRuntime, items: object,
             metrics.dropped(r.req.pool, "given_back")
         raise GiveBack(runs[0].request_id)
     _begin(rt, runs)
-    started = []
-    for r in runs:
-        if r.begin.action != "run":
-            _settle(rt, tally, r.request_id, r.kwargs, 0,
-                    lambda r=r: _not_run(rt, r.request_id, r.begin, r.req.pool))
-            continue
-        metrics.attempt_begun(r.req.pool)
-        try:
-            r.tap = open_tap(rt, r.request_id, r.req, r.begin, r.adapter)
-            r.pending = rt.host.submit(r.req, r.spec, attempt_id(r.request_id, r.begin.attempts),
-                                       rt.settings.request_timeout, r.adapter, tap=r.tap,
-                                       preemptible=preemptible(r.req, r.begin, rt.settings))
-        except BaseException as e:
-            _ended_run(rt, tally, r, e)
-            continue
-        started.append(r)
-    done = []
-    for r in started:
-        try:
-            out = rt.host.result(r.pending)
-        except BaseException as e:
-            _ended_run(rt, tally, r, e)
-            continue
-        if r.tap is not None:
-            rt.streams.close(r.tap, True)
-        done.append((r, out))
-    _finish(rt, tally, done, result_key)
+    _run_all(rt, tally, [r for r in runs if _may_run(rt, tally, r)], result_key)
     return tally
+
+
+def _may_run(rt: WorkerRuntime, tally: dict, r: _Run) -> bool:
+    """True when `r`'s claim says run (its tap opened); else its answer settled."""
+    if r.begin.action != "run":
+        _settle(rt, tally, r.request_id, r.kwargs, 0,
+                lambda: _not_run(rt, r.request_id, r.begin, r.req.pool))
+        return False
+    metrics.attempt_begun(r.req.pool)
+    try:
+        r.tap = open_tap(rt, r.request_id, r.req, r.begin, r.adapter)
+    except BaseException as e:
+        _ended_run(rt, tally, r, e)
+        return False
+    return True
+
+
+def _run_all(rt: WorkerRuntime, tally: dict, runs: list[_Run], result_key) -> None:
+    """Start every run in the engine in one hop, then finish each as it ends: the runs that
+    end within FINISH_GATHER_S of the first of them are written in one round trip, so a short
+    request's result never waits for a slower sibling, and siblings that end in the same engine
+    step still share their FINISH pipeline."""
+    if not runs:
+        return
+    s = rt.settings
+    try:
+        pendings = rt.host.submit_many([
+            (r.req, r.spec, attempt_id(r.request_id, r.begin.attempts), s.request_timeout,
+             r.adapter, r.tap, preemptible(r.req, r.begin, s)) for r in runs])
+    except BaseException as e:  # none started (the host takes nothing new)
+        for r in runs:
+            _ended_run(rt, tally, r, e)
+        return
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+    for i, (r, p) in enumerate(zip(runs, pendings)):
+        r.pending = p
+        p.future.add_done_callback(lambda _f, i=i: ended.put(i))
+    left = set(range(len(runs)))
+    while left:
+        ready = _next_ended(ended, runs, left)
+        done = []
+        for i in ready:
+            r = runs[i]
+            left.discard(i)
+            try:
+                out = rt.host.result(r.pending)
+            except BaseException as e:
+                _ended_run(rt, tally, r, e)
+                continue
+            if r.tap is not None:
+                rt.streams.close(r.tap, True)
+            done.append((r, out))
+        _finish(rt, tally, done, result_key)
+
+
+def _next_ended(ended: queue.SimpleQueue, runs: list[_Run], left: set[int]) -> list[int]:
+    """The runs of `left` to settle next: the first to end and those ending within
+    FINISH_GATHER_S of it; or, when none ends before the earliest wait bound of `left`, those
+    past their bound (`EngineHost.result` then gives them up)."""
+    bound = min(runs[i].pending.deadline for i in left)
+    try:
+        first = ended.get(timeout=max(0.0, bound - time.monotonic()))
+    except queue.Empty:
+        now = time.monotonic()
+        return [i for i in left if runs[i].pending.deadline <= now]
+    ready = [first]
+    if len(left) > 1 and ended.qsize() < len(left) - 1:
+        time.sleep(FINISH_GATHER_S)  # siblings ending in the same engine step join it
+    while True:
+        try:
+            ready.append(ended.get_nowait())
+        except queue.Empty:
+            break
+    return [i for i in dict.fromkeys(ready) if i in left]
 
 
 def _item(item: object) -> tuple[str | None, object]:

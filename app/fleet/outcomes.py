@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from celery import states
 from celery.backends.redis import RedisBackend
@@ -159,6 +159,41 @@ def result_key_for(backend: Backend, task_id: str, request=None) -> ResultKey | 
     key = backend.get_key_for_task(task_id)
     return ResultKey(key.decode() if isinstance(key, bytes) else key, parts[0], parts[1],
                      int(backend.expires or 0))
+
+
+# Stands for the task id in the meta that `result_keys_for` encodes once for many ids.
+_ID_MARK = "\x00vigil-task-id\x00"
+# How old (seconds) `result_keys_for`'s encoded meta may get before it is built again: its
+# `date_done` is the time it was built.
+META_REUSE_S = 1.0
+
+
+def result_keys_for(backend: Backend) -> Callable[[str], ResultKey | None]:
+    """`result_key_for(backend, id)` for many ids, with no Celery request context (a message
+    carrying many requests, workers/service_many.py): Celery's meta is built and encoded once,
+    cut around the result and the task id, and each id's key is that cut with its id put in
+    (JSON-escaped as Celery's encoding would), so each key costs no meta of its own. The meta is
+    built again once it is over META_REUSE_S old (its `date_done`). Returns None for every id
+    when `result_key_for` would (not Celery's Redis backend, an encoding that cannot be cut)."""
+    cut: list = [None, -1.0]  # [(prefix, suffix, id mark) or False, when built (monotonic)]
+
+    def key_for(task_id: str) -> ResultKey | None:
+        now = time.monotonic()
+        if cut[0] is None or now - cut[1] > META_REUSE_S:
+            rk = result_key_for(backend, _ID_MARK)
+            mark = json.dumps(_ID_MARK)
+            fits = rk is not None and (rk.prefix + rk.suffix).count(mark) == 1
+            cut[:] = [(rk.prefix, rk.suffix, mark) if fits else False, now]
+        if not cut[0]:
+            return None
+        prefix, suffix, mark = cut[0]
+        put = json.dumps(task_id)
+        key = backend.get_key_for_task(task_id)
+        return ResultKey(key.decode() if isinstance(key, bytes) else key,
+                         prefix.replace(mark, put), suffix.replace(mark, put),
+                         int(backend.expires or 0))
+
+    return key_for
 
 
 def tell_backend(backend: Backend, request_id: str, stored: Outcome) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from app.state.results import ResultKey
 
 
@@ -24,41 +26,61 @@ class ManyCalls:
         """`create` for each (request id, record fields), in one round trip; the answers in
         order (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_*), each request
         under the caps as if created alone, in this order."""
-        if not items:
-            return []
-        pipe = self._call.pipeline()
+        calls = []
         for rid, fields in items:
             script_keys, args = self.create_call(rid, fields, now, max_per_job=max_per_job,
                                                  max_per_pool=max_per_pool)
-            self._create(keys=script_keys, args=args, client=pipe)
-        return [int(x) for x in self._call(pipe.execute)]
+            calls.append((self._create, script_keys, args))
+        return [int(x) for x in self._pipelined(calls)]
 
     def begin_many(self, deliveries: list[tuple[str, int]], worker: str, instance: int,
                    now: float, max_attempts: int, live_window: float = 0.0):
         """`begin` for each (request id, dispatch), in one round trip; the Begins in order."""
-        if not deliveries:
-            return []
-        pipe = self._call.pipeline()
-        tokens = []
+        calls, tokens = [], []
         for rid, dispatch in deliveries:
             token, script_keys, args = self.begin_call(rid, dispatch, worker, instance, now,
                                                        max_attempts, live_window)
             tokens.append(token)
-            self._begin(keys=script_keys, args=args, client=pipe)
+            calls.append((self._begin, script_keys, args))
         return [self.begin_reply(reply, token)
-                for reply, token in zip(self._call(pipe.execute), tokens)]
+                for reply, token in zip(self._pipelined(calls), tokens)]
 
     def finish_many(self, results: list[tuple[str, dict, ResultKey | None]], instance: int,
                     now: float) -> list:
         """`finish` with a result for each (request id, result, Celery's result key or None),
         in one round trip; (won, stored outcome) per request, in order."""
-        if not results:
-            return []
-        pipe = self._call.pipeline()
+        calls = []
         for rid, result, key in results:
             script_keys, args = self.finish_call(rid, instance, now, result=result,
                                                  result_key=key)
-            self._finish(keys=script_keys, args=args, client=pipe)
+            calls.append((self._finish, script_keys, args))
         return [self.finish_reply(reply, result=result, error_kind="", error="",
                                   result_key=key)
-                for reply, (_, result, key) in zip(self._call(pipe.execute), results)]
+                for reply, (_, result, key) in zip(self._pipelined(calls), results)]
+
+    def _pipelined(self, calls: list[tuple[Any, list, list]]) -> list:
+        """Each (registered script, keys, args) as one EVALSHA, all on one pipeline: one round
+        trip, the replies in order. redis-py's own way (a script called on a pipeline) asks
+        Redis whether it holds the scripts (SCRIPT EXISTS) before every execute, a second round
+        trip; here a script Redis does not hold (its script cache emptied by a restart) answers
+        NOSCRIPT, having run nothing, and only those calls are sent again once it is loaded.
+        Raises the first error any call got, as a pipeline does."""
+        replies: list = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for last in (False, True):
+            pipe = self._call.pipeline()
+            for i in todo:
+                script, script_keys, args = calls[i]
+                pipe.evalsha(script.sha, len(script_keys), *script_keys, *args)
+            got = self._call(pipe.execute, raise_on_error=False)
+            for i, reply in zip(todo, got):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo or last:
+                break
+            for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
+                self._call(self._call.client.script_load, script.script)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies

@@ -145,6 +145,34 @@ class LoopBridge:
             self._futures[fut] = engine_request_id
         return fut
 
+    def submit_many(self, calls: list[tuple[Callable[[], Coroutine], str]]
+                    ) -> list[concurrent.futures.Future]:
+        """`submit` for each (make, engine request id), in one hop onto the loop (one wake-up
+        of the loop thread instead of one per request); the futures in order. Raises HandedBack
+        (for the first) when the bridge takes nothing new: none is started then."""
+        if not calls:
+            return []
+        if not self.accepting:
+            raise HandedBack(calls[0][1])
+        futures = [concurrent.futures.Future() for _ in calls]
+        coros = [make() for make, _ in calls]
+
+        def start() -> None:  # on the loop: as run_coroutine_threadsafe's callback, for each
+            for coro, fut in zip(coros, futures):
+                try:
+                    asyncio.futures._chain_future(asyncio.ensure_future(coro, loop=self.loop),
+                                                  fut)
+                except BaseException as exc:  # noqa: BLE001 - its caller learns it
+                    coro.close()
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(exc)
+
+        with self._lock:  # registered with their scheduling (see `submit`)
+            self.loop.call_soon_threadsafe(start)
+            for fut, (_, engine_request_id) in zip(futures, calls):
+                self._futures[fut] = engine_request_id
+        return futures
+
     def wait(self, fut: concurrent.futures.Future, engine_request_id: str, timeout: float,
              bound: float | None = None) -> Any:
         """The result of a `submit`ted request, as `call` returns or raises it; `timeout`

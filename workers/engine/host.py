@@ -152,6 +152,21 @@ class EngineHost:
         bound = timeout + timeout + self.start_bound(spec)
         return Pending(fut, engine_request_id, time.monotonic() + bound, bound)
 
+    def submit_many(self, runs: list[tuple]) -> list["Pending"]:
+        """`submit` for each tuple of its arguments (req, spec, engine_request_id, timeout,
+        adapter, tap, preemptible), handed to the loop in one hop; the Pendings in order.
+        Raises HandedBack when the host takes nothing new (none is started then)."""
+        arrived = self._st.clock()
+        calls = [((lambda r=r: self._generate(r[0], r[1], r[2], arrived, r[4], r[3], r[5],
+                                              r[6])), r[2]) for r in runs]
+        futures = self._bridge.submit_many(calls)
+        now = time.monotonic()
+        out = []
+        for r, fut in zip(runs, futures):
+            bound = r[3] + r[3] + self.start_bound(r[1])
+            out.append(Pending(fut, r[2], now + bound, bound))
+        return out
+
     def result(self, pending: "Pending") -> EngineOutput:
         """The output of a `submit`ted request, raised as `generate` raises it, within the bound
         `generate` gives it counted from its submit."""
