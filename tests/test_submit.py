@@ -73,14 +73,15 @@ def test_a_chain_a_chord_or_a_callback_is_refused_at_submit_and_nothing_is_enque
     from celery import chain
 
     kw = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
-    before = queue_state(r)
+    ids = [f"chained-{uuid.uuid4()}" for _ in range(4)]  # ids of this test's own, to look for
     with pytest.raises(RequestError, match="^invalid_request: Vigil runs no Celery callbacks "
                        r"\(chain\)"):
-        chain(generate.s(**kw), generate.s(**kw)).apply_async()
-    for option in ("link", "link_error"):
+        chain(generate.s(**kw).set(task_id=ids[0]),
+              generate.s(**kw).set(task_id=ids[1])).apply_async()
+    for rid, option in zip(ids[2:], ("link", "link_error")):
         with pytest.raises(RequestError, match=rf"callbacks \({option}\)"):
-            generate.apply_async(kwargs=kw, **{option: generate.s(**kw)})
-    assert queue_state(r) == before
+            generate.apply_async(kwargs=kw, task_id=rid, **{option: generate.s(**kw)})
+    assert [left_behind(r, rid) for rid in ids] == [[]] * 4
     one = chain(generate.s(**kw)).apply_async()
     assert r.exists(f"vigil:req:{one.id}")
 
