@@ -174,7 +174,7 @@ class SilentLLM:
         self.started: list[tuple[str, dict, object]] = []
         self.aborted: list[str] = []
 
-    async def generate(self, prompt, params, request_id, lora_request=None):
+    async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
         self.started.append((request_id, prompt, params))
         try:
             await asyncio.Event().wait()
