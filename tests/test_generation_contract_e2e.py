@@ -391,7 +391,11 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
     samples = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=1.0,
                    seed=5, n=2, ignore_eos=True, logprobs=1)
     beat = rescuer = None
-    victim = RunningWorker(redis_server, "victim31@testhost", tmp_path, pools=DRILL_MODEL)
+    # The victim's engine steps are slowed (the drill's slow_step, inside EngineCore: logits
+    # untouched), so its requests are still generating when the kill comes, however late a
+    # loaded machine lets this test see their first chunks.
+    victim = RunningWorker(redis_server, "victim31@testhost", tmp_path, pools=DRILL_MODEL,
+                           VIGIL_ENGINE="drill", VIGIL_DRILL="slow_step=0.01")
     try:
         inst = victim.wait_engine()["instance_id"]
 
