@@ -35,8 +35,11 @@ HEARTBEAT_S = 1  # the suite's workers (tests/conftest.py RunningWorker)
 HANDBACK_BOUND_S = REAP_TIMEOUT_S * 1.25 + HEARTBEAT_S
 HANDBACK_MARGIN_S = 4.0
 # After the hand-back, the survivor runs what is left of each generation (resumed from its
-# stream: measured ~2 s for the 32); this allowance is for that, not for the reaper.
-FINISH_ALLOWANCE_S = 30.0
+# stream: measured ~2 s for the 32 alone on the machine, 38 s beside the other test process
+# starting engines); this allowance is for that generation time, not for the reaper, whose
+# bound is asserted on the hand-back above. It still keeps the whole far below Redis'
+# visibility timeout (1 h), which is what the reaper saves.
+FINISH_ALLOWANCE_S = 120.0
 
 
 def handed_back_after(store, rid: str, instance: str, killed_at: float) -> float | None:
