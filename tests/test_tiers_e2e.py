@@ -113,6 +113,7 @@ def check_preempted_resumed_identical(store, bulk, outs, job: str) -> list:
     return preempted
 
 
+@pytest.mark.alone  # a latency bound: a neighbour starting an engine stretches it
 def test_an_interactive_request_preempts_bulk_work_that_resumes_identical(tiers):
     """Given six long greedy bulk requests (sent one by one) filling the engine's batch of 4,
     when an interactive request arrives, then it preempts the youngest bulk run and finishes
@@ -137,6 +138,7 @@ def test_an_interactive_request_preempts_bulk_work_that_resumes_identical(tiers)
     assert_witnessed(store, [r.id for r in bulk])
 
 
+@pytest.mark.alone  # a latency bound: a neighbour starting an engine stretches it
 def test_bulk_in_one_message_of_many_still_yields_to_an_interactive_request(tiers):
     """Given eight long greedy bulk requests in one `generate_many` message (twice the engine's
     batch, over the worker's bulk cap of 4 requests: a batch object's window arrives so), when
