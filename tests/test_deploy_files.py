@@ -20,7 +20,8 @@ from honcho.environ import parse_procfile
 
 from app import app
 from app.devices import parse_gpu_spec
-from app.ops.cli import build_parser, housekeeper_argv, worker_argv
+from app.ops.cli import build_parser
+from app.ops.worker_start import housekeeper_argv, worker_argv
 
 REPO = Path(__file__).resolve().parent.parent
 PROCFILE = REPO / "Procfile"

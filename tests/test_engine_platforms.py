@@ -97,18 +97,18 @@ def test_float32_for_every_platform_with_lora_loads_but_a_gpu_worker_refuses_it(
 
 def test_vigil_worker_gpu_stops_at_start_on_an_entry_that_cannot_run(tmp_path, monkeypatch,
                                                                      capsys):
-    from app.ops import cli
+    from app.ops import cli, worker_start
     from app.requests import models
 
     f = tmp_path / "models.json"
     f.write_text(json.dumps({"models": [{"name": "m", "path": "/x", "max_loras": 2,
                                          "engine_args": {"dtype": "float32"}}]}))
     monkeypatch.setenv("VIGIL_MODELS_FILE", str(f))
-    monkeypatch.setattr(cli, "get_settings", lambda: load_settings(models_file=f))
-    monkeypatch.setattr(cli, "get_registry",
+    monkeypatch.setattr(worker_start, "get_settings", lambda: load_settings(models_file=f))
+    monkeypatch.setattr(worker_start, "get_registry",
                         lambda: models.load_registry(load_settings(models_file=f)))
     cards = FakeNvml([FakeCard(70 * GiB)])
-    monkeypatch.setattr(cli, "check_gpus", lambda entries: (
+    monkeypatch.setattr(worker_start, "check_gpus", lambda entries: (
         probe_memory("cuda", entries, cards).cards, {"driver": "580", "driver_cuda": "13.0",
                                                      "torch": "2.13.0", "torch_cuda": "13.0"}))
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("the worker was started"))
@@ -116,7 +116,7 @@ def test_vigil_worker_gpu_stops_at_start_on_an_entry_that_cannot_run(tmp_path, m
     assert "model m: float32 with LoRA" in capsys.readouterr().err
     assert cli.main(["worker", "--gpu", "0", "--pools", "m"]) == 2
     # A GPU worker serving only other pools starts: the CPU-only entry is not its business.
-    monkeypatch.setattr(cli, "preflight", lambda s: None)
+    monkeypatch.setattr(worker_start, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     monkeypatch.setattr(cli.os, "environ", dict(cli.os.environ))
@@ -181,7 +181,7 @@ def test_every_engine_schedules_by_priority_unless_its_entry_says_and_vllm_takes
 
 
 def test_a_workers_threads_are_at_least_its_engines_max_num_seqs(capsys):
-    from app.ops.cli import worker_threads
+    from app.ops.worker_start import worker_threads
 
     h200 = [FakeCard(139 * GiB, **H200)]
     assert worker_concurrency(128, [{}], "cuda", 141 * GiB, "NVIDIA H200") == 1024
@@ -228,7 +228,7 @@ def test_vigil_worker_gpu_execs_celery_with_the_cards_order_and_threads(monkeypa
     (vllm serve's max_num_seqs there), with the worker's setting saying so."""
     import os
 
-    from app.ops import cli
+    from app.ops import cli, worker_start
 
     env = {k: v for k, v in os.environ.items()}
     env.update(CUDA_VISIBLE_DEVICES="4,5", CUDA_DEVICE_ORDER="FASTEST_FIRST")
@@ -242,8 +242,8 @@ def test_vigil_worker_gpu_execs_celery_with_the_cards_order_and_threads(monkeypa
                 {"driver": "580.82.07", "driver_cuda": "13.0", "torch": "2.13.0",
                  "torch_cuda": "13.0"})
 
-    monkeypatch.setattr(cli, "check_gpus", check)
-    monkeypatch.setattr(cli, "preflight", lambda s: None)
+    monkeypatch.setattr(worker_start, "check_gpus", check)
+    monkeypatch.setattr(worker_start, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     assert cli.main(["worker", "--gpu", "1", "--pools", "tiny-llama"]) == 0
@@ -269,7 +269,7 @@ def _gpu_start(tmp_path, monkeypatch, models, n_cards):
     with."""
     import os
 
-    from app.ops import cli
+    from app.ops import cli, worker_start
     from app.requests import models as models_mod
 
     f = tmp_path / "models.json"
@@ -282,13 +282,13 @@ def _gpu_start(tmp_path, monkeypatch, models, n_cards):
         return cli.main(argv)
 
     cards = FakeNvml([FakeCard(139 * GiB, **H200) for _ in range(n_cards)])
-    monkeypatch.setattr(cli, "get_settings", lambda: load_settings(models_file=f))
-    monkeypatch.setattr(cli, "get_registry",
+    monkeypatch.setattr(worker_start, "get_settings", lambda: load_settings(models_file=f))
+    monkeypatch.setattr(worker_start, "get_registry",
                         lambda: models_mod.load_registry(load_settings(models_file=f)))
-    monkeypatch.setattr(cli, "check_gpus", lambda entries: (
+    monkeypatch.setattr(worker_start, "check_gpus", lambda entries: (
         list(probe_memory("cuda", entries, cards).cards),
         {"driver": "580", "driver_cuda": "13.0", "torch": "2.13.0", "torch_cuda": "13.0"}))
-    monkeypatch.setattr(cli, "preflight", lambda s: None)
+    monkeypatch.setattr(worker_start, "preflight", lambda s: None)
     execs = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
     return execs, run
@@ -327,7 +327,7 @@ def test_a_gpu_worker_asked_for_a_pool_of_another_card_count_does_not_start(tmp_
 
 
 def test_a_gpu_worker_that_can_run_no_pool_does_not_start(capsys):
-    from app.ops.cli import gpu_pools
+    from app.ops.worker_start import gpu_pools
     from app.requests.models import ModelRegistry
 
     reg = ModelRegistry([ModelSpec(name="big", engine_args={"tensor_parallel_size": 4}),
@@ -431,7 +431,7 @@ def test_the_docs_8b_entry_runs_on_one_card_as_the_doc_says(tmp_path, card):
 
 @pytest.mark.parametrize("card", [H100, H200], ids=["h100", "h200"])
 def test_the_docs_70b_entry_runs_on_four_cards_only(tmp_path, card, capsys):
-    from app.ops.cli import gpu_pools
+    from app.ops.worker_start import gpu_pools
 
     reg = _doc_registry(tmp_path)
     spec = reg.get("llama-70b")

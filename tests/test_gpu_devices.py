@@ -234,7 +234,7 @@ def _torch(cuda="13.0"):
 
 
 def test_vigil_worker_gpu_sets_pci_bus_order_and_narrows_an_inherited_list():
-    from app.ops.cli import gpu_worker_env
+    from app.ops.worker_start import gpu_worker_env
 
     assert gpu_worker_env((0, 1), {}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                                           "CUDA_VISIBLE_DEVICES": "0,1"}
@@ -243,7 +243,7 @@ def test_vigil_worker_gpu_sets_pci_bus_order_and_narrows_an_inherited_list():
 
 
 def test_the_gpu_checks_read_nvml_and_refuse_what_cannot_work():
-    from app.ops.cli import GpuProblem, check_gpus
+    from app.ops.worker_start import GpuProblem, check_gpus
 
     nvml = FakeNvml([FakeCard(70 * GiB), FakeCard(70 * GiB)])
     cards, versions = check_gpus(("0", "1"), nvml, _torch())
@@ -264,7 +264,7 @@ def test_the_gpu_checks_read_nvml_and_refuse_what_cannot_work():
 
 
 def test_the_gpu_checks_refuse_a_host_without_nvidia_ml_py(monkeypatch):
-    from app.ops.cli import GpuProblem, check_gpus
+    from app.ops.worker_start import GpuProblem, check_gpus
 
     monkeypatch.setitem(sys.modules, "pynvml", None)
     with pytest.raises(GpuProblem, match="nvidia-ml-py is not installed"):
@@ -272,7 +272,8 @@ def test_the_gpu_checks_refuse_a_host_without_nvidia_ml_py(monkeypatch):
 
 
 def test_a_tensor_parallel_worker_is_named_after_its_cards():
-    from app.ops.cli import build_parser, worker_argv
+    from app.ops.cli import build_parser
+    from app.ops.worker_start import worker_argv
 
     for spec, name in (("0,1", "gpu0-1@%h"), ("0-3", "gpu0-3@%h"), ("2", "gpu2@%h")):
         argv = worker_argv(build_parser().parse_args(["worker", "--gpu", spec]), 8)
