@@ -391,8 +391,8 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
     samples = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=1.0,
                    seed=5, n=2, ignore_eos=True, logprobs=1)
     beat = rescuer = None
-    # The victim's engine steps are slowed (the drill's slow_step, inside EngineCore: logits
-    # untouched), so its requests are still generating when the kill comes, however late a
+    # Both workers' engine steps are slowed (the drill's slow_step, inside EngineCore: logits
+    # untouched), so their requests are still generating when each kill comes, however late a
     # loaded machine lets this test see their first chunks.
     victim = RunningWorker(redis_server, "victim31@testhost", tmp_path, pools=DRILL_MODEL,
                            VIGIL_ENGINE="drill", VIGIL_DRILL="slow_step=0.01")
@@ -423,7 +423,8 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
         wait_processes_gone(children)
         streamed = {r.id: int(st.get(r.id)["streamed"]) for r in (r1, r2)}
         at_kill = TokenStreams(st.raw).checkpoint(r3.id)
-        rescuer = RunningWorker(redis_server, "rescuer31@testhost", tmp_path, pools=DRILL_MODEL)
+        rescuer = RunningWorker(redis_server, "rescuer31@testhost", tmp_path, pools=DRILL_MODEL,
+                                VIGIL_ENGINE="drill", VIGIL_DRILL="slow_step=0.01")
         out1, out2 = r1.get(timeout=300), r2.get(timeout=300)
         assert (out1["attempts"], out2["attempts"]) == (2, 2)
         assert out1["resumed_at"] == [streamed[r1.id]] and streamed[r1.id] < 480
