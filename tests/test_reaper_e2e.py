@@ -67,7 +67,12 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
     store = RequestStore(redis_server.client(), 3600)
     bus, warm = app.vigil_ports.bus, warm_worker.name
     beat = queue = None
-    victim = RunningWorker(redis_server, "victim2@testhost", tmp_path)
+    # The victim's engine steps are slowed (the drill's slow_step, inside EngineCore: logits
+    # untouched, so greedy results stay the survivor's), so what it holds is still generating
+    # when the kill comes, however long a loaded machine takes to get there: 400 tokens take
+    # it 12 s at least.
+    victim = RunningWorker(redis_server, "victim2@testhost", tmp_path,
+                           VIGIL_ENGINE="drill", VIGIL_DRILL="slow_step=0.03")
     try:
         entry = victim.wait_engine()
         inst = entry["instance_id"]
