@@ -123,7 +123,8 @@ def test_redis_pools_hold_a_connection_per_task_thread():
 
 
 def test_vigil_worker_gpu_pins_names_and_uses_the_threads_pool():
-    from app.ops.cli import build_parser, worker_argv
+    from app.ops.cli import build_parser
+    from app.ops.worker_start import worker_argv
 
     args = build_parser().parse_args(["worker", "--gpu", "1"])
     argv = worker_argv(args, 128)
