@@ -173,6 +173,7 @@ def stopped_line(log: str) -> tuple[int, int]:
     return int(m[-1][0]), int(m[-1][1])
 
 
+@pytest.mark.alone  # its bulk requests must begin while four generations run: timing
 def test_sigterm_under_load_hands_back_every_token_and_each_resumes_identical(
         tiers, redis_server, tmp_path):
     """Given the module's worker (last test: it is stopped here) with four long greedy
