@@ -13,6 +13,8 @@ loop, holding that condition. Its parts, by job:
 - the engine slot (workers/engine/slot.py): load sized to free memory, switch, evict, idle;
 - recovery (workers/engine/recovery.py): engine death, suspects re-isolated, the canary, the
   death streak, the worker's fatal end;
+- the tier gate (workers/engine/tier_gate.py): bulk runs enter only free batch slots, an
+  interactive request preempts the youngest bulk run;
 - the in-flight request (workers/engine/ticket.py), what it tells the worker
   (`HostEvents`) and its counters (`HostStats`), both in workers/engine/host_state.py.
 Its collaborators have state of their own: the loop bridge (the thread, the futures, aborting),
@@ -30,13 +32,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, WorkerFatalError
-from app.request_ids import request_id_of
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.admission import Admission
-from workers.engine.bridge import (PREEMPTED, STALLED, Aborted, HandedBack, LoopBridge,
-                                   Preempted)
+from workers.engine.bridge import STALLED, Aborted, HandedBack, LoopBridge, Preempted
 from workers.engine.classify import classify, death_cause, is_engine_dead
 from workers.engine.host_state import HostEvents, HostState, HostStats
 from workers.engine.lora import AdapterCache, lane_of
@@ -44,6 +44,7 @@ from workers.engine.output import EngineOutput
 from workers.engine.recovery import Recovery
 from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
+from workers.engine.tier_gate import TierGate
 from workers.engine.watchdog import StallWatchdog, Watched
 
 __all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents", "HostStats",
@@ -86,6 +87,7 @@ class EngineHost:
         # collaborators with state of their own
         self._bridge = LoopBridge(on_failure=events.failure, on_success=events.success)
         self._loop = self._bridge.loop
+        self._tiers = TierGate(self._st, self._bridge)
         self._adapters = AdapterCache()
         self._watchdog = (StallWatchdog(stall_timeout, self._watched, self._stalled, clock)
                           if stall_timeout > 0 else None)
@@ -308,13 +310,13 @@ class EngineHost:
         engine = await self._admission.acquire(spec, arrived,
                                                lane_of(spec, adapter, req, engine_request_id))
         if t.urgent:
-            self._preempt_for(t, engine)
+            self._tiers.preempt_for(t, engine)
         try:
             while True:
                 if adapter is not None:
                     await self._gate_or_release(engine, t, spec)
                 if t.runs == 0 and t.bulk:
-                    await self._bulk_gate(engine, t)
+                    await self._tiers.bulk_gate(engine, t)
                 outcome, value = await self._run_once(engine, t, spec)
                 if outcome == "ok":
                     return value
@@ -387,61 +389,6 @@ class EngineHost:
                 st.release_slot()
                 st.cond.notify_all()
             raise
-
-    # -- the bulk gate and preemption ---------------------------------------------------------------
-    def _batch_used(self, but: Ticket | None = None) -> int:
-        """The engine batch slots the runs in the engine take now (`but` left out)."""
-        return sum(x.seqs for x in self._st.running if x is not but)
-
-    async def _bulk_gate(self, engine, t: Ticket) -> None:
-        """The bulk gate: a bulk request's first run enters an engine with a batch
-        (`max_num_seqs`) only while the runs in it leave a slot free; until then it waits here,
-        admitted (counted in flight, handed back or aborted like any) but not in the engine.
-        So no bulk request ever waits inside vLLM: every bulk run in the engine holds a batch
-        slot, a preempted one frees it, and work that arrives in messages of many requests
-        (vigil.generate_many, batch objects) cannot queue ahead of an interactive request in
-        vLLM. Interactive and default requests never wait here. An engine that died meanwhile
-        lets it through: its run then meets the death like any other."""
-        seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs:
-            return
-        st = self._st
-        async with st.cond:
-            try:
-                await st.cond.wait_for(
-                    lambda: self._batch_used() + t.seqs <= seqs or self._batch_used() == 0
-                    or getattr(engine, "dead", False) or st.engine is not engine)
-            except asyncio.CancelledError:  # aborted while waiting: it never entered
-                st.release_slot()
-                st.cond.notify_all()
-                raise
-
-    def _preempt_for(self, urgent: Ticket, engine) -> None:
-        """An interactive request was admitted to an engine whose batch is full (its runs take
-        every one of its `max_num_seqs` slots): the youngest preemptible bulk run (the one
-        started last, whose KV cache costs least to rebuild) yields its slot at the engine's
-        next token boundary. The bulk gate (`_bulk_gate`) lets a bulk run into the engine only
-        into a free slot, so the victim holds one, and vLLM's priority scheduling
-        (workers/engine/vllm_args.py) gives the freed slot to the interactive request, not to
-        an older default one waiting there. Its tokens so far are read into its tap first
-        (nothing is lost), then its run is cancelled with reason PREEMPTED: its caller hands it
-        back to resume from them."""
-        st = self._st
-        seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs or self._batch_used(but=urgent) < seqs:
-            return  # a slot is free: it starts at the next step anyway
-        pick = [x for x in st.running if x is not urgent and x.preemptible and not x.preempting
-                and not x.gone and x.bulk]
-        if not pick:
-            return
-        victim = max(pick, key=lambda x: st.running[x])
-        victim.preempting = True
-        read_now = getattr(engine, "read_now", None)
-        if read_now is not None:
-            read_now(victim.engine_request_id())
-        if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
-            st.stats.preemptions += 1
-            log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
 
     # -- stalls (the watchdog's view and its verdict) ---------------------------------------------
     def _watched(self) -> Watched:
