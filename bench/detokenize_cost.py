@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
 import psutil
 
+from bench.cpu_meter import CpuMeter
 from bench.direct_engine import MODEL, make_prompts
 
 
@@ -33,24 +35,13 @@ def _busy_s() -> float:
     return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            c = p.cpu_times()
-            total += c.user + c.system
-        except psutil.Error:
-            pass
-    return total
-
-
 async def _round(llm, prompts: list[str], max_tokens: int, detokenize: bool,
                  logprobs: int | None, tag: str) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    me = psutil.Process()
-    core = me.children(recursive=True)
+    meter = CpuMeter()
+    meter.add("front", os.getpid())  # this process, and EngineCore below it
     sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY, detokenize=detokenize,
                         logprobs=logprobs)
@@ -61,10 +52,12 @@ async def _round(llm, prompts: list[str], max_tokens: int, detokenize: bool,
             final = out
         return final.outputs[0]
 
-    busy0, mine0, core0, t0 = _busy_s(), _cpu_s([me]), _cpu_s(core), time.perf_counter()
+    busy0, before, t0 = _busy_s(), meter.snapshot(), time.perf_counter()
     outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - t0
-    mine, cores = _cpu_s([me]) - mine0, _cpu_s(core) - core0
+    pct = CpuMeter.diff(before, meter.snapshot(), wall)  # % of one core, per process kind
+    mine = pct.pop("front", 0.0) * wall / 100
+    cores = sum(pct.values()) * wall / 100
     other = max(0.0, _busy_s() - busy0 - mine - cores)
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == len(prompts) * max_tokens
