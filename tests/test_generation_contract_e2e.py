@@ -353,19 +353,19 @@ def test_hostile_version_2_fields_sent_around_the_producer_end_typed(warm_worker
 
 
 def test_a_message_of_a_newer_version_is_handed_back_by_a_real_worker(warm_worker):
-    """Given a message of schema_version 3 with a field no worker here knows, sent around the
+    """Given a message of schema_version 4 with a field no worker here knows, sent around the
     producer, when the real worker takes it, then it is never failed invalid_request: it is
     recorded, handed back again and again (schema_too_new, no attempt used) for a worker that
-    reads version 3, and ends only by its deadline (deadline_exceeded)."""
-    assert warm_worker.entry()["schema_versions"] == "1,2"  # what the producer's gate reads
+    reads version 4, and ends only by its deadline (deadline_exceeded)."""
+    assert warm_worker.entry()["schema_versions"] == "1,2,3"  # what the producer's gate reads
     r = app.send_task("vigil.generate", queue="vigil.pool.tiny-llama", kwargs={
-        "model": "tiny-llama", "prompt": "from the future", "schema_version": 3,
+        "model": "tiny-llama", "prompt": "from the future", "schema_version": 4,
         "speculative_mode": {"depth": 4}, "deadline_s": 8})
     wait_for(lambda: int((store().get(r.id) or {}).get("dispatch") or 0) >= 2, 60, 0.2,
              "two hand-backs")
     rec = store().get(r.id)
     assert rec["status"] in ("PENDING", "RUNNING") and rec["attempts"] == "0"
-    assert rec["last_error"].startswith("schema_too_new: schema_version 3 ")
+    assert rec["last_error"].startswith("schema_too_new: schema_version 4 ")
     with pytest.raises(TerminalError, match="^deadline_exceeded: "):
         r.get(timeout=120)
 

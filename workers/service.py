@@ -239,7 +239,7 @@ def open_tap(rt: WorkerRuntime, request_id: str, req, b: Begin, adapter):
         return None
     prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
     tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
-                          files_fingerprint(adapter.path) if adapter else "", req.n)
+                          files_fingerprint(adapter.path) if adapter else "", req.n, req.live)
     if b.streamed and prior is None:  # its tokens are not there to continue
         tap.refuse_resume("the stream holds no tokens to continue")
     return tap

@@ -46,6 +46,11 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      | once terminal (the finish   | streams.py): chunks of generated tokens  |
 |                             |      | sets it)                    | the running attempt appends (fenced by   |
 |                             |      |                             | the record), an `end` entry at the finish|
+| vigil:live:{request_id}     |pubsub| (a channel: nothing stored) | each chunk a `live` request's stream     |
+|                             |      |                             | appends, published by the same script    |
+|                             |      |                             | (app/state/lua_fleet.py STREAM_APPEND);  |
+|                             |      |                             | the online API's readers (app/state/     |
+|                             |      |                             | live.py) subscribe                       |
 
 | vigil:file:{file_id}        | hash | VIGIL_BATCH_RETENTION from  | an uploaded batch input file (app/state/ |
 |                             |      | upload; a batch extends it  | batches.py): id, bytes, created_at,      |
@@ -112,6 +117,15 @@ STREAM_PREFIX = PREFIX + "stream:"
 def stream(request_id: str) -> str:
     """The request's token stream (a Redis stream; app/state/streams.py)."""
     return STREAM_PREFIX + request_id
+
+
+LIVE_PREFIX = PREFIX + "live:"
+
+
+def live(request_id: str) -> str:
+    """The pub/sub channel a `live` request's stream chunks are published on, as they are
+    appended (app/state/live.py reads it)."""
+    return LIVE_PREFIX + request_id
 
 
 JOBS = PREFIX + "jobs"
