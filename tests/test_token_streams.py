@@ -15,7 +15,7 @@ import redis
 
 from app.errors import TerminalError
 from app.local.embedded import stop_process
-from app.requests.async_result import _Cursor
+from app.requests.stream_cursor import StreamCursor
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
 from app.settings import load_settings
@@ -405,7 +405,7 @@ def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store)
     assert entries[-1].reset and entries[-1].token_ids == []
     assert ts.checkpoint("z1") is None
     assert store.get("z1")["streamed"] == "0"
-    cur = _Cursor(0)
+    cur = StreamCursor(0)
     got = [c for e in entries if (c := cur.take(e)) is not None]
     assert got[-1] == {"offset": 0, "text": "", "token_ids": [], "restart": True}
     assert cur.final({"text": "xyz", "token_ids": [7, 8, 9]})["text"] == "xyz"
@@ -413,7 +413,7 @@ def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store)
 
 # -- the reader's cursor ------------------------------------------------------------------------
 def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
-    cur = _Cursor(after=3)
+    cur = StreamCursor(after=3)
     e1 = Entry("1-0", 0, [1, 2], "ab", [1, 1])
     e2 = Entry("2-0", 2, [3, 4, 5], "cdef", [1, 0, 3])
     assert cur.take(e1) is None
@@ -424,7 +424,7 @@ def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
 
 
 def test_a_reader_is_told_when_the_stream_restarts():
-    cur = _Cursor(after=0)
+    cur = StreamCursor(after=0)
     assert cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))["offset"] == 0
     again = cur.take(Entry("2-0", 0, [7], "z", [1], reset=True))
     assert again == {"offset": 0, "text": "z", "token_ids": [7], "restart": True}
@@ -433,7 +433,7 @@ def test_a_reader_is_told_when_the_stream_restarts():
 def test_a_result_that_does_not_continue_the_stream_comes_whole_as_a_restart():
     """The restart never reached the stream (a worker with streams off ran the last attempt):
     the reader is given the whole result, marked, instead of a tail cut at the wrong place."""
-    cur = _Cursor(after=0)
+    cur = StreamCursor(after=0)
     cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))
     final = cur.final({"text": "xyz", "token_ids": [7, 8, 9]})
     assert final["restart"] and final["offset"] == 0 and final["text"] == "xyz"
@@ -441,7 +441,7 @@ def test_a_result_that_does_not_continue_the_stream_comes_whole_as_a_restart():
 
 
 def test_a_reader_past_the_end_gets_an_empty_final_chunk():
-    cur = _Cursor(after=10)
+    cur = StreamCursor(after=10)
     final = cur.final({"text": "abc", "token_ids": [1, 2, 3]})
     assert final["token_ids"] == [] and final["text"] == ""
 
