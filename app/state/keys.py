@@ -51,6 +51,11 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | (app/state/lua_fleet.py STREAM_APPEND);  |
 |                             |      |                             | the online API's readers (app/state/     |
 |                             |      |                             | live.py) subscribe                       |
+| vigil:call:{call_id}        | hash | the call's deadline plus    | an online API call (app/state/online_    |
+|                             |      | result_ttl                  | calls.py): its key, request ids, format  |
+| vigil:apikey:{sha256}       | hash | none; deleted when revoked  | an online API key's grant (app/state/    |
+|                             |      |                             | api_keys.py): name, job, max_tier        |
+| vigil:apikeys               | hash | none                        | every key's sha256 -> name               |
 
 | vigil:file:{file_id}        | hash | VIGIL_BATCH_RETENTION from  | an uploaded batch input file (app/state/ |
 |                             |      | upload; a batch extends it  | batches.py): id, bytes, created_at,      |
@@ -120,6 +125,17 @@ def stream(request_id: str) -> str:
 
 
 LIVE_PREFIX = PREFIX + "live:"
+API_KEYS = PREFIX + "apikeys"
+
+
+def call(call_id: str) -> str:
+    """An online API call's record (app/state/online_calls.py)."""
+    return f"{PREFIX}call:{call_id}"
+
+
+def api_key(sha: str) -> str:
+    """An online API key's grant, under the key's SHA-256 (app/state/api_keys.py)."""
+    return f"{PREFIX}apikey:{sha}"
 
 
 def live(request_id: str) -> str:

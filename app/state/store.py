@@ -17,6 +17,7 @@ import redis
 
 from app.settings import VigilSettings, get_settings
 from app.state import jobs, keys
+from app.state.api_keys import ApiKeys
 from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect
@@ -187,6 +188,10 @@ class RequestStore(HoldCalls, ManyCalls):
         """The batch objects (app/state/batches.py) on this store's client, under this store's
         outage policy."""
         return BatchStore(self._r, self._call)
+
+    def api_keys(self) -> ApiKeys:
+        """The online API's keys (app/state/api_keys.py) on this store's client."""
+        return ApiKeys(self._r, self._call)
 
     def streams(self) -> TokenStreams:
         """The token streams (app/state/streams.py) on this store's client, under this store's
