@@ -68,7 +68,7 @@ def refuse_unsupported(request, kind: str) -> None:
     the fleet has no way to honour (tools, a chat echo)."""
     fields = type(request).model_fields
     for name in sorted(request.model_fields_set):
-        if name in SUPPORTED[kind]:
+        if name in SUPPORTED[kind] or name not in fields:  # extras: below
             continue
         default = fields[name].default if name in fields else None
         if getattr(request, name, None) != default:

@@ -79,6 +79,17 @@ class Renderers:
         raise RequestError.of(MODEL_NOT_FOUND, f"The model `{name}` does not exist. Served: "
                               f"{', '.join(self.served_ids())}.")
 
+    async def default_lane(self) -> Lane:
+        """The lane of the first registered model that renders (what /tokenize and
+        /tokenizer_info use when no model is named, as a one-model `vllm serve` answers)."""
+        last = None
+        for name in self.registry.names():
+            try:
+                return await self.lane(name)
+            except RequestError as e:
+                last = e
+        raise last or RequestError.of(MODEL_NOT_FOUND, "no model is registered")
+
     def served_ids(self) -> list[str]:
         """Every model id the API serves: the registered models, then their adapters."""
         return self.registry.names() + sorted(

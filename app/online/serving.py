@@ -214,10 +214,16 @@ def _parse(kind: str, body: dict):
 async def _render(lane: Lane, kind: str, request) -> list:
     """vLLM's render of the body: one GenerateRequest (token ids, SamplingParams) per prompt;
     vLLM's own error as a RequestError."""
-    if kind == CHAT:
-        out = await lane.render.render_chat_request(request)
-    else:
-        out = await lane.render.render_completion_request(request)
+    try:
+        if kind == CHAT:
+            out = await lane.render.render_chat_request(request)
+        else:
+            out = await lane.render.render_completion_request(request)
+    except Exception as e:  # vLLM's VLLMValidationError (not a ValueError) names the parameter
+        if not isinstance(e, (ValueError, TypeError)) and not hasattr(e, "parameter"):
+            raise
+        param = getattr(e, "parameter", None)
+        raise bad(param or "body", str(e)) from None
     if hasattr(out, "error"):  # vLLM's ErrorResponse
         err = bad(out.error.param or "body", out.error.message)
         err.status = out.error.code

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from app.errors import MODEL_NOT_FOUND, RequestError, VigilError
@@ -130,3 +130,22 @@ async def sse(hub: LiveHub, fmt: Format, request_ids: list[str], decode, start: 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def parse_sse(lines) -> Iterator[tuple[str | None, str]]:
+    """The events of an SSE text, line by line (a client's reading of what `sse` writes):
+    (the event's id, or None when it has none, its data) per event; comments are skipped."""
+    event_id, data = None, []
+    for raw in lines:
+        line = raw.decode() if isinstance(raw, bytes) else raw
+        line = line.rstrip("\r\n")
+        if not line:
+            if data:
+                yield event_id, "\n".join(data)
+            event_id, data = None, []
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    if data:
+        yield event_id, "\n".join(data)

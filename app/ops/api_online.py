@@ -167,9 +167,9 @@ def add_online_routes(api: FastAPI, get: Callable[[], OnlineCalls],
 
         r = renderers()
         body = body_json(await read_body(request, settings.api_max_body_bytes))
-        target = r.target(body.get("model") or r.registry.names()[0])
-        lane = await r.lane(target.base)
-        body = {**body, "model": target.base}
+        lane = await (r.lane(r.target(body["model"]).base) if body.get("model")
+                      else r.default_lane())
+        body = {**body, "model": lane.spec.name}
         try:
             if name == "detokenize":
                 req = DetokenizeRequest.model_validate(body)
@@ -196,7 +196,7 @@ def add_online_routes(api: FastAPI, get: Callable[[], OnlineCalls],
     @api.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None):
         r = renderers()
-        lane = await r.lane(r.target(model or r.registry.names()[0]).base)
+        lane = await (r.lane(r.target(model).base) if model else r.default_lane())
         out = await lane.tokenization.get_tokenizer_info()
         if hasattr(out, "error"):
             return error_response(out.error.code, out.error.message, "invalid_request")
