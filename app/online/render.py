@@ -67,6 +67,7 @@ class Renderers:
         self._lanes: dict[str, Lane] = {}
         self._broken: dict[str, RequestError] = {}
         self._lock = threading.Lock()
+        self._stop_warming = threading.Event()
 
     def target(self, name: object) -> Target:
         """The base model (and adapter) a body's `model` names; RequestError(model_not_found)
@@ -132,10 +133,16 @@ class Renderers:
         """Build every model's lane now (at start: the first request then waits for nothing);
         a model that fails is logged and answers its error per request."""
         for name in self.registry.names():
+            if self._stop_warming.is_set():
+                return
             try:
                 self.lane_now(name)
             except RequestError as e:
                 log.warning("online API: %s", e)
+
+    def stop_warming(self) -> None:
+        """`warm` builds no more lanes (the one under way finishes)."""
+        self._stop_warming.set()
 
 
 def _build(spec: ModelSpec, path: str) -> Lane:

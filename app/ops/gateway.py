@@ -36,8 +36,10 @@ class Gateway:
     """What the online endpoints run on in one process (module docstring)."""
 
     def __init__(self, settings: VigilSettings, store: RequestStore, registry: ModelRegistry,
-                 ports):
+                 ports, *, warm: bool = True):
         self.settings, self.store, self.registry, self.ports = settings, store, registry, ports
+        self.warm = warm  # build every model's render lane at start (on a thread)
+        self._warming: threading.Thread | None = None
         self.renderers = Renderers(registry, ensure_model_files)
         self.calls: OnlineCalls | None = None
         self.keys: KeyReader | None = None
@@ -80,8 +82,10 @@ class Gateway:
                                  deadline_s=self.settings.request_deadline,
                                  result_ttl=self.settings.result_ttl)
         self._mark_stops()
-        threading.Thread(target=self.renderers.warm, name="vigil-render-warm",
-                         daemon=True).start()
+        if self.warm:
+            self._warming = threading.Thread(target=self.renderers.warm,
+                                             name="vigil-render-warm", daemon=True)
+            self._warming.start()
 
     def _mark_stops(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -98,7 +102,10 @@ class Gateway:
             signal.signal(sig, handler)
 
     async def close(self) -> None:
-        """Close the async side."""
+        """Close the async side; let a lane build under way finish (a thread stopped inside
+        vLLM at interpreter exit aborts the process)."""
+        self.renderers.stop_warming()
+        if self._warming is not None:
+            await asyncio.to_thread(self._warming.join, 60)
         if self.hub is not None:
             await self.hub.close()
-        await asyncio.sleep(0)
