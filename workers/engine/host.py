@@ -28,7 +28,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, WorkerFatalError
@@ -41,6 +40,7 @@ from workers.engine.classify import classify, death_cause, is_engine_dead
 from workers.engine.host_state import HostEvents, HostState, HostStats
 from workers.engine.lora import AdapterCache, lane_of
 from workers.engine.output import EngineOutput
+from workers.engine.pending import Pending
 from workers.engine.recovery import Recovery
 from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
@@ -51,17 +51,6 @@ __all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents",
            "Pending", "Preempted"]
 
 log = logging.getLogger("vigil.engine")
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A request `EngineHost.submit` started: its future on the loop, its engine request id,
-    when (time.monotonic) waiting for it gives up, and that wait's whole bound."""
-
-    future: concurrent.futures.Future
-    engine_request_id: str
-    deadline: float
-    bound: float
 
 
 class EngineHost:
