@@ -1,8 +1,9 @@
-"""Unit tier: lossless preemption in the engine host (workers/engine/host.py `_preempt_for`)
-with a fake engine whose batch holds two requests: an interactive request admitted to a full
-engine makes the youngest preemptible bulk run yield its slot (its tokens read first), and
-nothing else is ever picked; bulk work beyond the batch waits at the bulk gate, outside the
-engine, so the one that yields holds a batch slot."""
+"""Unit tier: lossless preemption in the engine host (workers/engine/tier_gate.py
+`TierGate.preempt_for`) with a fake engine whose batch holds two requests: an interactive
+request admitted to a full engine makes the youngest preemptible bulk run yield its slot (its
+tokens read first), and nothing else is ever picked; work beyond the batch waits at the batch
+gate, outside the engine, so the one that yields holds a batch slot, and the slot it frees is
+kept for the interactive request, also while its LoRA adapter loads."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest, parse_request
 from tests.conftest import wait_until
@@ -33,15 +35,26 @@ class Batch:
         self.max_num_seqs = max_num_seqs
         self.dead = False
         self.running: list[str] = []
+        self.started: list[str] = []
         self.read: list[str] = []
         self.aborted: list[str] = []
         self.release = threading.Event()
+        self.adapter_loads = threading.Event()  # cleared: an adapter's load waits for it
+        self.adapter_loads.set()
 
     def __call__(self, spec, plan=None):
         return self
 
-    async def run(self, r, rid):
+    async def add_adapter(self, a):
+        while not self.adapter_loads.is_set():
+            await asyncio.sleep(0.01)
+
+    async def remove_adapter(self, a):
+        pass
+
+    async def run(self, r, rid, adapter=None):
         self.running.append(rid)
+        self.started.append(rid)
         try:
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
@@ -83,6 +96,38 @@ def test_an_interactive_request_makes_the_youngest_bulk_run_yield_its_slot(make_
     pool.shutdown()
 
 
+def test_the_slot_freed_for_an_interactive_request_loading_its_adapter_stays_its_own(
+        make_host, tmp_path):
+    """Given a full batch of bulk runs, a bulk request waiting for a slot, and an interactive
+    request whose LoRA adapter is cold (its load takes a while), then the slot the preemption
+    frees is kept for the interactive request while its adapter loads: it enters the engine
+    before the waiting bulk request (eb37a72: the bulk request took the slot at once)."""
+    from tests.test_engine_lora import make_adapter
+
+    spec = ModelSpec(name="model-a", path="/x", max_loras=1, max_lora_rank=8,
+                     lora_mixing_safe=True)
+    adapter = make_adapter(tmp_path, "a1")
+    eng = Batch()
+    host = make_host(eng)
+    first = [host.submit(req(f"b{i}"), spec, f"b{i}-1", 30, None, None, True) for i in (0, 1)]
+    wait_until(lambda: len(eng.running) == 2)
+    waiting = host.submit(req("b2"), spec, "b2-1", 30, None, None, True)
+    wait_until(lambda: host.waiting_for_slots == 1)
+    eng.adapter_loads.clear()
+    pool = ThreadPoolExecutor(1)
+    urgent = pool.submit(host.generate, req("now", "interactive"), spec, "now-1", 30, adapter)
+    with pytest.raises(Preempted):
+        host.result(first[1])
+    wait_until(lambda: eng.aborted == ["b1-1"])
+    eng.adapter_loads.set()
+    wait_until(lambda: "now-1" in eng.running)
+    assert eng.started == ["b0-1", "b1-1", "now-1"]  # the waiting bulk request did not take it
+    eng.release.set()
+    assert urgent.result(10).text == "now"
+    assert [host.result(p).text for p in (first[0], waiting)] == ["b0", "b2"]
+    pool.shutdown()
+
+
 def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_host):
     eng = Batch(max_num_seqs=2)
     host = make_host(eng)
@@ -93,8 +138,8 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
                         None, True)
     wait_until(lambda: len(eng.running) == 2)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
-    wait_until(lambda: "now-1" in eng.running)  # the fake runs it beside them: vLLM would queue
-    assert eng.aborted == [] and host.stats.preemptions == 0
+    wait_until(lambda: host.waiting_for_slots == 1)  # it waits for a slot, outside the engine
+    assert eng.aborted == [] and host.stats.preemptions == 0 and "now-1" not in eng.running
     eng.release.set()
     assert {f.result(10).text for f in (tired, plain, urgent)} == {"tired", "plain", "now"}
     pool.shutdown()

@@ -9,9 +9,9 @@ start for every check:
   vigil_tokens_discarded_total); every stored result is backed by the engine's witness;
 - the same with the bulk work arriving as one message of many requests (`generate_many`, as a
   batch object's window does): twice the engine's batch in one message, so the intake cap and
-  the engine's bulk gate, not the message count, keep the extra bulk requests out of vLLM, the
-  one that yields holds a batch slot, and vLLM's priority scheduling gives it to the
-  interactive request;
+  the engine's batch gate, not the message count, keep the extra bulk requests out of vLLM, the
+  one that yields holds a batch slot, and the gate's line gives it to the interactive
+  request;
 - last, the worker is SIGTERMed under load (a drain: a scale-in), with default-tier greedy
   generations streaming and bulk ones waiting at the gate: every request is handed back with
   every token it made in its stream and its attempt given back, none counted discarded (the
