@@ -1,7 +1,7 @@
 """The tier gate of the engine host (workers/engine/host.py): every request enters the engine's
 batch only into a free slot, in tier order, and an interactive request admitted to a full batch
-makes the youngest bulk run yield its slot (docs/architecture.md, "Tiers"). It decides on the
-host's one state (workers/engine/host_state.py), on the host's loop.
+makes the bulk runs cheapest to rebuild yield as many slots as it needs (docs/architecture.md,
+"Tiers"). It decides on the host's one state (workers/engine/host_state.py), on the host's loop.
 
 Why every tier waits here: vLLM runs `max_num_seqs` requests and queues the rest inside it,
 and a request's own timeout (`VIGIL_REQUEST_TIMEOUT`, the wedge clock) runs from its entry into
@@ -25,12 +25,14 @@ import asyncio
 import bisect
 import itertools
 import logging
+import sys
 import time
 
 from app.request_ids import request_id_of
 from app.requests.tiers import engine_priority
 from workers.engine.bridge import PREEMPTED, LoopBridge
 from workers.engine.host_state import HostState
+from workers.engine.resume import refusal, unsound
 from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
@@ -124,20 +126,36 @@ class TierGate:
                 wake.set_result(None)
 
     def preempt_for(self, urgent: Ticket, engine) -> None:
-        """An interactive request was admitted to an engine whose batch is full (its seated
-        runs take every one of its `max_num_seqs` slots): the youngest preemptible bulk run
-        (the one started last) yields its slot at the engine's next token boundary. Its tokens
-        are read into its tap first (nothing is lost), then its run is cancelled with reason
-        PREEMPTED: its caller hands it back to resume from them. The line keeps the freed slot
-        for the interactive request."""
+        """An interactive request was admitted (it is in the line): when the seated runs and
+        the line up to it leave it short of slots, the preemptible bulk runs cheapest to
+        rebuild (fewest prompt and prefix tokens to prefill again: `rebuild_cost`; of equals,
+        the one started last) yield as many slots as it lacks, at the engine's next token
+        boundary. Never a run whose resume would be refused (its tokens would be thrown away:
+        workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
+        run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
+        The line keeps the freed slots for the interactive request."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs or self.batch_used(but=urgent) < seqs:
-            return  # a slot is free: it is seated at once
-        pick = [x for x in st.running if x is not urgent and x.preemptible and not x.preempting
-                and not x.gone and x.bulk]
-        if pick:
-            self._preempt(max(pick, key=lambda x: st.running[x]), urgent, engine)
+        if not seqs or urgent not in st.line:
+            return
+        need = sum(x.seqs for x in st.seated if not x.preempting) - seqs
+        for x in st.line:
+            need += x.seqs
+            if x is urgent:
+                break
+        if need <= 0:
+            return  # its slots are free, or are being freed for it
+        picks = []
+        for x in st.running:
+            if x is not urgent and x.preemptible and x.bulk and not x.preempting and not x.gone:
+                cost = rebuild_cost(x, engine)
+                if cost is not None:
+                    picks.append((cost, -st.running[x], id(x), x))
+        for _, _, _, victim in sorted(picks):
+            if need <= 0:
+                return
+            need -= victim.seqs
+            self._preempt(victim, urgent, engine)
 
     def _preempt(self, victim: Ticket, urgent: Ticket, engine) -> None:
         victim.preempting = True
@@ -147,3 +165,26 @@ class TierGate:
         if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
             self._st.stats.preemptions += 1
             log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
+
+
+def rebuild_cost(t: Ticket, engine) -> int | None:
+    """The tokens a resume of `t`'s run would prefill again: for each of its samples, the
+    prompt and the tokens it made (a run that made none restarts from its prompt, once); None
+    when its resume would be refused (workers/engine/resume.py decides: `unsound`, `refusal`)
+    and a preemption would throw its tokens away. Until the engine has read the prompt's token
+    ids into the tap, the prompt's length in characters stands in for them."""
+    if unsound(t.req):
+        return None
+    tap = t.tap
+    prompt_ids = getattr(tap, "prompt_ids", None)
+    prompt = (len(prompt_ids) if prompt_ids is not None
+              else len(t.req.prompt_token_ids or ()) or len(t.req.prompt or ""))
+    cp = tap.resume_point() if tap is not None else None
+    if cp is None:
+        return prompt
+    limit = getattr(engine, "max_model_len", None) or sys.maxsize
+    samples = [cp.sample(i) for i in range(t.seqs)]
+    if any(refusal(c, max_tokens=t.req.max_tokens, max_model_len=limit,
+                   adapter_fingerprint=tap.adapter_fingerprint) for c in samples if c.tokens):
+        return None
+    return sum(prompt + c.tokens for c in samples)
