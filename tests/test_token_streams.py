@@ -227,6 +227,38 @@ def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
 
 
 @pytest.mark.redis
+def test_the_last_write_of_a_yielding_request_waits_for_the_chunk_in_flight(store):
+    """Given a tap whose chunk the flusher thread is writing (Redis holds writes for a second:
+    CLIENT PAUSE WRITE, a slow round trip), when its request yields its slot and its last
+    tokens come in, then `write_now` waits for that chunk's answer and writes the rest: every
+    token is in the stream, none left to count as discarded (eb37a72 gave up at once)."""
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "y1")
+    tap.add([5, 6], "ab")
+    store.raw.client_pause(1000, all=False)
+    flusher = threading.Thread(target=sink.flush, kwargs={"force": True})
+    flusher.start()
+    wait_until(lambda: tap._in_flight)
+    tap.add([7], "c")  # read out of the engine right before the yield
+    assert sink.write_now(tap) and tap.unwritten() == 0
+    flusher.join(10)
+    cp = sink.streams.checkpoint("y1")
+    assert cp.token_ids == [5, 6, 7] and cp.text == "abc"
+
+
+@pytest.mark.redis
+def test_the_last_write_gives_up_on_a_chunk_in_flight_at_its_bound(store):
+    """A chunk in flight whose answer never comes (a flusher stuck) holds the last write only
+    for its bound: it returns False, the tokens left unwritten (the close counts them)."""
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "y2")
+    tap.add([5], "a")
+    assert tap.take_chunk(0, 0.2, 64, force=True) is not None  # in flight, never answered
+    tap.add([6], "b")
+    assert sink.write_now(tap, timeout=0.2) is False and tap.unwritten() == 2
+
+
+@pytest.mark.redis
 def test_a_reply_from_before_a_restart_is_ignored(store):
     """A chunk of the old run in flight while the tap restarts its stream: its reply must not
     make the new run's tokens follow the old ones."""

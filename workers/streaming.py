@@ -31,6 +31,11 @@ from app.state.streams import APPENDED, FENCED, Checkpoint, Chunk, Part, TokenSt
 
 log = logging.getLogger("vigil.streams")
 
+# How long a yielding request's last write waits for a chunk the flusher has in flight (its
+# round trip is bounded by the Redis calls' own timeout and outage grace; this bounds the wait
+# of the task thread that hands the request back).
+LAST_WRITE_TIMEOUT_S = 10.0
+
 
 class _Seq:
     """One sample's tokens in a tap: all of them, and those not written yet."""
@@ -327,20 +332,26 @@ class StreamSink:
                 log.warning("request %s: could not restart its token stream: %s",
                             tap.request_id, e)
 
-    def write_now(self, tap: StreamTap) -> bool:
-        """Write `tap`'s pending tokens now, in one round trip (a request that yields its slot:
-        its next attempt goes on from them); True when nothing is left unwritten. A Redis that
-        cannot be reached leaves them pending (and they count as discarded at the close)."""
-        c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
-        if c is None:
-            return tap.unwritten() == 0
-        try:
-            tap.chunk_written(c, self.streams.append_many([c])[0])
-        except Exception as e:
-            tap.chunk_written(c, None)
-            log.warning("request %s: could not write its tokens before it yielded: %s",
-                        tap.request_id, e)
-        return tap.unwritten() == 0
+    def write_now(self, tap: StreamTap, timeout: float = LAST_WRITE_TIMEOUT_S) -> bool:
+        """Write `tap`'s pending tokens now (a request that yields its slot: its next attempt
+        goes on from them); True when nothing is left unwritten. A chunk the flusher thread has
+        in flight is waited out (for at most `timeout` seconds), then the rest is written: its
+        answer decides where the rest begins. A Redis that cannot be reached, a tap fenced
+        meanwhile or the bound leave them pending (they count as discarded at the close)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
+            if c is not None:
+                try:
+                    tap.chunk_written(c, self.streams.append_many([c])[0])
+                except Exception as e:
+                    tap.chunk_written(c, None)
+                    log.warning("request %s: could not write its tokens before it yielded: %s",
+                                tap.request_id, e)
+                    return False
+            if tap.unwritten() == 0 or tap.dead or time.monotonic() >= deadline:
+                return tap.unwritten() == 0
+            time.sleep(0.005)  # the flusher's chunk in flight (its answer first), or refused
 
     def write_all(self, timeout: float) -> int:
         """Write every open tap's pending tokens now, waiting out a chunk the flusher thread has
