@@ -20,7 +20,7 @@ from app import metrics
 from app.celery_app import APP_NAME
 from app.celery_ports import ports_of
 from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
-from app.fleet.cancel import cancel_requests
+from app.fleet.cancel import cancel_requests, revocable
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
 from app.requests.tiers import intake_limits_for
@@ -124,18 +124,25 @@ def revoke(state, task_id, terminate=False, signal=None, **kwargs):
     requests among the ids cancelled first (app/fleet/cancel.py): ended `cancelled` once and
     aborted in this worker's engine now. `terminate` is taken as a plain revoke: the threads
     pool cannot kill one task (Celery's terminate raises there), and the abort already stopped
-    the generation; the worker and its other requests carry on."""
+    the generation; the worker and its other requests carry on. Only the ids whose record ended
+    `cancelled` go to Celery's revoked set (`revocable`): an unknown id, one that ended another
+    way, or any id while Redis cannot be read changes nothing here, so a later request under it
+    runs."""
     ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
     rt = runtime.installed()
+    revoked: list[str] = []
     try:
         if ids:
             store = rt.store if rt is not None else shared_store()
             cancel_requests(store, ids, backend=state.app.backend, bus=None)
+            revoked = revocable(store, ids)
     except Exception as e:  # the record stays open: the sender's own cancel may have ended it
         log.warning("revoke: could not end %s cancelled: %s", ids, e)
-    if rt is not None and ids:
-        rt.host.abort_requests(set(ids))
-    return celery_control.revoke(state, task_id, terminate=False, signal=signal, **kwargs)
+    if rt is not None and revoked:
+        rt.host.abort_requests(set(revoked))
+    if not revoked:  # unknown or ended otherwise: nothing changes, Celery's revoked set neither
+        return {"ok": f"nothing revoked: no request among {sorted(ids)} ended cancelled"}
+    return celery_control.revoke(state, revoked, terminate=False, signal=signal, **kwargs)
 
 
 @control_command(args=[("request_ids", list)], signature="<request_id> ...")
