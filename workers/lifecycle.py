@@ -1,6 +1,7 @@
 """Celery start-up and shutdown hooks of a Vigil worker process.
 
-worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard)
+worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard);
+                in a housekeeper, the deadline watch instead (app/fleet/deadlines.py)
 worker_ready -> preload the engines of VIGIL_POOLS in the background; the worker is ready
                 (has_pinged=1 in its registry entry) once that preload ended, or at once
 worker_shutdown -> the engine is shut down cleanly (no leaked processes or shared memory)
@@ -21,6 +22,7 @@ from app.celery_app import APP_NAME
 from app.celery_ports import ports_of
 from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
 from app.fleet.cancel import cancel_requests, revocable
+from app.fleet.deadlines import DeadlineWatch
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
 from app.requests.tiers import intake_limits_for
@@ -35,6 +37,7 @@ from workers.held import carried
 
 log = logging.getLogger("vigil.worker")
 _hand_back_thread: threading.Thread | None = None
+_deadline_watch: DeadlineWatch | None = None  # a housekeeper's
 
 
 def housekeeper() -> bool:
@@ -65,6 +68,9 @@ def _on_worker_init(sender=None, **_):
     if housekeeper():
         log.info("housekeeper %s: runs beat's tasks on %s, never an engine",
                  getattr(sender, "hostname", ""), HOUSEKEEPING_QUEUE)
+        # Requests end at their deadline, not at beat's next sweep (app/fleet/deadlines.py).
+        global _deadline_watch
+        _deadline_watch = DeadlineWatch(shared_store(), ports_of(sender.app).backend).start()
         return
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker",
                                                ports=ports_of(sender.app)).start())
@@ -204,6 +210,8 @@ def _on_worker_shutting_down(sender=None, **_):
 def _on_worker_shutdown(sender=None, **_):
     if not vigil_worker(sender):
         return
+    if _deadline_watch is not None:
+        _deadline_watch.stop()
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
     if runtime.installed() is not None:  # its tasks have ended: their taps are closed
