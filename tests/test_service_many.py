@@ -193,6 +193,37 @@ def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime)
         pool.shutdown()
 
 
+def test_a_sibling_whose_structured_output_broke_is_no_result_and_ends_or_goes_back_alone(
+        runtime):
+    """Given a message of three structured (JSON schema) requests whose engine output breaks
+    the schema for two of them (a raw control character in a string: what xgrammar 0.2.8 lets
+    through), when it is served, then neither broken output is stored as a result: the greedy
+    one ends at once (attempts_exhausted: it would make the same output again), the sampled one
+    goes back alone as its next dispatch (another sample may hold), and the valid one
+    succeeds."""
+    schema = {"type": "object", "required": ["s"],
+              "properties": {"s": {"type": "string", "maxLength": 4}}}
+    broken = EngineOutput('{"s": "\x1a"}', [1, 2], "stop", 1)
+    rt = runtime({"p0": broken, "p1": broken,
+                  "p2": EngineOutput('{"s": "ok"}', [1, 2], "stop", 1)})
+    batch = items(3, structured={"json": schema})
+    batch[0]["kwargs"]["temperature"] = 0.0
+    for it in batch:
+        create(rt.store, it["id"], **{k: v for k, v in it["kwargs"].items() if k != "model"})
+    tally = serve_many(rt, batch)
+    assert (tally["succeeded"], tally["failed"], tally["retried"]) == (1, 1, 1)
+    greedy = rt.store.get("m0")
+    assert greedy["status"] == "FAILED" and greedy["error"].startswith(
+        "attempts_exhausted: 1 attempt used, and another would make the same output")
+    assert "structured_output_invalid: the output broke its json constraint: not strict " \
+        "JSON: Invalid control character" in greedy["error"]
+    sampled = rt.store.get("m1")
+    assert (sampled["status"], sampled["dispatch"], sampled["attempts"]) == ("PENDING", "1", "1")
+    assert sampled["last_error"].startswith("structured_output_invalid: ")
+    assert rt.ports.sent == [("m1", 1)]
+    assert rt.store.get("m2")["status"] == "SUCCEEDED"
+
+
 def test_a_sibling_the_reaper_requeued_is_dropped_alone(runtime):
     """Given a message of three whose middle request the reaper already requeued (its record
     at dispatch 1, its copy published by the reaper), when the message is served, then that

@@ -32,7 +32,7 @@ from app.requests.submit import record_fields, wire_kwargs
 from app.retry_policy import Retry
 from app.state.results import ResultKey
 from app.state.store import Outcome
-from workers.result import build_result
+from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
                              after_run_error, open_tap, preemptible)
@@ -137,6 +137,7 @@ def _run_all(rt: WorkerRuntime, tally: dict, runs: list[_Run], result_key) -> No
             left.discard(i)
             try:
                 out = rt.host.result(r.pending)
+                check_structured(r.req, out)  # a broken structured output is no result
             except BaseException as e:
                 _ended_run(rt, tally, r, e)
                 continue
@@ -197,7 +198,8 @@ def _ended_run(rt: WorkerRuntime, tally: dict, r: _Run, e: BaseException) -> Non
         if not isinstance(e, Exception):
             raise e
         _settle(rt, tally, r.request_id, r.kwargs, 0,
-                lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool, r.tap))
+                lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool, r.tap,
+                                        repeats=repeats_output(r.req)))
     finally:
         if r.tap is not None:
             rt.streams.close(r.tap, False)
