@@ -224,6 +224,42 @@ def test_a_sibling_whose_structured_output_broke_is_no_result_and_ends_or_goes_b
     assert rt.store.get("m2")["status"] == "SUCCEEDED"
 
 
+@pytest.mark.parametrize("fault, code", [
+    (TransientError.of("redis_unavailable", "cannot reach Redis (past the outage grace)"),
+     "redis_unavailable"),
+    (RuntimeError("a bug in the finish"), "worker_lost"),
+])
+def test_an_exception_out_of_the_serving_loop_strands_none_of_the_messages_requests(
+        runtime, fault, code):
+    """Given a message of three requests, one of which ends at once while two still run, when
+    the finish of the first raises (a Redis error past the outage grace, or any bug: injected
+    into the store's `finish_many`, Redis itself staying up to witness), then no request is
+    left RUNNING under this live worker until the deadline sweep: the two still running are
+    aborted in the engine, and all three go back alone as their next dispatch, through the one
+    retry decision (`redis_unavailable` as itself, anything else as `worker_lost`), each
+    published; serve_many returns what it did."""
+    rt = runtime(engine=Held({"p1", "p2"}))
+    batch = items(3)
+    for it in batch:
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"])
+
+    def failing(*_a, **_kw):
+        raise fault
+    rt.store.finish_many = failing
+    pool = ThreadPoolExecutor(1)
+    try:
+        tally = pool.submit(serve_many, rt, batch).result(30)
+    finally:
+        rt.engine.release.set()
+        pool.shutdown()
+    assert (tally["retried"], tally["succeeded"], tally["failed"]) == (3, 0, 0)
+    recs = [rt.store.get(it["id"]) for it in batch]
+    assert [(r["status"], r["dispatch"]) for r in recs] == [("PENDING", "1")] * 3
+    assert all(r["last_error"].startswith(f"{code}: ") for r in recs)
+    assert sorted(rt.ports.sent) == [("m0", 1), ("m1", 1), ("m2", 1)]
+    assert sorted(rt.engine.aborted) == ["m1-1", "m2-1"]
+
+
 def test_a_sibling_the_reaper_requeued_is_dropped_alone(runtime):
     """Given a message of three whose middle request the reaper already requeued (its record
     at dispatch 1, its copy published by the reaper), when the message is served, then that
