@@ -260,6 +260,26 @@ def test_an_exception_out_of_the_serving_loop_strands_none_of_the_messages_reque
     assert sorted(rt.engine.aborted) == ["m1-1", "m2-1"]
 
 
+def test_a_request_sent_around_the_producer_with_a_new_job_announces_its_queue(runtime):
+    """Given no record (sent around the producer: send_task, a raw push) and a job no request
+    used before, when a worker serves it alone (vigil.generate) or in a message of many, then
+    it records the request and tells the pool's workers to consume the job's new queue, as the
+    producer's submit does (its retries are published there). Before, no broadcast: they waited
+    there for beat's reconcile to repair the announcement."""
+    from app.state.queues import job_queue_name
+    from workers.service import serve
+
+    rt = runtime()
+    rt.store.workers.write(7, {"name": "w-many", "instance_id": 7, "pools": "tiny-llama",
+                               "has_pinged": 1}, time.time())
+    assert serve(rt, "solo", 0, {**KW, "prompt": "alone", "job": "fresh-a"})["text"] == "ok"
+    tally = serve_many(rt, [{"id": "many", "kwargs": {**KW, "prompt": "m", "job": "fresh-b"}}])
+    assert tally["succeeded"] == 1
+    assert [b for b in rt.ports.broadcasts if b[0] == "add_consumer"] == [
+        ("add_consumer", job_queue_name("tiny-llama", job), ["w-many"])
+        for job in ("fresh-a", "fresh-b")]
+
+
 def test_a_sibling_the_reaper_requeued_is_dropped_alone(runtime):
     """Given a message of three whose middle request the reaper already requeued (its record
     at dispatch 1, its copy published by the reaper), when the message is served, then that

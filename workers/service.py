@@ -83,7 +83,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live,
                        avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
-        rt.store.create(request_id, record_fields(req, now, s.request_deadline))
+        record_here(rt, request_id, record_fields(req, now, s.request_deadline), pool, req.job)
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            live)
     if b.action != "run":
@@ -111,6 +111,17 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def record_here(rt: WorkerRuntime, request_id: str, fields: dict, pool: str, job: str) -> None:
+    """Record a delivery sent around the producer (it has no record yet) from its `fields`;
+    when its job's queue in `pool` is new, tell the pool's workers to consume it, as the
+    producer's submit does (best effort: beat's reconcile repairs a lost announcement)."""
+    if rt.store.create(request_id, fields) == CREATED_NEW_JOB_QUEUE:
+        try:
+            announce_queue(rt.ports.bus, rt.store.workers, pool, job)
+        except Exception as e:
+            log.warning("could not announce job %s's queue: %s", job, e)
 
 
 def admitted(rt: WorkerRuntime, kwargs: object):
@@ -223,7 +234,7 @@ def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: 
         fields = provisional_fields(kwargs, now, s.request_deadline)
         if fields is None:
             return _fail(rt, request_id, err, pool)
-        rt.store.create(request_id, fields)
+        record_here(rt, request_id, fields, pool, fields["job"])
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            s.live_window)
     if b.action != "run":

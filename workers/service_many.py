@@ -39,7 +39,7 @@ from app.state.store import Outcome
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
-                             after_run_error, open_tap, preemptible)
+                             after_run_error, open_tap, preemptible, record_here)
 
 log = logging.getLogger("vigil.service")
 
@@ -196,7 +196,8 @@ def _begin(rt: WorkerRuntime, runs: list[_Run]) -> None:
                                  now, s.max_attempts, s.live_window)
     for r, b in zip(runs, begins):
         if b.action == "missing":
-            rt.store.create(r.request_id, record_fields(r.req, now, s.request_deadline))
+            record_here(rt, r.request_id, record_fields(r.req, now, s.request_deadline),
+                        r.req.pool, r.req.job)
             b = rt.store.begin(r.request_id, 0, rt.name, rt.instance_id, now, s.max_attempts,
                                s.live_window)
         r.begin = b
