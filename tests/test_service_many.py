@@ -308,6 +308,30 @@ def test_the_message_goes_back_whole_when_the_worker_takes_nothing_new(runtime):
     assert rt.engine.calls == 0
 
 
+def test_a_delivery_given_back_leaves_the_givers_in_flight_set(runtime):
+    """Given a worker that takes nothing new (stopping or quarantined) and deliveries its
+    consumer took (each held in its in-flight set, as app/state/transport.py writes it), when
+    it gives them back to their queue untouched (a message of one request, one of many), then
+    it no longer holds them: nothing it does later (a hand-back, an orphan reclaim) nor the
+    reaper takes them for its own. A request it still runs (a copy of a live run) stays held.
+    Before, every given-back id stayed in the giver's set."""
+    from workers.service import serve
+
+    rt = runtime()
+    batch = items(2)
+    for rid in ("g1", "busy", *(it["id"] for it in batch)):
+        create(rt.store, rid, prompt="back")
+        rt.store.hold(rid, rt.instance_id)
+    assert rt.store.begin("busy", 0, rt.name, rt.instance_id, time.time(), 3).action == "run"
+    rt.host.refuse_new()
+    for rid in ("g1", "busy"):
+        with pytest.raises(GiveBack):
+            serve(rt, rid, 0, {**KW, "prompt": "back"})
+    with pytest.raises(GiveBack):
+        serve_many(rt, batch)
+    assert rt.store.inflight_ids(rt.instance_id) == ["busy"]
+
+
 def test_a_message_of_many_holds_every_request_it_carries(runtime):
     from app.state.store import RequestStore
     from app.task_names import GENERATE, GENERATE_MANY

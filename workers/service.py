@@ -76,8 +76,7 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         return _refused(rt, request_id, dispatch, kwargs, e)
     pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
-        metrics.dropped(pool, "given_back")
-        raise GiveBack(request_id)
+        raise give_back(rt, pool, [request_id], dispatch)
     # A worker seen within the reap window is alive: a copy of what it runs is not run again.
     live = s.live_window
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live,
@@ -111,6 +110,20 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def give_back(rt: WorkerRuntime, pool: str, request_ids: list[str], dispatch: int) -> GiveBack:
+    """The GiveBack to raise for a delivery of `request_ids` (of `dispatch`) that goes back to
+    its queue untouched (the task's Reject(requeue)): counted, and let go from this worker's
+    in-flight set, where its consumer noted it as it took the message (best effort: a Redis
+    away leaves it there, and the worker's hand-backs then find it moved on or ended)."""
+    for _ in request_ids:
+        metrics.dropped(pool, "given_back")
+    try:
+        rt.store.let_go(request_ids, rt.instance_id, dispatch)
+    except Exception as e:
+        log.warning("could not let go of %s given back: %s", request_ids, e)
+    return GiveBack(request_ids[0])
 
 
 def record_here(rt: WorkerRuntime, request_id: str, fields: dict, pool: str, job: str) -> None:
@@ -226,8 +239,7 @@ def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: 
     deadline_s); one whose job cannot be read is refused (`err`, unsupported_version)."""
     s, now = rt.settings, time.time()
     if not rt.host.accepting:
-        metrics.dropped(pool, "given_back")
-        raise GiveBack(request_id)
+        raise give_back(rt, pool, [request_id], dispatch)
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                        s.live_window, avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":

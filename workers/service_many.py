@@ -39,7 +39,7 @@ from app.state.store import Outcome
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
-                             after_run_error, open_tap, preemptible, record_here)
+                             after_run_error, give_back, open_tap, preemptible, record_here)
 
 log = logging.getLogger("vigil.service")
 
@@ -90,9 +90,7 @@ def serve_many(rt: WorkerRuntime, items: object,
     if not runs:
         return tally
     if not rt.host.accepting:  # stopping or quarantined: the whole message goes back
-        for r in runs:
-            metrics.dropped(r.req.pool, "given_back")
-        raise GiveBack(runs[0].request_id)
+        raise give_back(rt, runs[0].req.pool, [r.request_id for r in runs], 0)
     try:
         _begin(rt, runs)
         _run_all(rt, tally, [r for r in runs if _may_run(rt, tally, r)], result_key)
