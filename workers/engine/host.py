@@ -315,7 +315,7 @@ class EngineHost:
             while True:
                 if adapter is not None:
                     await self._gate_or_release(engine, t, spec)
-                if t.runs == 0 and t.bulk:
+                if t.bulk:  # every run: a re-run after an engine death too
                     await self._tiers.bulk_gate(engine, t)
                 outcome, value = await self._run_once(engine, t, spec)
                 if outcome == "ok":

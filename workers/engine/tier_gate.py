@@ -27,8 +27,9 @@ class TierGate:
         return sum(x.seqs for x in self._st.running if x is not but)
 
     async def bulk_gate(self, engine, t: Ticket) -> None:
-        """The bulk gate: a bulk request's first run enters an engine with a batch
-        (`max_num_seqs`) only while the runs in it leave a slot free; until then it waits here,
+        """The bulk gate: a bulk request's run (each of them: a re-run after an engine death
+        too) enters an engine with a batch (`max_num_seqs`) only while the runs in it leave a
+        slot free; until then it waits here,
         admitted (counted in flight, handed back or aborted like any) but not in the engine.
         So no bulk request ever waits inside vLLM: every bulk run in the engine holds a batch
         slot, a preempted one frees it, and work that arrives in messages of many requests
