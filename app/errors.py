@@ -16,7 +16,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
 |                  |                                            | lora_adapter_pending, schema_too_new,   |
-|                  |                                            | preempted, drained;                     |
+|                  |                                            | preempted, drained,                     |
+|                  |                                            | structured_output_invalid;              |
 |                  |                                            | overloaded, workers_too_old (raised by  |
 |                  |                                            | `.delay` only: the caller retries;      |
 |                  |                                            | nothing was sent)                       |
@@ -74,6 +75,11 @@ DRAINED = "drained"
 SCHEMA_TOO_NEW = "schema_too_new"
 # An engine failure nobody recognised: retried (bounded) rather than failed for good.
 ENGINE_ERROR = "engine_error"
+# The engine's output broke the request's structured constraint (the worker checks every
+# complete structured output before it is returned: workers/result.py). Retried only when
+# another attempt can make another output (sampled without a seed); a greedy or seeded request
+# would make the same one again, so it ends at once.
+STRUCTURED_OUTPUT_INVALID = "structured_output_invalid"
 # WorkerFatalError codes
 CUDA_CONTEXT_LOST = "cuda_context_lost"
 REPEATED_ENGINE_DEATH = "repeated_engine_death"

@@ -308,3 +308,39 @@ def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(sett
         pool.shutdown()
     finally:
         rt.host.shutdown(1)
+
+
+def test_the_bulk_gate_holds_a_re_run_after_an_engine_death_too(make_host):
+    """Given an engine whose batch holds two requests and four bulk requests (two in it, two at
+    the bulk gate), when the engine dies, then the four suspects re-run on the fresh engine
+    still at most two at a time: the gate holds a ticket's every run, not only its first. (A
+    minimal change to workers/engine/host.py, whose tier gate issue 38's items 1, 4 and 5
+    rework.) Before, all four re-runs entered the fresh engine at once, bulk work waiting
+    inside vLLM ahead of any interactive request."""
+    from tests.test_engine_recovery import DyingEngine, World
+
+    class Batched(DyingEngine):
+        max_num_seqs = 2
+
+    class Fleet(World):
+        def __call__(self, spec, plan=None):
+            e = Batched(self)
+            self.engines.append(e)
+            return e
+
+    w = Fleet()
+    host = make_host(w)
+    pool = ThreadPoolExecutor(4)
+    try:
+        futs = [pool.submit(host.generate, req(f"b{i}"), SPEC, f"b{i}-1", 30) for i in range(4)]
+        wait_until(lambda: w.engines and len(w.current().in_flight) == 2)
+        time.sleep(0.1)
+        assert len(w.current().in_flight) == 2  # two wait at the gate, outside the engine
+        w.current().die()
+        wait_until(lambda: len(w.engines) == 2)
+        w.gate.set()  # the fresh engine's canary and the re-runs may finish
+        assert sorted(f.result(30).text for f in futs) == ["b0", "b1", "b2", "b3"]
+        assert w.engines[1].peak <= 2, w.engines[1].peak
+    finally:
+        w.gate.set()
+        pool.shutdown()

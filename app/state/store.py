@@ -164,6 +164,12 @@ class RequestStore(HoldCalls, ManyCalls):
         ids = self._call(self._r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
         return [i.decode() for i in ids]
 
+    def next_deadline(self) -> float | None:
+        """The earliest `deadline_at` among non-terminal requests (the deadline index's head),
+        None when no request is open."""
+        head = self._call(self._r.zrange, keys.DEADLINES, 0, 0, withscores=True)
+        return float(head[0][1]) if head else None
+
     @property
     def raw(self) -> redis.Redis:
         """The Redis client itself, for tests and benches that look at Redis directly (a

@@ -311,8 +311,9 @@ class EngineHost:
             self._tiers.preempt_for(t, engine)
         try:
             while True:
-                if t.runs == 0:
-                    await self._tiers.seat(t)
+                # Every run takes its slots: a re-run after an engine death too, so the suspects
+                # never enter the fresh engine past its batch (they keep their place in line).
+                await self._tiers.seat(t)
                 if t.adapter is not None:
                     await self._gate_or_release(engine, t, spec)
                 outcome, value = await self._run_once(engine, t, spec)
