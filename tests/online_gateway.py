@@ -81,3 +81,12 @@ def assembled(events, index: int = 0) -> str:
             else:
                 text.append(c.get("text") or "")
     return "".join(text)
+
+
+def serving_gateway(redis_url: str, tmp: Path):
+    """A started gateway for a test module's fixture (yield it; stopped after)."""
+    g = Gateway(redis_url, tmp).wait_ready()
+    try:
+        yield g
+    finally:
+        g.stop()

@@ -15,7 +15,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from app.local.embedded import REPO
-from tests.online_gateway import TOKEN, Gateway, assembled, stream_events
+from tests.online_gateway import TOKEN, assembled, serving_gateway, stream_events
 
 pytestmark = pytest.mark.worker
 MODEL = "tiny-llama"
@@ -23,11 +23,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def gateway(warm_worker, redis_server, tmp_path_factory):
-    g = Gateway(redis_server.url, tmp_path_factory.mktemp("online-api")).wait_ready()
-    try:
-        yield g
-    finally:
-        g.stop()
+    yield from serving_gateway(redis_server.url, tmp_path_factory.mktemp("online-api"))
 
 
 @pytest.fixture()

@@ -22,7 +22,7 @@ from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import WITNESS_DIR, RunningWorker, assert_each_ran_to_a_result_once
 from workers.engine.witness import finished_generations, read_witness
-from tests.online_gateway import Gateway, assembled, stream_events
+from tests.online_gateway import Gateway, assembled, serving_gateway, stream_events
 
 pytestmark = pytest.mark.worker
 MODEL = "tiny-llama"
@@ -35,11 +35,7 @@ PAUSE_BOUND_S = REAP_TIMEOUT_S * 1.25 + 1 + 2 + 20
 
 @pytest.fixture(scope="module")
 def gateway(warm_worker, redis_server, tmp_path_factory):
-    g = Gateway(redis_server.url, tmp_path_factory.mktemp("online-streams")).wait_ready()
-    try:
-        yield g
-    finally:
-        g.stop()
+    yield from serving_gateway(redis_server.url, tmp_path_factory.mktemp("online-streams"))
 
 
 def body(prompt: str, max_tokens: int, **kw) -> dict:

@@ -325,12 +325,7 @@ class StreamSink:
             c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
             if c is None:  # the flusher has one in flight: its answer decides
                 return
-            try:
-                tap.chunk_written(c, self.streams.append_many([c])[0])
-            except Exception as e:
-                tap.chunk_written(c, None)
-                log.warning("request %s: could not restart its token stream: %s",
-                            tap.request_id, e)
+            self._send(tap, c, "restart its token stream")
 
     def write_now(self, tap: StreamTap, timeout: float = LAST_WRITE_TIMEOUT_S) -> bool:
         """Write `tap`'s pending tokens now (a request that yields its slot: its next attempt
@@ -341,17 +336,22 @@ class StreamSink:
         deadline = time.monotonic() + timeout
         while True:
             c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
-            if c is not None:
-                try:
-                    tap.chunk_written(c, self.streams.append_many([c])[0])
-                except Exception as e:
-                    tap.chunk_written(c, None)
-                    log.warning("request %s: could not write its tokens before it yielded: %s",
-                                tap.request_id, e)
-                    return False
+            if c is not None and not self._send(tap, c, "write its tokens before it yielded"):
+                return False
             if tap.unwritten() == 0 or tap.dead or time.monotonic() >= deadline:
                 return tap.unwritten() == 0
             time.sleep(0.005)  # the flusher's chunk in flight (its answer first), or refused
+
+    def _send(self, tap: StreamTap, c: Chunk, doing: str) -> bool:
+        """Append `c` now, in one round trip, and answer `tap`; False (logged) when Redis
+        could not take it (it stays pending)."""
+        try:
+            tap.chunk_written(c, self.streams.append_many([c])[0])
+            return True
+        except Exception as e:
+            tap.chunk_written(c, None)
+            log.warning("request %s: could not %s: %s", tap.request_id, doing, e)
+            return False
 
     def write_all(self, timeout: float) -> int:
         """Write every open tap's pending tokens now, waiting out a chunk the flusher thread has

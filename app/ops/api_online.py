@@ -120,24 +120,28 @@ def add_online_routes(api: FastAPI, get: Callable[[], OnlineCalls],
             raise RequestError.of("invalid_request", "Last-Event-ID names another call")
         return await stream_existing(get(), resume, caller_of(request))
 
+    async def existing(call_id: str, request: Request):
+        """(the call, None), or (None, its 404) for an unknown id or another key's call."""
+        try:
+            prepared, _ = await get().existing(Resume(call_id), caller_of(request))
+            return prepared, None
+        except CallNotFound:
+            return None, error_response(404, f"no call {call_id}", "not_found")
+
     @api.get("/v1/calls/{call_id}")
     async def call_whole(call_id: str, request: Request):
-        calls = get()
-        try:
-            prepared, _ = await calls.existing(Resume(call_id), caller_of(request))
-        except CallNotFound:
-            return error_response(404, f"no call {call_id}", "not_found")
+        prepared, missing = await existing(call_id, request)
+        if missing is not None:
+            return missing
         prepared.options = replace(prepared.options, detach=True)  # a reader cancels nothing
-        return JSONResponse(await calls.whole(prepared, request.is_disconnected))
+        return JSONResponse(await get().whole(prepared, request.is_disconnected))
 
     @api.post("/v1/calls/{call_id}/cancel")
     async def call_cancel(call_id: str, request: Request):
-        calls = get()
-        try:
-            prepared, _ = await calls.existing(Resume(call_id), caller_of(request))
-        except CallNotFound:
-            return error_response(404, f"no call {call_id}", "not_found")
-        return {"id": call_id, "requests": await calls.cancel(prepared.request_ids)}
+        prepared, missing = await existing(call_id, request)
+        if missing is not None:
+            return missing
+        return {"id": call_id, "requests": await get().cancel(prepared.request_ids)}
 
     @api.get("/v1/models")
     async def models():
