@@ -121,3 +121,45 @@ def test_logprobs_list_the_chosen_token_first_then_the_top_ones_as_vllm_does():
     c = chat_logprobs([e], Format(CHAT, "chatcmpl-x", 0, MODEL, logprobs=2), str)
     assert [t.token for t in c.content[0].top_logprobs] == [" c", " a"]
     assert c.content[0].bytes == [32, 99]
+
+
+def test_a_follower_waits_out_redis_errors_and_misses_nothing():
+    """Given a hub whose reads fail twice (Redis away, or its pool busy), when a follower
+    follows a request that streamed two chunks and ended, then it retries after its poll and
+    yields every chunk and the end: a Redis error delays a stream, never ends it."""
+    import asyncio
+
+    from app.errors import REDIS_UNAVAILABLE, TransientError
+    from app.online.relay import Ended, follow
+    from app.state.store import Outcome
+    from app.state.streams import Entry
+
+    class Hub:
+        fails = 2
+
+        async def follow(self, rid):
+            class Sub:
+                queue = asyncio.Queue()
+            return Sub()
+
+        async def unfollow(self, sub):
+            pass
+
+        async def entries(self, rid, after="0-0"):
+            if self.fails:
+                self.fails -= 1
+                raise TransientError.of(REDIS_UNAVAILABLE, "no connection available")
+            es = [Entry("1-0", 0, [5, 6], "ab", [1, 1], 1), Entry("2-0", 2, [7], "c", [1], 1)]
+            return [e for e in es if after == "0-0" or e.entry_id > after]
+
+        async def outcome(self, rid):
+            return "SUCCEEDED", Outcome("SUCCEEDED", {"text": "abcd", "token_ids": [5, 6, 7, 8],
+                                                      "prompt_tokens": 1}, "", "")
+
+    async def run():
+        return [x async for x in follow(Hub(), "r", poll_s=0.01)]
+
+    out = asyncio.run(run())
+    assert [c["token_ids"] for c in out[:-1]] == [[5, 6], [7], [8]]
+    assert "".join(c["text"] for c in out[:-1]) == "abcd"
+    assert isinstance(out[-1], Ended) and out[-1].result["text"] == "abcd"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from app.errors import REQUEST_LOST, TerminalError, VigilError, error_from_record
 from app.requests.stream_cursor import StreamCursor
+from app.state.calls import REDIS_ERRORS
 from app.state.live import CHUNK, LiveHub, entry_key
 from app.state.store import Outcome
 from app.state.streams import Entry
@@ -48,18 +49,27 @@ async def follow(hub: LiveHub, request_id: str, after: int = 0, *,
     last = "0-0"
     try:
         while True:
-            entries = await hub.entries(request_id, last)
+            try:
+                entries = await hub.entries(request_id, last)
+                status, outcome = await hub.outcome(request_id)
+            except REDIS_ERRORS:  # Redis away (or its pool busy): the follower waits for it
+                await asyncio.sleep(poll_s)
+                continue
             for e in entries:
                 last = e.entry_id
                 for c in cursor.take_all(e):
                     yield c
-            status, outcome = await hub.outcome(request_id)
             if status is None and not entries and last == "0-0":
                 yield Ended(None, TerminalError.of(
                     REQUEST_LOST, f"Redis has no record of request {request_id}"))
                 return
             if outcome is not None:
-                for e in await hub.entries(request_id, last):  # written before the end
+                try:
+                    tail = await hub.entries(request_id, last)  # written before the end
+                except REDIS_ERRORS:
+                    await asyncio.sleep(poll_s)
+                    continue
+                for e in tail:
                     last = e.entry_id
                     for c in cursor.take_all(e):
                         yield c
@@ -107,7 +117,11 @@ async def wait(hub: LiveHub, request_id: str, *, poll_s: float = POLL_S) -> Ende
     sub = await hub.follow(request_id)
     try:
         while True:
-            status, outcome = await hub.outcome(request_id)
+            try:
+                status, outcome = await hub.outcome(request_id)
+            except REDIS_ERRORS:  # Redis away (or its pool busy): wait for it
+                await asyncio.sleep(poll_s)
+                continue
             if status is None:
                 return Ended(None, TerminalError.of(
                     REQUEST_LOST, f"Redis has no record of request {request_id}"))

@@ -182,11 +182,16 @@ def server_run(client: redis.Redis) -> tuple[str, float]:
     return str(info["run_id"]), time.time() - float(info["uptime_in_seconds"])
 
 
-def async_client(settings: VigilSettings, *, max_connections: int = 64):
+# An async caller waits for a pooled connection this long at least: waiting costs an event loop
+# nothing, and a burst of thousands of streams opening at once queues for the pool.
+ASYNC_POOL_WAIT_S = 60.0
+
+
+def async_client(settings: VigilSettings, *, max_connections: int = 128):
     """An asyncio Redis client (redis.asyncio) for Vigil's state, for the online API's event
     loop (app/state/live.py): the same endpoint, credentials, TLS and Sentinel master as
-    `connect`, bounded timeouts, and a pool that waits (up to redis_timeout) for a free
-    connection. Pub/sub connections it opens are its own, outside the pool's bound."""
+    `connect`, bounded timeouts, and a pool of `max_connections` that a caller waits for (up to
+    ASYNC_POOL_WAIT_S). Pub/sub connections it opens are its own, outside the pool's bound."""
     url = settings.redis_url
     kw = {"socket_connect_timeout": settings.redis_timeout, "health_check_interval": 30}
     if is_sentinel(url):
@@ -199,6 +204,7 @@ def async_client(settings: VigilSettings, *, max_connections: int = 64):
                                    username=user, password=password, db=db,
                                    max_connections=max_connections, **kw)
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=settings.redis_timeout,
+        url, max_connections=max_connections,
+        timeout=max(ASYNC_POOL_WAIT_S, settings.redis_timeout),
         **(tls_options(settings) or {}), **kw)
     return aioredis.Redis(connection_pool=pool)
