@@ -23,7 +23,11 @@ from app.state.live import CHUNK, LiveHub, entry_key
 from app.state.store import Outcome
 from app.state.streams import Entry
 
-POLL_S = 2.0
+# How long a follower waits for its channels before it reads the stream and the record anyway:
+# the backstop for a message lost (the hub also tells every follower to read again when its
+# connection comes back or a queue overflowed). Each read costs Redis two commands per waiting
+# stream: 2,000 waiting streams polled every 2 s took a third of a core (bench/gateway_streams.py).
+POLL_S = 15.0
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from app.errors import MODEL_NOT_FOUND, RequestError, VigilError
 from app.online.calls import DONE, Position
-from app.online.relay import Ended, follow
+from app.online.relay import POLL_S, Ended, follow
 from app.online.shapes import Chunks, Format
 from app.state.live import LiveHub
 
@@ -60,7 +60,7 @@ def status_of(err: VigilError) -> int:
 
 
 async def sse(hub: LiveHub, fmt: Format, request_ids: list[str], decode, start: Position,
-              *, poll_s: float = 2.0) -> AsyncIterator[str]:
+              *, poll_s: float = POLL_S) -> AsyncIterator[str]:
     """The call's SSE text after position `start` (module docstring)."""
     chunks = Chunks(fmt, decode)
     pos = Position(list(start.prompts), start.usage_sent)
