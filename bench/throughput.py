@@ -4,7 +4,6 @@
     python -m bench.throughput --requests 128 --rounds 1 --skip-overhead --workloads main
     python -m bench.throughput --many --bare-celery --skip-overhead --lora-rounds 0
     python -m bench.throughput --workloads short --bare-celery --skip-overhead   # eval scoring
-    python -m bench.throughput --stream-cost   # token streams on vs off (bench/stream_cost.py)
     python -m bench.throughput --logprobs 5    # also both sides with 5 top logprobs per token
 
 Self-contained: a private redis-server, its own workers and engine, all stopped on exit.
@@ -141,9 +140,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
     p.add_argument("--skip-throughput", action="store_true", help="skip part 1 (every workload)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
-    p.add_argument("--stream-cost", action="store_true",
-                   help="instead: the Celery side with token streams on vs off "
-                        "(bench/stream_cost.py, with --requests, --rounds, --max-tokens)")
     p.add_argument("--direct-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.short_logprobs is not None and args.short_logprobs < 0:
@@ -582,13 +578,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.direct_server:
         return direct_server()
-    if args.stream_cost:
-        from bench import stream_cost
-
-        return stream_cost.main(["--requests", str(args.requests), "--rounds", str(args.rounds),
-                                 "--max-tokens", str(args.max_tokens), "--concurrency",
-                                 str(args.concurrency)] + (["--keep-logs"] if args.keep_logs
-                                                           else []))
     if args.one_session:
         _one_session()
     return Bench(args).run()

@@ -80,7 +80,7 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
                 for a in child.names:
                     sub = f"{child.module}.{a.name}"
-                    if child.module == "app" and a.name == "app":
+                    if child.module == "app" and a.name in ("app", "celery"):
                         found.append(("app:celery", inner, child.lineno))
                     elif sub in MODULES:
                         found.append((sub, inner, child.lineno))
@@ -152,24 +152,58 @@ def test_imports_inside_functions_are_only_heavy_packages():
 
 
 def test_only_the_tasks_look_the_celery_app_up():
-    """`from app import app` (the lazily built Celery app) only in tasks/, which declare their
-    tasks on it; everything else is handed the app or its ports."""
-    found = [f"{path.relative_to(REPO)}:{line}" for m, path in MODULES.items()
+    """`from app import app` or `from app import celery` (the lazily built Celery app), or a
+    bare `import app` (whose `app.app` builds it), only in tasks/, which declare their tasks on
+    it; everything else is handed the app or its ports."""
+    found = [f"{path.relative_to(REPO)}:{line} {target}" for m, path in MODULES.items()
              if not m.startswith("tasks") for target, _, line in imports(path)
-             if target == "app:celery"]
+             if target == "app:celery" or (target == "app" and _bare_import(path, line))]
     assert not found, "the Celery app looked up below tasks/:\n" + "\n".join(found)
 
 
-def test_no_import_circle():
-    graph = {m: set() for m in MODULES}
-    for m, path in MODULES.items():
-        for target, _, _ in imports(path):
-            if target in MODULES and target != m:
-                graph[m].add(target)
-            elif target.rsplit(".", 1)[0] in MODULES and target.rsplit(".", 1)[0] != m:
-                graph[m].add(target.rsplit(".", 1)[0])
-    # Tarjan's strongly connected components: any with two or more modules is a circle.
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+def _bare_import(path: Path, line: int) -> bool:
+    """Whether line `line` of `path` is `import app` (not `from app import ...`)."""
+    return any(isinstance(n, ast.Import) and n.lineno == line and
+               any(a.name == "app" for a in n.names) for n in ast.walk(ast.parse(
+                   path.read_text())))
+
+
+BENCH = {".".join(p.relative_to(REPO).with_suffix("").parts): p
+         for p in sorted((REPO / "bench").glob("*.py"))}
+
+
+@pytest.mark.parametrize("where", ["product", "bench"])
+def test_no_relative_imports(where):
+    """Every import names its module in full (`from app.state import keys`, never `from .
+    import keys`): a relative import would slip past every rule of this file."""
+    paths = MODULES.values() if where == "product" else BENCH.values()
+    bad = [f"{p.relative_to(REPO)}:{n.lineno}" for p in paths
+           for n in ast.walk(ast.parse(p.read_text()))
+           if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert not bad, "relative imports:\n" + "\n".join(bad)
+
+
+def test_product_code_never_imports_bench_and_bench_has_no_circle():
+    """bench/ measures the product: app/, workers/ and tasks/ never import it, and its own
+    modules import each other without a circle."""
+    bad = [f"{p.relative_to(REPO)}:{line} {t}" for p in MODULES.values()
+           for t, _, line in imports(p) if t.split(".")[0] == "bench"]
+    assert not bad, "\n".join(bad)
+    graph = {}
+    for m, p in BENCH.items():
+        deps = set()
+        for n in ast.walk(ast.parse(p.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                     [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+                     if isinstance(n, ast.ImportFrom) and n.module else [])
+            deps |= {x for x in names if x in BENCH and x != m}
+        graph[m] = deps
+    assert not _circles(graph), f"import circles in bench/: {_circles(graph)}"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more nodes (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
 
     def strong(v):
         index[v] = low[v] = len(index)
@@ -190,11 +224,23 @@ def test_no_import_circle():
                 if w == v:
                     break
             if len(comp) > 1:
-                circles.append(sorted(comp))
+                out.append(sorted(comp))
 
     for v in graph:
         if v not in index:
             strong(v)
+    return out
+
+
+def test_no_import_circle():
+    graph = {m: set() for m in MODULES}
+    for m, path in MODULES.items():
+        for target, _, _ in imports(path):
+            if target in MODULES and target != m:
+                graph[m].add(target)
+            elif target.rsplit(".", 1)[0] in MODULES and target.rsplit(".", 1)[0] != m:
+                graph[m].add(target.rsplit(".", 1)[0])
+    circles = _circles(graph)
     assert not circles, f"import circles: {circles}"
 
 
