@@ -1,0 +1,37 @@
+"""`vllm serve` with the model inside EngineCore, as Vigil's worker runs it (bench/online.py's
+side "serve-uni").
+
+    python -m bench.serve_uni MODEL [vllm serve's flags]
+
+vLLM's CPU platform turns `--distributed-executor-backend uni` into "mp" (a model process of
+its own below EngineCore); the executor class itself is left alone (docs/field-notes.md, "The
+CPU's engine layout"), and no flag can name a class. So this runs vLLM's own `vllm serve` with
+one change: the engine args its command line parses get `distributed_executor_backend =
+UniProcExecutor`, the value workers/engine/vllm_args.py `executor_args` gives the worker.
+Everything else is `vllm serve` as shipped.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    parse = EngineArgs.from_cli_args.__func__
+
+    def from_cli_args(cls, args):
+        engine_args = parse(cls, args)
+        engine_args.distributed_executor_backend = UniProcExecutor
+        return engine_args
+
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    return vllm_main() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
