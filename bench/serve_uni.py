@@ -1,12 +1,13 @@
 """`vllm serve` with the model inside EngineCore, as Vigil's worker runs it (bench/online.py's
 side "serve-uni").
 
-    python -m bench.serve_uni MODEL [vllm serve's flags]
+    python -m bench.serve_uni --model MODEL [vllm serve's flags]
 
 vLLM's CPU platform turns `--distributed-executor-backend uni` into "mp" (a model process of
 its own below EngineCore); the executor class itself is left alone (docs/field-notes.md, "The
-CPU's engine layout"), and no flag can name a class. So this runs vLLM's own `vllm serve` with
-one change: the engine args its command line parses get `distributed_executor_backend =
+CPU's engine layout"), and no flag can name a class. So this runs vLLM's own `vllm serve`
+(its OpenAI API server, as `python -m vllm.entrypoints.openai.api_server` starts it) with one
+change: the engine args its command line parses get `distributed_executor_backend =
 UniProcExecutor`, the value workers/engine/vllm_args.py `executor_args` gives the worker.
 Everything else is `vllm serve` as shipped.
 """
@@ -27,10 +28,11 @@ def main() -> int:
         return engine_args
 
     EngineArgs.from_cli_args = classmethod(from_cli_args)
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
 
-    sys.argv = ["vllm", "serve", *sys.argv[1:]]
-    return vllm_main() or 0
+    sys.argv = ["vllm-serve-uni", *sys.argv[1:]]
+    serve()
+    return 0
 
 
 if __name__ == "__main__":
