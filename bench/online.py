@@ -171,6 +171,7 @@ class OnlineBench:
             self.meter.add(kind, s.proc.pid)
         self.meter.add("client", os.getpid(), children=False)
         for side in self.sides():  # warm-up: first-request costs out of the figures
+            time.sleep(SETTLE_S)
             self.level(side, -1, 4, 8, min(16, self.a.tokens))
 
     def sides(self) -> list[str]:
@@ -185,7 +186,6 @@ class OnlineBench:
         tag = f"r{round_no}-{side}-c{level}-{time.strftime('%H%M%S')}"
         items = [(f"{tag}-{i}", body(p, tokens))
                  for i, p in enumerate(prompts(round_no, level, n))]
-        time.sleep(SETTLE_S)
         return asyncio.run(run_level(ep.url, ep.headers, items, level))
 
     def rounds(self) -> None:
@@ -197,14 +197,40 @@ class OnlineBench:
             for side in order:
                 for level in LEVELS:
                     n = a.single if level == 1 else a.waves * level
-                    c0 = self.counters() if side == "vigil" else None
+                    self.quiet(side)
+                    c0, e0 = (self.counters(), self.engine()) if side == "vigil" else (None, None)
                     cpu0, sys0, t0 = self.meter.snapshot(), psutil.cpu_times(), time.monotonic()
                     streams, wall = self.level(side, r, level, n, a.tokens)
                     cpu = self.meter.diff(cpu0, self.meter.snapshot(), time.monotonic() - t0)
                     cpu["OTHER"] = other(sys0, psutil.cpu_times(), cpu)
-                    c1 = self.counters() if side == "vigil" else None
-                    line = self.report.add(side, level, r, streams, wall, c0, c1)
+                    c1, e1 = (self.counters(), self.engine()) if side == "vigil" else (None, None)
+                    line = self.report.add(side, level, r, streams, wall, c0, c1, cpu["OTHER"])
+                    if e0 is not None:
+                        steps, outs = e1[0] - e0[0], e1[1] - e0[1]
+                        line += (f"; engine {steps / wall:.0f} steps/s, batch "
+                                 f"{outs / max(1, steps):.1f}")
                     self.say(f"  round {r + 1} {line}; cpu {_fmt_cpu(cpu)}")
+
+    def engine(self) -> tuple[float, float]:
+        """The steady worker's engine steps and request outputs so far (its /metrics)."""
+        m = self.vigil.metrics("steady")
+        return m.get("vigil_engine_steps_total", 0.0), m.get("vigil_engine_step_outputs_total",
+                                                              0.0)
+
+    def quiet(self, side: str, timeout: float = 20.0) -> None:
+        """Before a segment of `side`: wait until the other sides' processes are idle (vLLM's
+        engine busy-polls for a while after its last step), at least SETTLE_S."""
+        time.sleep(SETTLE_S)
+        others = [k for k in self.meter.roots if k not in ("client", "redis")
+                  and not (side == "vigil" and k in ("api", "worker")) and k != side]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            before, t0 = self.meter.snapshot(), time.monotonic()
+            time.sleep(0.5)
+            busy = self.meter.diff(before, self.meter.snapshot(), time.monotonic() - t0)
+            if sum(v for k, v in busy.items() if k.split("/")[0] in others) < 5.0:
+                return
+        self.say(f"  (the other sides were still busy after {timeout:.0f} s)")
 
     def counters(self):
         from bench.online_redis import counters

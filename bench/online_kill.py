@@ -14,11 +14,11 @@ Reported: streams completed (ended with a finish_reason and [DONE], no error eve
 tokens), identical to their twins (token ids, which the body asks back), the pause each client
 saw (its largest gap between two events across the kill), and the tokens recomputed: the
 tokens the dead worker's engine made that no durable stream held, so that the resumed attempt
-made them again. Counted per stream (bench/online_redis.py `kill_accounting`) from its own
-stream: the engine steps that fit between the last durable chunk's step (`w`) and the SIGKILL,
-at the attempt's own time per token; a lower bound beside it from the victim's own counter
-(`vigil_engine_step_outputs_total`, scraped just before the kill, less every token its streams
-hold: tokens its front end had that Redis did not).
+made them again. A SIGKILL leaves no count of what the engine made, so they are counted by the
+engine's own clock, per stream (bench/online_redis.py `kill_accounting`): the whole engine
+steps that fit between the step of its last durable chunk (`w`) and the SIGKILL, at that
+attempt's own time per token (one token per step per stream). That the resumed attempt
+continued from exactly the durable tokens is checked against the result's `resumed_at`.
 """
 from __future__ import annotations
 
@@ -92,11 +92,9 @@ def run_kill(vigil, redis_client, bus, *, streams: int, tokens: int, reap_timeou
     stamp = time.strftime("%H%M%S")
     items = [(f"kill-{stamp}-{i}", body(f"A story to survive {i}: the river and the stone",
                                         tokens)) for i in range(streams)]
-    before = vigil.metrics(victim).get("vigil_engine_step_outputs_total", 0.0)
     held: dict = {}
 
     def kill() -> float:
-        held["outputs"] = vigil.metrics(victim).get("vigil_engine_step_outputs_total", 0.0)
         held["wall"] = time.time()
         t = time.monotonic()
         os.killpg(vigil.workers[victim].pid, signal.SIGKILL)
@@ -111,12 +109,14 @@ def run_kill(vigil, redis_client, bus, *, streams: int, tokens: int, reap_timeou
     complete = [s for s in got if s.ok and s.finish == "length" and len(s.token_ids) == tokens]
     same = sum(1 for s, t in zip(got, twins) if t.ok and s.token_ids == t.token_ids
                and len(s.token_ids) == tokens)
-    pauses = []
+    pauses, resumed = [], []
     for s in got:
         stamps = [s.sent] + s.arrivals
-        gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > killed]
-        pauses.append(max(gaps) if gaps else math.nan)
-    first_back = min((a for s in got for a in s.arrivals if a > killed), default=math.nan)
+        gaps = [(b - a, b) for a, b in zip(stamps, stamps[1:]) if b > killed]
+        if gaps:
+            gap, end = max(gaps)
+            pauses.append(gap)
+            resumed.append(end - killed)
     acc = [kill_accounting(redis_client, s, held["wall"]) for s in got]
     durable = sum(a["durable"] for a in acc)
     recomputed = sum(math.floor(a["after_last"]) for a in acc if a["after_last"] is not None)
@@ -127,9 +127,9 @@ def run_kill(vigil, redis_client, bus, *, streams: int, tokens: int, reap_timeou
     steps = [a["step_s"] for a in acc if a["step_s"]]
     return {"streams": streams, "tokens": tokens, "completed": len(complete),
             "identical": same, "twins_ok": sum(t.ok for t in twins),
-            "pauses": pauses, "first_back_s": first_back - killed, "took_s": took,
-            "durable": durable, "recomputed": recomputed,
-            "front_end_lower_bound": max(0.0, held["outputs"] - before - durable),
+            "pauses": pauses, "took_s": took, "durable": durable, "recomputed": recomputed,
+            "resumed_first_s": min(resumed, default=math.nan),
+            "resumed_last_s": max(resumed, default=math.nan),
             "resumed_at_durable": resumed_ok, "first_attempt_on_victim": on_victim,
             "step_ms": 1000 * sorted(steps)[len(steps) // 2] if steps else math.nan,
             "errors": [s.error for s in got if s.error][:3],

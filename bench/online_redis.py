@@ -71,6 +71,18 @@ def live_delays(s: Stream, es: list[Entry]) -> tuple[list[float], list[float], l
     return total, worker, relay, tail, multi
 
 
+def step_gaps(es: list[Entry]) -> list[float]:
+    """The engine's own time per token between consecutive live chunks of one attempt (the
+    later chunk's `w` minus the earlier's, over its tokens): the inter-token latency at the
+    engine, before any delivery."""
+    out = []
+    for a, b in zip(es, es[1:]):
+        if a.made_at is not None and b.made_at is not None and a.attempt == b.attempt \
+                and b.token_ids:
+            out += [(b.made_at - a.made_at) / len(b.token_ids)] * len(b.token_ids)
+    return out
+
+
 def first_token_stages(client, s: Stream, es: list[Entry]) -> dict[str, float] | None:
     """The stages of `s`'s first token (module docstring), in seconds; None when something is
     missing (no chunk before the result)."""

@@ -7,7 +7,7 @@ import statistics
 
 from bench.online_client import Stream, quantile
 from bench.online_redis import (counter_delta, entries, first_token_stages, live_delays,
-                                stage_table)
+                                stage_table, step_gaps)
 
 GOAL_TTFT_MS = 60.0
 GOAL_ITL = 1.2
@@ -30,11 +30,15 @@ class Report:
         self.live: dict[int, tuple] = {}
         self.stages: dict[int, list] = {}
         self.kill: dict | None = None
+        self.other: dict[tuple[str, int], list[float]] = {}
+        self.engine_itl: dict[int, list[float]] = {}
 
     def add(self, side: str, level: int, round_no: int, streams: list[Stream], wall: float,
-            c0, c1) -> str:
-        """One segment's streams; its line."""
+            c0, c1, other: float) -> str:
+        """One segment's streams (`other`: % of a core the rest of the machine used); its
+        line."""
         self.rows.setdefault((side, level), []).append((round_no, streams, wall))
+        self.other.setdefault((side, level), []).append(other)
         tokens = sum(len(s.token_ids) for s in streams)
         if c0 is not None:
             cpu, cmds = counter_delta(c0, c1)
@@ -62,9 +66,11 @@ class Report:
             if side != "vigil":
                 continue
             total, worker, relay, tail, multi, stages = [], [], [], 0, 0, []
+            itl = self.engine_itl.setdefault(level, [])
             for _, streams, _ in rounds:
                 for s in streams:
                     es = entries(client, s.key)
+                    itl += step_gaps(es)
                     t, w, r, ta, mu = live_delays(s, es)
                     total += t
                     worker += w
@@ -96,7 +102,7 @@ class Report:
         levels = sorted({lv for _, lv in self.rows})
         say("-- summary --")
         say(f"{'side':9s} {'c':>3s}  {'TTFT p50/p99 ms':>17s}  {'ITL p50/p99 ms':>15s}  "
-            f"{'tokens/s median (min-max)':>26s}  tok/event  failed")
+            f"{'tokens/s median (min-max)':>26s}  tok/event  failed  OTHER %")
         fig = {(s, lv): self.level_figures(s, lv) for s in sides for lv in levels}
         failed = 0
         for lv in levels:
@@ -107,7 +113,8 @@ class Report:
                 say(f"{s:9s} {lv:3d}  {ms(f['ttft50']):>8s}/{ms(f['ttft99']):<8s}  "
                     f"{ms(f['itl50']):>7s}/{ms(f['itl99']):<7s}  "
                     f"{statistics.median(t):9.0f} ({min(t):.0f}-{max(t):.0f}){'':8s}  "
-                    f"{f['tpe']:9.2f}  {f['failed']}")
+                    f"{f['tpe']:9.2f}  {f['failed']:6d}  "
+                    f"{statistics.median(self.other.get((s, lv)) or [0]):.0f}")
         for base in [s for s in sides if s != "vigil"]:
             v1, b1 = fig[("vigil", levels[0])], fig[(base, levels[0])]
             d = 1000 * (v1["ttft50"] - b1["ttft50"])
@@ -146,6 +153,11 @@ class Report:
                 f"p99 {ms(quantile(worker, .99))}; Redis -> client p50 "
                 f"{ms(quantile(relay, .5))} p99 {ms(quantile(relay, .99))}); from the result "
                 f"(no w) {tail}; in chunks of >1 token {multi}")
+        for lv in levels:
+            itl = self.engine_itl.get(lv) or []
+            if itl:
+                say(f"  engine's own inter-token time at c={lv} (consecutive chunks' w, per "
+                    f"token): p50 {ms(quantile(itl, .5))} p99 {ms(quantile(itl, .99))} ms")
         p99 = quantile(every, .99)
         say(f"  all    {len(every):6d} tokens: p50 {ms(quantile(every, .5))} p99 {ms(p99)} ms "
             f"(goal p99 <= {GOAL_LIVE_P99_MS:.0f} ms: "
@@ -178,12 +190,12 @@ class Report:
             f"({k['twins_ok']} twins ok); first attempt on the victim, ended on the steady "
             f"worker: {k['first_attempt_on_victim']}/{k['streams']}")
         say(f"  pause each client saw: p50 {k['p50']:.2f} s, p99 {k['p99']:.2f} s, max "
-            f"{k['max']:.2f} s; first token after the kill at {k['first_back_s']:.2f} s")
-        say(f"  tokens durable at the kill {k['durable']}; resumed from exactly them: "
-            f"{k['resumed_at_durable']}/{k['streams']}; tokens recomputed (steps between "
-            f"each stream's last durable step and the kill, at {k['step_ms']:.1f} ms/token): "
-            f"{k['recomputed']}; the victim's front end had {k['front_end_lower_bound']:.0f} "
-            f"not in Redis at its last scrape (a lower bound)")
+            f"{k['max']:.2f} s; streams went on {k['resumed_first_s']:.2f}-"
+            f"{k['resumed_last_s']:.2f} s after the kill; the run took {k['took_s']:.1f} s")
+        say(f"  tokens durable at the kill {k['durable']} of {k['streams'] * k['tokens']}; "
+            f"resumed from exactly them: {k['resumed_at_durable']}/{k['streams']}; tokens "
+            f"recomputed (whole steps between each stream's last durable step and the kill, "
+            f"at {k['step_ms']:.1f} ms/token): {k['recomputed']}")
         if k["errors"]:
             say(f"  errors: {k['errors']}")
         return k["completed"] == k["identical"] == k["streams"]

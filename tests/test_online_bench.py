@@ -112,3 +112,11 @@ def test_engine_args_become_vllm_serve_flags_that_vllm_reads_back_the_same():
             assert parsed.structured_outputs_config.disable_any_whitespace is True
         else:
             assert getattr(parsed, k) == v, k
+
+
+def test_the_engines_own_inter_token_time_comes_from_consecutive_chunks_of_one_attempt():
+    from bench.online_redis import step_gaps
+
+    es = [chunk(0, [1], 10.00, 0), chunk(1, [2], 10.02, 0), chunk(2, [3, 4], 10.06, 0),
+          chunk(4, [5], 30.00, 0, attempt=2), chunk(5, [6], 30.01, 0, attempt=2)]
+    assert step_gaps(es) == pytest.approx([0.02, 0.02, 0.02, 0.01])  # not across the attempts
