@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "quick 256); the kill lands at half")
     p.add_argument("--reap-timeout", type=int, default=8)
     p.add_argument("--skip-kill", action="store_true")
+    p.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="EXPERIMENT: an environment variable for Vigil's workers (e.g. "
+                        "OMP_NUM_THREADS=1); not what Vigil does by itself")
     p.add_argument("--keep-logs", action="store_true")
     a = p.parse_args(argv)
     q = a.quick
@@ -147,14 +150,16 @@ class OnlineBench:
         self.say(f"vigil online bench {time.strftime('%Y-%m-%d %H:%M')}, commit {commit()}: "
                  f"{os.cpu_count()} CPUs, load {psutil.getloadavg()[0]:.2f}; {a.rounds} rounds;"
                  f" {a.tokens} greedy tokens per request; c=1: {a.single} requests, c=16/64: "
-                 f"{a.waves} x c; baselines {', '.join(a.baselines)}")
+                 f"{a.waves} x c; baselines {', '.join(a.baselines)}"
+                 + (f"; EXPERIMENT worker env {' '.join(a.worker_env)}" if a.worker_env else ""))
         self.say("engine args (worker and vllm serve): " + ", ".join(
             f"{k}={getattr(v, '__name__', v)}" for k, v in args.items()))
         for line in differences(args):
             self.say("  differs: " + line)
         self.rds.start()
         self.client = redis.Redis.from_url(self.rds.url)
-        self.vigil = Vigil(self.rds.url, self.tmp)
+        self.vigil = Vigil(self.rds.url, self.tmp,
+                           dict(kv.split("=", 1) for kv in self.a.worker_env))
         self.vigil.start_worker("steady")
         for kind in a.baselines:
             self.serves[kind] = Serve(kind, spec, args, self.tmp)
@@ -204,7 +209,7 @@ class OnlineBench:
                     cpu = self.meter.diff(cpu0, self.meter.snapshot(), time.monotonic() - t0)
                     cpu["OTHER"] = other(sys0, psutil.cpu_times(), cpu)
                     c1, e1 = (self.counters(), self.engine()) if side == "vigil" else (None, None)
-                    line = self.report.add(side, level, r, streams, wall, c0, c1, cpu["OTHER"])
+                    line = self.report.add(side, level, r, streams, wall, c0, c1, cpu)
                     if e0 is not None:
                         steps, outs = e1[0] - e0[0], e1[1] - e0[1]
                         line += (f"; engine {steps / wall:.0f} steps/s, batch "

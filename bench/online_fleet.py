@@ -112,8 +112,9 @@ class Vigil:
     """Vigil's side on a private Redis (`redis_url`): `vigil api` (one process) and workers;
     beat for the kill-under-load run."""
 
-    def __init__(self, redis_url: str, tmp: Path):
+    def __init__(self, redis_url: str, tmp: Path, worker_env: dict | None = None):
         self.redis_url, self.tmp = redis_url, tmp
+        self.worker_env = worker_env or {}
         self.port = free_port()
         self.api = start_process(
             [sys.executable, "-m", "app.ops.cli", "api", "--port", str(self.port),
@@ -127,13 +128,14 @@ class Vigil:
 
     def start_worker(self, name: str) -> None:
         """A `vigil worker --cpu` named `name@onlinebench` on tiny-llama (its default threads:
-        the engine's max_num_seqs), heartbeat every second, Prometheus on a free port."""
+        the engine's max_num_seqs), heartbeat every second, Prometheus on a free port, and the
+        bench's experimental `worker_env`."""
         port = free_port()
         self.metrics_ports[name] = port
         self.workers[name] = start_worker(
             self.redis_url, self.node(name), self.tmp / f"{name}.log", pools=MODEL,
             VIGIL_HEARTBEAT_INTERVAL="1", VIGIL_IDLE_CLEANUP="0",
-            VIGIL_METRICS_PORT=str(port))
+            VIGIL_METRICS_PORT=str(port), **self.worker_env)
 
     @staticmethod
     def node(name: str) -> str:

@@ -31,14 +31,17 @@ class Report:
         self.stages: dict[int, list] = {}
         self.kill: dict | None = None
         self.other: dict[tuple[str, int], list[float]] = {}
+        self.cpu: dict[tuple[str, int], list[tuple[dict, float, int]]] = {}
         self.engine_itl: dict[int, list[float]] = {}
 
     def add(self, side: str, level: int, round_no: int, streams: list[Stream], wall: float,
-            c0, c1, other: float) -> str:
-        """One segment's streams (`other`: % of a core the rest of the machine used); its
-        line."""
+            c0, c1, cpu: dict[str, float]) -> str:
+        """One segment's streams and its processes' CPU (% of a core, OTHER: the rest of the
+        machine); its line."""
         self.rows.setdefault((side, level), []).append((round_no, streams, wall))
-        self.other.setdefault((side, level), []).append(other)
+        self.other.setdefault((side, level), []).append(cpu.get("OTHER", 0.0))
+        self.cpu.setdefault((side, level), []).append(
+            (cpu, wall, sum(len(s.token_ids) for s in streams)))
         tokens = sum(len(s.token_ids) for s in streams)
         if c0 is not None:
             cpu, cmds = counter_delta(c0, c1)
@@ -131,12 +134,28 @@ class Report:
             say(f"  tokens/s ratio at c={top}: {m:.2f}x ({min(ratios):.2f}-{max(ratios):.2f} over "
                 f"{len(ratios)} rounds) (goal >= {GOAL_TPS}x: "
                 f"{'met' if m >= GOAL_TPS else 'MISSED'})")
+        self.print_cpu(sides, levels[-1])
         self.print_live(levels)
         self.print_redis(levels)
         ok = failed == 0
         if self.kill is not None:
             ok = self.print_kill() and ok
         return 0 if ok else 1
+
+    def print_cpu(self, sides, level: int) -> None:
+        """CPU per token by process at `level` (median over rounds): where the cores went."""
+        self.say(f"CPU per streamed token at c={level}, us (median over rounds; the engine's "
+                 "processes, the serving path's, the client's):")
+        for side in sides:
+            per: dict[str, list[float]] = {}
+            for cpu, wall, tokens in self.cpu.get((side, level), []):
+                for k, pct in cpu.items():
+                    if k != "OTHER" and tokens and (k.split("/")[0] in (side, "client")
+                                                    or side == "vigil" and k.split("/")[0] in
+                                                    ("api", "worker", "redis")):
+                        per.setdefault(k, []).append(pct / 100 * wall / tokens * 1e6)
+            self.say(f"  {side:9s} " + ", ".join(
+                f"{k} {statistics.median(v):.0f}" for k, v in sorted(per.items())))
 
     def print_live(self, levels) -> None:
         say = self.say
