@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
                    help="EXPERIMENT: an environment variable for Vigil's workers (e.g. "
                         "OMP_NUM_THREADS=1); not what Vigil does by itself")
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy the gateway and the worker's main process during the last "
+                        "round's vigil segment at c=64 (top functions; perturbs that segment)")
     p.add_argument("--keep-logs", action="store_true")
     a = p.parse_args(argv)
     q = a.quick
@@ -204,6 +207,8 @@ class OnlineBench:
                     n = a.single if level == 1 else a.waves * level
                     self.quiet(side)
                     c0, e0 = (self.counters(), self.engine()) if side == "vigil" else (None, None)
+                    spies = (self.spy() if a.profile and side == "vigil" and level == LEVELS[-1]
+                             and r == a.rounds - 1 else [])
                     cpu0, sys0, t0 = self.meter.snapshot(), psutil.cpu_times(), time.monotonic()
                     streams, wall = self.level(side, r, level, n, a.tokens)
                     cpu = self.meter.diff(cpu0, self.meter.snapshot(), time.monotonic() - t0)
@@ -215,6 +220,7 @@ class OnlineBench:
                         line += (f"; engine {steps / wall:.0f} steps/s, batch "
                                  f"{outs / max(1, steps):.1f}")
                     self.say(f"  round {r + 1} {line}; cpu {_fmt_cpu(cpu)}")
+                    self.spied(spies, sum(len(x.token_ids) for x in streams))
 
     def engine(self) -> tuple[float, float]:
         """The steady worker's engine steps and request outputs so far (its /metrics)."""
@@ -236,6 +242,35 @@ class OnlineBench:
             if sum(v for k, v in busy.items() if k.split("/")[0] in others) < 5.0:
                 return
         self.say(f"  (the other sides were still busy after {timeout:.0f} s)")
+
+    def spy(self, seconds: int = 5, rate: int = 100) -> list:
+        """py-spy recording the gateway and the worker's main process for `seconds` (started
+        now, in the background; raw collapsed stacks, idle frames left out)."""
+        from bench.profile_worker import _py_spy
+
+        out = []
+        for label, proc in (("vigil api", self.vigil.api),
+                            ("worker main process", self.vigil.workers["steady"])):
+            raw = self.tmp / f"spy-{label.split()[-1]}.txt"
+            out.append((label, raw, rate, subprocess.Popen(
+                [_py_spy(), "record", "--pid", str(proc.pid), "--duration", str(seconds),
+                 "--rate", str(rate), "--format", "raw", "--nonblocking", "--output", str(raw)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        return out
+
+    def spied(self, spies: list, tokens: int) -> None:
+        """Print each recording's top functions (bench/profile_worker.py's summary)."""
+        from bench.profile_worker import summarise
+
+        for label, raw, rate, proc in spies:
+            proc.wait(timeout=60)
+            if not raw.exists():
+                self.say(f"  (py-spy recorded nothing for {label})")
+                continue
+            self.say(f"  profile of the {label} (py-spy, {rate}/s, active samples; "
+                     f"{tokens} tokens in the segment):")
+            for line in summarise(raw, 0, rate, 15)[2:]:
+                self.say("    " + line if line else "")
 
     def counters(self):
         from bench.online_redis import counters
