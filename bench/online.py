@@ -254,7 +254,8 @@ class OnlineBench:
             raw = self.tmp / f"spy-{label.split()[-1]}.txt"
             out.append((label, raw, rate, subprocess.Popen(
                 [_py_spy(), "record", "--pid", str(proc.pid), "--duration", str(seconds),
-                 "--rate", str(rate), "--format", "raw", "--nonblocking", "--output", str(raw)],
+                 "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking",
+                 "--output", str(raw)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         return out
 
@@ -269,7 +270,7 @@ class OnlineBench:
                 continue
             self.say(f"  profile of the {label} (py-spy, {rate}/s, active samples; "
                      f"{tokens} tokens in the segment):")
-            for line in summarise(raw, 0, rate, 15)[2:]:
+            for line in summarise(raw, 0, rate, 15)[1:]:
                 self.say("    " + line if line else "")
 
     def counters(self):
