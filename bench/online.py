@@ -57,6 +57,7 @@ SETTLE_S = 2.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the full run's or `--quick`'s defaults filled in."""
     p = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes: fewer rounds, "
                    "requests and tokens, stock vllm serve only")
@@ -99,6 +100,7 @@ def prompts(round_no: int, level: int, n: int) -> list[str]:
 
 
 def commit() -> str:
+    """This checkout's short commit, `+dirty` with uncommitted changes to tracked files."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -124,9 +126,12 @@ class OnlineBench:
         self.report = Report(args, self.say)
 
     def say(self, line: str) -> None:
+        """Print a line of the report now."""
         print(line, flush=True)
 
     def run(self) -> int:
+        """Start everything, run the rounds, read Redis, run the kill, print the summary; stop
+        everything whatever happens. The exit status (bench/online_report.py `summary`)."""
         started = time.monotonic()
         try:
             self.start()
@@ -148,6 +153,7 @@ class OnlineBench:
                 shutil.rmtree(self.tmp, ignore_errors=True)
 
     def start(self) -> None:
+        """Start Redis, Vigil's side and the baselines, wait for them, meter them, warm them up."""
         a = self.a
         spec, args = engine_recipe()
         self.say(f"vigil online bench {time.strftime('%Y-%m-%d %H:%M')}, commit {commit()}: "
@@ -183,9 +189,11 @@ class OnlineBench:
             self.level(side, -1, 4, 8, min(16, self.a.tokens))
 
     def sides(self) -> list[str]:
+        """The sides of a round: vigil, then the baselines."""
         return ["vigil"] + list(self.serves)
 
     def endpoint(self, side: str):
+        """What a side's client talks to (its url and headers)."""
         return (self.vigil if side == "vigil" else self.serves[side])
 
     def level(self, side: str, round_no: int, level: int, n: int, tokens: int):
@@ -197,6 +205,7 @@ class OnlineBench:
         return asyncio.run(run_level(ep.url, ep.headers, items, level))
 
     def rounds(self) -> None:
+        """Every round: each side at each concurrency, the first side rotating."""
         a = self.a
         for r in range(a.rounds):
             order = self.sides()
@@ -274,11 +283,13 @@ class OnlineBench:
                 self.say("    " + line if line else "")
 
     def counters(self):
+        """Redis' own counters now (bench/online_redis.py `counters`)."""
         from bench.online_redis import counters
 
         return counters(self.client)
 
     def kill(self) -> None:
+        """The kill under load (bench/online_kill.py) on this run's fleet."""
         from app import app  # the Celery app on this run's Redis: the control bus
         from bench.online_kill import run_kill
 
@@ -302,6 +313,7 @@ def other(before, after, cpu: dict[str, float]) -> float:
 
 
 def main(argv=None) -> int:
+    """`python -m bench.online`: one run; its exit status."""
     return OnlineBench(parse_args(argv)).run()
 
 

