@@ -163,3 +163,53 @@ def test_a_follower_waits_out_redis_errors_and_misses_nothing():
     assert [c["token_ids"] for c in out[:-1]] == [[5, 6], [7], [8]]
     assert "".join(c["text"] for c in out[:-1]) == "abcd"
     assert isinstance(out[-1], Ended) and out[-1].result["text"] == "abcd"
+
+
+@pytest.mark.parametrize("kind", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("logprobs", [None, 0, 2])
+@pytest.mark.parametrize("extras", [{}, {"return_token_ids": True, "continuous_usage": True}])
+def test_a_streamed_token_event_is_what_vllms_own_models_dump(kind, logprobs, extras):
+    """The stream's hot path builds each token event's JSON itself: it must equal, as JSON,
+    what vLLM's own stream response models dump for the same chunk (exclude_unset), logprobs,
+    token ids and running usage included, over two chunks (the text offsets go on)."""
+    import json as json_
+
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaMessage)
+    from vllm.entrypoints.openai.completion.protocol import (CompletionResponseStreamChoice,
+                                                             CompletionStreamResponse)
+
+    from app.online.shapes import Chunks, usage
+
+    fmt = Format(kind, "x-1", 7, MODEL, n=2, logprobs=logprobs, **extras)
+    chunks = Chunks(fmt, lambda ids: f"<{ids[0]}>")
+    lp = [entry(9, " c", -3.0, 4, [(1, " a", -0.5), (2, " b", -1.0)]),
+          entry(1, None, float("-inf"), 1, [(1, None, -0.5)])]
+    offset, made = 0, 0
+    for n, chunk in enumerate([{"index": 1, "text": " cé", "token_ids": [9, 1]},
+                               {"index": 1, "text": "!", "token_ids": [1]}]):
+        if logprobs is not None:
+            chunk["logprobs"] = lp[:len(chunk["token_ids"])]
+        got = json_.loads(chunks.tokens_event(0, chunk, 5))
+        made += len(chunk["token_ids"])
+        wants = logprobs is not None
+        if kind == CHAT:
+            c = ChatCompletionResponseStreamChoice(
+                index=1, delta=DeltaMessage(content=chunk["text"]),
+                logprobs=chat_logprobs(chunk["logprobs"], fmt, chunks.decode) if wants
+                else None, finish_reason=None)
+            model = ChatCompletionStreamResponse(id="x-1", object="chat.completion.chunk",
+                                                 created=7, model=MODEL, choices=[c])
+        else:
+            lps = completion_logprobs(chunk["logprobs"], fmt, chunks.decode, offset) \
+                if wants else None
+            if lps is not None:
+                offset = lps.text_offset[-1] + len(lps.tokens[-1])
+            c = CompletionResponseStreamChoice(index=1, text=chunk["text"], logprobs=lps,
+                                               finish_reason=None)
+            model = CompletionStreamResponse(id="x-1", object="text_completion", created=7,
+                                             model=MODEL, choices=[c])
+        if extras:
+            c.token_ids = list(chunk["token_ids"])
+            model.usage = usage(5, made)
+        assert got == json_.loads(model.model_dump_json(exclude_unset=True)), n

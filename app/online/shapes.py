@@ -12,6 +12,7 @@ minus infinity. Token strings are vLLM's own decoded tokens, which Vigil's entri
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -116,6 +117,40 @@ def chat_logprobs(entries: list, fmt: Format, decode: Decode):
                 token=(t := _text(c, decode)), logprob=max(c["logprob"], -9999.0),
                 bytes=list(t.encode("utf-8", errors="replace"))) for c in cands]))
     return ChatCompletionLogProbs(content=content)
+
+
+def _completion_logprobs_json(entries: list, fmt: Format, decode: Decode, offset: int) -> dict:
+    """`completion_logprobs` as the JSON dict its model dumps (the stream's hot path)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tok = _text(e, decode)
+        tokens.append(tok)
+        lps.append(max(e["logprob"], -9999.0))
+        cands = _candidates(e)
+        if not fmt.named_logprobs:
+            cands = cands[:(fmt.logprobs or 0) + 1]
+        tops.append({_text(c, decode): max(c["logprob"], -9999.0) for c in cands})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
+            "top_logprobs": tops}
+
+
+def _chat_logprobs_json(entries: list, fmt: Format, decode: Decode) -> dict:
+    """`chat_logprobs` as the JSON dict its model dumps (the stream's hot path)."""
+    content = []
+    for e in entries:
+        tok = _text(e, decode)
+        cands = _candidates(e)
+        if not fmt.named_logprobs:
+            cands = cands[:fmt.logprobs or 0]
+        content.append({"token": tok, "logprob": max(e["logprob"], -9999.0),
+                        "bytes": list(tok.encode("utf-8", errors="replace")),
+                        "top_logprobs": [{"token": (t := _text(c, decode)),
+                                          "logprob": max(c["logprob"], -9999.0),
+                                          "bytes": list(t.encode("utf-8", errors="replace"))}
+                                         for c in cands]})
+    return {"content": content}
 
 
 def vllm_prompt_logprobs(entries: list | None, prompt_ids: list[int]) -> list | None:
@@ -268,37 +303,35 @@ class Chunks:
 
     def tokens_event(self, p: int, chunk: dict, prompt_tokens: int) -> str:
         """One stream chunk of prompt `p` (a dict of VigilAsyncResult.stream's shape: text,
-        token_ids, logprobs, index) as one event."""
+        token_ids, logprobs, index) as one event: the JSON vLLM's stream choice would dump
+        (exclude_unset), built without its models (the hot path: one per token of every
+        live stream; tests/test_online_api.py holds it to the models' own dump)."""
         s = chunk.get("index", 0)
         i = self.fmt.choice(p, s)
         self.tokens[i] = self.tokens.get(i, 0) + len(chunk["token_ids"])
         entries = chunk.get("logprobs")
-        ids = list(chunk["token_ids"])
+        wants = self.fmt.logprobs is not None and entries is not None
         if self.fmt.kind == CHAT:
-            from vllm.entrypoints.openai.chat_completion.protocol import (
-                ChatCompletionResponseStreamChoice, DeltaMessage)
-
-            c = ChatCompletionResponseStreamChoice(
-                index=i, delta=DeltaMessage(content=chunk["text"]),
-                logprobs=chat_logprobs(entries, self.fmt, self.decode)
-                if self.fmt.logprobs is not None and entries is not None else None,
-                finish_reason=None)
-            if self.fmt.return_token_ids:
-                c.token_ids = ids
-            return self._dump([c], self._usage_so_far(p, prompt_tokens, i))
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
-
-        logprobs = None
-        if self.fmt.logprobs is not None and entries is not None:
-            logprobs = completion_logprobs(entries, self.fmt, self.decode,
-                                           self.offsets.get(i, 0))
-            if logprobs.tokens:
-                self.offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        c = CompletionResponseStreamChoice(index=i, text=chunk["text"], logprobs=logprobs,
-                                           finish_reason=None)
+            c = {"index": i, "delta": {"content": chunk["text"]},
+                 "logprobs": _chat_logprobs_json(entries, self.fmt, self.decode) if wants
+                 else None, "finish_reason": None}
+        else:
+            lp = None
+            if wants:
+                lp = _completion_logprobs_json(entries, self.fmt, self.decode,
+                                               self.offsets.get(i, 0))
+                if lp["tokens"]:
+                    self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            c = {"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": None}
         if self.fmt.return_token_ids:
-            c.token_ids = ids
-        return self._dump([c], self._usage_so_far(p, prompt_tokens, i))
+            c["token_ids"] = list(chunk["token_ids"])
+        out = {"id": self.fmt.call_id, "object": self._object, "created": self.fmt.created,
+               "model": self.fmt.model, "choices": [c]}
+        if self.fmt.continuous_usage:
+            done = self.tokens.get(i, 0)
+            out["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done,
+                            "completion_tokens": done}
+        return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
 
     def finish_event(self, p: int, result: dict, texts: dict[int, str] | None = None) -> str:
         """Prompt `p`'s end: every one of its choices' finish_reason, in one event, with the
