@@ -307,8 +307,8 @@ class EngineHost:
                         timeout: float, tap=None, preemptible: bool = False) -> EngineOutput:
         t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
                    preemptible=preemptible)
-        engine = await self._admission.acquire(spec, arrived,
-                                               lane_of(spec, adapter, req, engine_request_id))
+        lane = lane_of(spec, adapter, req, engine_request_id)
+        engine = await self._admission.acquire(spec, arrived, lane)
         if t.urgent:
             self._tiers.preempt_for(t, engine)
         try:
@@ -323,6 +323,9 @@ class EngineHost:
                 if outcome == "error":
                     if isinstance(value, WorkerFatalError):
                         self._recovery.go_fatal(value)
+                    elif await self._recovery.rerun_here(t, value):  # vLLM asked for a retry
+                        engine = await self._admission.acquire(spec, self._st.clock(), lane)
+                        continue
                     raise value
                 engine = await self._recovery.await_turn(t)  # died: the recovery's verdict
         finally:
