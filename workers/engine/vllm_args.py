@@ -14,10 +14,13 @@ from workers.engine.memory import MemoryPlan
 
 # The scheduling policy of every engine whose registry entry names none.
 SCHEDULING_POLICY = "priority"
+# Where an engine's processes meet (torch's distributed rendezvous): this host.
+LOOPBACK = "127.0.0.1"
 
 
 def engine_env_defaults() -> None:
-    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
+    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size,
+    distributed init on loopback.
 
     Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
     """
@@ -31,6 +34,14 @@ def engine_env_defaults() -> None:
     # shared-memory queue behind (docs/failure-modes.md, "Kills under load"). 20 s stays inside
     # the engine host's 30 s shutdown budget (workers/engine/host.py).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
+    # Torch's distributed init on loopback: a Vigil engine never spans hosts (a worker's cards,
+    # tensor-parallel ones too, are all on its host), and vLLM otherwise rendezvous on the
+    # address of its default route (`get_ip()`), whose reverse lookup c10d makes at every start
+    # ("The hostname of the client socket cannot be retrieved"): 21-25 s of each engine start on
+    # the H200 host, where that lookup waited for a DNS timeout (docs/field-notes.md, "vLLM on
+    # a GPU"). vLLM reads VLLM_HOST_IP first; VLLM_LOOPBACK_IP is its loopback choice.
+    os.environ.setdefault("VLLM_HOST_IP", LOOPBACK)
+    os.environ.setdefault("VLLM_LOOPBACK_IP", LOOPBACK)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
