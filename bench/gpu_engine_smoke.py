@@ -78,7 +78,9 @@ def main() -> int:
                      memory_gib=2, kv_cache_floor_gib=0.25, max_loras=1, max_lora_rank=RANK,
                      # CUDA: bfloat16 by default; the CPU (a dry run of this script) float32
                      dtypes={"cpu": "float32"},
-                     engine_args={"enforce_eager": True, "max_model_len": 512, "seed": 0,
+                     # CUDA graphs on CUDA, as every GPU entry (their capture is in start_s
+                     # and restart_s); eager on the CPU (app/requests/engine_defaults.py)
+                     engine_args={"max_model_len": 512, "seed": 0,
                                   **({"gpu_memory_utilization": 0.3} if device[0] == "cuda"
                                      else {})})
     class Sized(HostEvents):  # every start sized to the card's free memory, as a worker's

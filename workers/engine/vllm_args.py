@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from app.errors import INVALID_MODEL_CONFIG, RequestError
-from app.requests.engine_defaults import batch_defaults
+from app.requests.engine_defaults import batch_defaults, compile_defaults
 from app.requests.models import ModelSpec
 from workers.engine.memory import MemoryPlan
 
@@ -58,8 +58,9 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     `structured_outputs_config` (a JSON object there) becomes vLLM's config object.
 
     Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
-    dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
-    under what the registry says; on CUDA, one tensor-parallel rank per card of the worker (the
+    dtype there (`ModelSpec.dtype_on`), and the batch and compilation defaults of
+    app/requests/engine_defaults.py under what the registry says (eager on the CPU, CUDA graphs
+    on CUDA); on CUDA, one tensor-parallel rank per card of the worker (the
     plan's probe). vLLM's "priority" scheduling policy, so its waiting requests go by tier.
     Refuses, as `invalid_model_config`, an entry that cannot run here (float32
     with LoRA on CUDA) and a `tensor_parallel_size` other than the worker's number of cards."""
@@ -76,8 +77,9 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
         raise RequestError.of(INVALID_MODEL_CONFIG, problem)
     cards = plan.probe.cards if plan is not None else ()
     small = min(cards, key=lambda c: c.total) if cards else None
-    defaults = batch_defaults(platform, small.total if small else None,
-                              small.name if small else "")
+    defaults = {**compile_defaults(platform),
+                **batch_defaults(platform, small.total if small else None,
+                                 small.name if small else "")}
     if cards:
         # The last guard: a GPU worker leaves such pools out at start and the reconcile never
         # lends them to it (ModelRegistry.split_by_cards, app/fleet/reconcile.py `fits`).
