@@ -48,10 +48,12 @@ class VigilControl(Control):
     other requests carry on."""
 
     def revoke(self, task_id, destination=None, terminate=False, signal=TERM_SIGNAME, **kwargs):
-        """Cancel the Vigil requests among `task_id` (one id or a list), then revoke them as
-        Celery does (without terminate). Returns what happened to each, {id: "cancelled" |
-        "already ended (STATUS)" | "unknown"} (app/fleet/cancel.py; an id that changed nothing
-        is also logged), or with `reply=True` Celery's own answer, the workers' replies."""
+        """Cancel the Vigil requests among `task_id` (one id or a list), then revoke the ones
+        this cancel ended as Celery does (without terminate): an unknown id, or one that had
+        ended, changes nothing, not even the workers' revoked sets (app/fleet/cancel.py).
+        Returns what happened to each, {id: "cancelled" | "already ended (STATUS)" |
+        "unknown"} (an id that changed nothing is also logged), or with `reply=True` Celery's
+        own answer, the workers' replies ([] when no id was cancelled: nothing was sent)."""
         ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
         answer: dict[str, str] = {}
         if ids and isinstance(self.app, VigilCelery):
@@ -60,8 +62,9 @@ class VigilControl(Control):
             for rid, what in answer.items():
                 if what != ENDED_NOW:
                     log.info("revoke %s: %s; nothing changed", rid, what)
+            task_id = [rid for rid, what in answer.items() if what == ENDED_NOW]
         replies = super().revoke(task_id, destination=destination, terminate=False,
-                                 signal=signal, **kwargs)
+                                 signal=signal, **kwargs) if task_id else []
         return replies if kwargs.get("reply") else answer
 
 

@@ -17,7 +17,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | redis_unavailable, engine_error,        |
 |                  |                                            | lora_adapter_pending, schema_too_new,   |
 |                  |                                            | preempted, drained, generation_failed,  |
-|                  |                                            | retry_requested;                        |
+|                  |                                            | retry_requested,                        |
+|                  |                                            | structured_output_invalid;              |
 |                  |                                            | overloaded, workers_too_old (raised by  |
 |                  |                                            | `.delay` only: the caller retries;      |
 |                  |                                            | nothing was sent)                       |
@@ -81,6 +82,11 @@ GENERATION_FAILED = "generation_failed"
 # vLLM (0.33 on) asked for the request to be tried again (its RetryableRequestError: generation
 # paused, a cache miss): re-run on the same engine a few times first (app/retry_policy.py).
 RETRY_REQUESTED = "retry_requested"
+# The engine's output broke the request's structured constraint (the worker checks every
+# complete structured output before it is returned: workers/result.py). Retried only when
+# another attempt can make another output (sampled without a seed); a greedy or seeded request
+# would make the same one again, so it ends at once.
+STRUCTURED_OUTPUT_INVALID = "structured_output_invalid"
 # WorkerFatalError codes
 CUDA_CONTEXT_LOST = "cuda_context_lost"
 REPEATED_ENGINE_DEATH = "repeated_engine_death"

@@ -23,6 +23,7 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | TransientError preempted | VIGIL_MAX_PREEMPTIONS times (`may_preempt`) | at once | no |
 | TransientError drained | VIGIL_MAX_DRAINS times (`may_drain`), then as worker_lost | at once | no |
 | TransientError memory_pressure | VIGIL_MEMORY_PRESSURE_WINDOW | backoff on the dispatch, <= 15 s | no |
+| TransientError structured_output_invalid | until VIGIL_MAX_ATTEMPTS, only if another attempt can differ (not greedy, no seed) | at once | yes |
 | WorkerFatalError (any code) | until VIGIL_MAX_ATTEMPTS | at once, elsewhere | yes |
 
 Two bounds are also kept where a delivery is claimed, so that no copy of a request runs past
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 
 from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, DRAINED, GENERATION_FAILED,
                         LORA_ADAPTER_PENDING, MEMORY_PRESSURE, PREEMPTED, RETRY_REQUESTED,
-                        SCHEMA_TOO_NEW, WEDGED, WORKER_LOST,
+                        SCHEMA_TOO_NEW, STRUCTURED_OUTPUT_INVALID, WEDGED, WORKER_LOST,
                         RequestError, TerminalError, TransientError, VigilError,
                         WorkerFatalError)
 from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DRAINS,
@@ -74,14 +75,16 @@ class Rule:
     can take it now); `uses_attempt` (counted against VIGIL_MAX_ATTEMPTS; else the attempt is
     given back and the request's deadline or window bounds it); `delay_cap` (a tighter cap on
     the backoff); `memory_window` (bounded by VIGIL_MEMORY_PRESSURE_WINDOW from the first
-    refusal); `here` (re-runs on the worker's own engine before the error leaves it:
-    `retry_here`)."""
+    refusal); `varies` (retried only because another attempt may answer differently: a request
+    that makes the same output every time, `Attempted.repeats`, ends at once); `here`
+    (re-runs on the worker's own engine before the error leaves it: `retry_here`)."""
 
     retried: bool
     at_once: bool = False
     uses_attempt: bool = True
     delay_cap: float | None = None
     memory_window: bool = False
+    varies: bool = False
     here: int = 0
 
 
@@ -121,6 +124,11 @@ CODE_RULES: dict[str, Rule] = {
     DRAINED: Rule(retried=True, at_once=True, uses_attempt=False),
     MEMORY_PRESSURE: Rule(retried=True, uses_attempt=False, delay_cap=MEMORY_RETRY_MAX_S,
                           memory_window=True),
+    # The engine's output broke the request's structured constraint (an engine backend's bug:
+    # xgrammar 0.2.8 lets a control character into a string with maxLength). Another sample may
+    # hold to it, so a sampled request is tried again at once, using an attempt; a greedy or
+    # seeded one would make the very same output, so it ends at once.
+    STRUCTURED_OUTPUT_INVALID: Rule(retried=True, at_once=True, varies=True),
 }
 
 # Celery's autoretry lists (tasks/inference.py), derived from the table.
@@ -155,13 +163,15 @@ class Limits:
 class Attempted:
     """What the request's record says at the failure: the attempts it has counted (None when
     the failure happened before any was known, e.g. Redis unreachable mid-delivery), the
-    dispatch that failed, its deadline (0: not checked here) and when its memory-pressure wait
-    began (None: not waiting)."""
+    dispatch that failed, its deadline (0: not checked here), when its memory-pressure wait
+    began (None: not waiting), and whether it `repeats`: makes the same output on every attempt
+    (greedy, or sampled with a seed)."""
 
     attempts: int | None
     dispatch: int
     deadline_at: float = 0.0
     pressure_since: float | None = None
+    repeats: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,9 @@ def decide(error: VigilError, state: Attempted, settings: Limits, now: float,
     """What happens to a request whose attempt (or delivery) failed with `error`.
 
     End: an error never retried; a deadline already past (when `state` names one); the attempts
-    used up, for an error that uses one; the memory-pressure window over, for a memory wait.
+    used up, for an error that uses one; the memory-pressure window over, for a memory wait; a
+    request that makes the same output every attempt, for an error only another output mends
+    (`attempts_exhausted`, saying so).
     Retry otherwise, at once or after a full-jitter backoff on the failed attempt (on the next
     dispatch number when no attempt counts), capped by the rule's own cap."""
     rule = rule_for(error)
@@ -207,6 +219,11 @@ def decide(error: VigilError, state: Attempted, settings: Limits, now: float,
     if state.deadline_at and now > state.deadline_at:
         return End(TerminalError.of(DEADLINE_EXCEEDED, f"the deadline passed; last error: "
                                     f"{error}"))
+    if rule.varies and state.repeats:
+        n = state.attempts or 1
+        return End(TerminalError.of(ATTEMPTS_EXHAUSTED, (
+            f"{n} attempt{'s' if n != 1 else ''} used, and another would make the same output "
+            f"(greedy, or sampled with a seed); last error: {error}")))
     if rule.memory_window:
         since = now if state.pressure_since is None else state.pressure_since
         if now - since >= settings.memory_pressure_window:

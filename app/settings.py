@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.drills import parse_drill
 from app.redis_url import check_url, is_sentinel, is_tls, redacted_url
-from app.settings_defaults import (DEFAULT_BATCH_MAX_BYTES, DEFAULT_BATCH_MAX_REQUESTS,
+from app.settings_defaults import (DEFAULT_API_MAX_BODY_BYTES, DEFAULT_BATCH_MAX_BYTES, DEFAULT_BATCH_MAX_REQUESTS,
                                     DEFAULT_BATCH_RETENTION_S, DEFAULT_BATCH_TICK_S,
                                     DEFAULT_BATCH_WINDOW, DEFAULT_BULK_FLOOR,
                                     DEFAULT_DEADLINE_SWEEP_S, DEFAULT_ENGINE_DEATH_LIMIT,
@@ -215,6 +215,10 @@ class VigilSettings(BaseSettings):
                                  "requires.")
     api_auth_disabled: bool = Field(False, description="Let `vigil api` run without a token "
                                     "(local use only: it then listens on 127.0.0.1).")
+    api_max_body_bytes: int = Field(DEFAULT_API_MAX_BODY_BYTES, ge=1024, le=256 * 1024 * 1024,
+                                    description="Largest body of an online API call "
+                                    "(/v1/completions, /v1/chat/completions, /tokenize), "
+                                    "refused from its Content-Length before it is read.")
     # What a `celery worker` process of this app is: a worker serving pools (an engine), or the
     # housekeeper (beat's tasks only, no engine, no registry entry). `vigil housekeeper` sets it.
     role: Literal["worker", "housekeeper"] = Field(

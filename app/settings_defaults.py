@@ -155,3 +155,8 @@ DEFAULT_METRICS_ADDRESS = "0.0.0.0"
 # producer; 0 = unlimited.
 DEFAULT_MAX_PENDING_PER_JOB = 100_000
 DEFAULT_MAX_PENDING_PER_POOL = 1_000_000
+
+# The online API (app/ops/api_online.py): a body is bounded before anything of it is read or
+# stored. 8 MiB holds the largest prompt a request may carry (VIGIL_MAX_PROMPT_BYTES, 256 KiB)
+# many times over, as a list of prompts or a long chat.
+DEFAULT_API_MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -14,10 +14,11 @@ alone for `--alone` seconds (its throughput alone), then a trickle of short gree
 (`--trickle-tokens`, one at a time, `--gap` s apart) runs in blocks of `--per-block`, the blocks
 alternating between the two sides, `--rounds` times (the first side alternates too):
 
-- **with tiers**: `priority="interactive"`: taken first, and preempting the youngest bulk run
-  when the engine's batch is full;
+- **with tiers**: `priority="interactive"`: taken first, and preempting the bulk run cheapest to
+  rebuild when the engine's batch is full;
 - **without**: the same requests at the default tier: taken before bulk work from the queue,
-  but waiting inside vLLM for a batch slot that a finished bulk request frees.
+  but waiting (outside vLLM since issue 38's batch gate) for a batch slot that a finished bulk
+  request frees.
 
 Reported per side: the trickle's latency (submit to result) p50 / p99 / max, and the bulk
 tokens made per second during its blocks (vLLM's own output count, the worker's

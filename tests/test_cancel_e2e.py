@@ -102,3 +102,33 @@ def test_terminate_true_aborts_the_request_and_the_worker_keeps_serving(warm_wor
     ok = generate.delay(model="tiny-llama", prompt="still here", max_tokens=4,
                         ignore_eos=True).get(timeout=120)
     assert ok["completion_tokens"] == 4
+
+
+def test_a_cancel_of_an_unknown_or_ended_id_leaves_the_workers_revoked_set_alone(
+        warm_worker, redis_server):
+    """Given an id no request has and a request that already succeeded, when both are revoked
+    through Vigil's app (`r.revoke()`) and through a plain Celery app's `control.revoke` (what
+    Flower or another codebase sends: it reaches the worker's revoke handler), then none of
+    them is in the worker's revoked set (Celery's `inspect revoked`, the worker's own answer)
+    and a request submitted later under either unknown id runs and succeeds. Before, every door
+    put the ids in that set for 3 h, so the later request was dropped as `cancelled`."""
+    from celery import Celery
+
+    app = generate.app
+    done = generate.delay(model="tiny-llama", prompt="done first", max_tokens=2,
+                          ignore_eos=True)
+    done.get(timeout=120)
+    unknown, foreign = f"never-{uuid.uuid4().hex}", f"never-plain-{uuid.uuid4().hex}"
+    assert done.revoke() == "already ended (SUCCEEDED)"
+    assert app.AsyncResult(unknown).revoke() == "unknown"
+    plain = Celery("plain", broker=redis_server.url)
+    plain.control.revoke([foreign, done.id], reply=True, timeout=10)  # handled when it returns
+    # Broadcasts are handled in order: once the ping is answered, so are the revokes above.
+    assert app.control.ping(destination=[warm_worker.name], timeout=10)
+    revoked = app.control.inspect(destination=[warm_worker.name], timeout=10).revoked()
+    assert not {unknown, foreign, done.id} & set(revoked[warm_worker.name])
+    for rid in (unknown, foreign):
+        out = generate.apply_async(kwargs={"model": "tiny-llama", "prompt": "a later request",
+                                           "max_tokens": 2, "ignore_eos": True},
+                                   task_id=rid).get(timeout=120)
+        assert out["request_id"] == rid and out["completion_tokens"] == 2

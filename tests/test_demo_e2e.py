@@ -1,7 +1,7 @@
 """Worker tier: `vigil demo --keep` end to end, as a newcomer runs it.
 
 The demo starts its own private Redis, a CPU worker (the real vLLM engine on tiny-llama), the
-housekeeper, beat and Flower, sends its prompts from a producer process and prints a summary;
+housekeeper, beat, Flower and `vigil api`, sends its prompts from a producer process and prints a summary;
 with --keep everything stays up after the summary, to be looked at, until Ctrl-C. Here its
 worker runs the instant engine (the demo passes its environment on).
 """
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.worker
 def test_demo_keep_leaves_the_fleet_and_flower_up_until_ctrl_c(tmp_path):
     """Given `vigil demo --keep --n 3`, when its summary is printed, then its last lines say the
     fleet keeps running and how to stop it, the demo process is still there, Flower answers at
-    the URL and password printed and lists the demo's worker, and `vigil status` on the printed
-    Redis shows that worker; when Ctrl-C (SIGINT) reaches the demo process, then it exits 0
+    the URL and password printed and lists the demo's worker, `vigil status` on the printed
+    Redis shows that worker, the demo streamed a chat completion through `vigil api` and the
+    curl command it printed answers (its URL and token); when Ctrl-C (SIGINT) reaches the demo process, then it exits 0
     saying it stopped cleanly, and none of the processes it started is left."""
     log = tmp_path / "demo.log"
     # The instant engine (workers/engine/instant.py): what is tested is the demo's fleet, Flower
@@ -62,6 +63,14 @@ def test_demo_keep_leaves_the_fleet_and_flower_up_until_ctrl_c(tmp_path):
                                 text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert "demo-cpu@" in status.stdout
+        assert "the online API streams a chat completion" in out
+        c = re.search(r"try it: curl -N (http://127\.0\.0\.1:\d+/v1/chat/completions) -H "
+                      r"'Authorization: Bearer (\S+)'", out)
+        assert c, out[-2000:]
+        chat = requests.post(c.group(1), headers={"Authorization": f"Bearer {c.group(2)}"},
+                             json={"model": "tiny-llama", "max_tokens": 4,
+                                   "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
 
         os.kill(demo.pid, signal.SIGINT)  # what Ctrl-C sends (the children have own groups)
         assert demo.wait(timeout=120) == 0

@@ -101,7 +101,7 @@ def test_the_procfile_runs_gpu_workers_the_housekeeper_beat_and_vigil_flower():
     assert procs["beat"].startswith("celery -A app beat ")
     assert shlex.split(procs["flower"])[:2] == ["vigil", "flower"]
     assert "PASSWORD" not in procs["flower"]  # credentials never on a command line
-    assert shlex.split(procs["api"])[:2] == ["vigil", "api"] and "TOKEN" not in procs["api"]
+    assert shlex.split(procs["web"])[:2] == ["vigil", "api"] and "TOKEN" not in procs["web"]
 
 
 # -- docker/compose.yaml -----------------------------------------------------------------------
@@ -166,9 +166,10 @@ def test_compose_housekeeper_has_transformers_for_batch_chat_lines(compose):
     assert compose["services"]["housekeeper"]["build"]["target"] == "cpu"
 
 
-def test_compose_api_runs_vigil_api_and_requires_its_token(compose):
-    api = compose["services"]["api"]
+def test_compose_web_runs_vigil_api_on_the_cpu_image_and_requires_its_token(compose):
+    api = compose["services"]["web"]
     assert _command(api)[:2] == ["vigil", "api"]
+    assert api["build"]["target"] == "cpu"  # vLLM's renderer renders the prompts
     assert ":?" in api["environment"]["VIGIL_API_TOKEN"]  # compose refuses to start without it
 
 

@@ -310,6 +310,38 @@ def test_structured_json_and_choice_hold_to_their_constraint(warm_worker):
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex.get(timeout=180)["text"])
 
 
+# tiny-llama's token for the control character U+001A (its byte-level BPE keeps every byte).
+CONTROL_TOKEN = 221
+# A string with maxLength: xgrammar 0.2.8 compiles it to [^"\\\r\n]{0,4}, so a raw control
+# character passes there, which every strict JSON parser refuses (its plain string rule
+# excludes U+0000-U+001F: a string without maxLength cannot carry one).
+SHORT = {"type": "object", "additionalProperties": False, "required": ["s"],
+         "properties": {"s": {"type": "string", "maxLength": 4}}}
+
+
+def test_an_output_the_engine_broke_is_a_typed_error_never_a_result(warm_worker):
+    """Given a JSON schema whose string has maxLength and a logit_bias that makes tiny-llama
+    pick U+001A wherever the grammar lets it (the issue's repro, made certain), when a greedy
+    and a sampled request ask for it, then neither returns the invalid text: the greedy one
+    ends at once (`attempts_exhausted` after 1 attempt: another would make the same output),
+    the sampled one after VIGIL_MAX_ATTEMPTS (3) attempts (each could have differed), both
+    naming `structured_output_invalid` and the strict parser's reason. The engine did finish
+    each attempt's generation (the witness), so only the check stood between it and the
+    caller."""
+    kw = dict(model="tiny-llama", prompt="Give me a code:", max_tokens=40,
+              structured={"json": SHORT}, logit_bias={str(CONTROL_TOKEN): 100})
+    greedy = generate.delay(temperature=0.0, **kw)
+    sampled = generate.delay(temperature=1.0, **kw)
+    for r, attempts in ((greedy, 1), (sampled, 3)):
+        with pytest.raises(TerminalError) as e:
+            r.get(timeout=180)
+        assert str(e.value).startswith(f"attempts_exhausted: {attempts} attempt"), e.value
+        assert "structured_output_invalid: " in str(e.value)
+        assert "not strict JSON: Invalid control character" in str(e.value)
+        ran = sorted(g["attempt"] for g in read_witness(WITNESS_DIR)[r.id])
+        assert ran == list(range(1, attempts + 1)), ran
+
+
 def test_an_uncompilable_schema_is_refused_before_anything_is_published(warm_worker):
     """A schema valid by its metaschema but not compilable by tiny-llama's backend (a $ref to
     nothing) fails invalid_request in the producer: no record, no message."""
@@ -353,19 +385,19 @@ def test_hostile_version_2_fields_sent_around_the_producer_end_typed(warm_worker
 
 
 def test_a_message_of_a_newer_version_is_handed_back_by_a_real_worker(warm_worker):
-    """Given a message of schema_version 3 with a field no worker here knows, sent around the
+    """Given a message of schema_version 4 with a field no worker here knows, sent around the
     producer, when the real worker takes it, then it is never failed invalid_request: it is
     recorded, handed back again and again (schema_too_new, no attempt used) for a worker that
-    reads version 3, and ends only by its deadline (deadline_exceeded)."""
-    assert warm_worker.entry()["schema_versions"] == "1,2"  # what the producer's gate reads
+    reads version 4, and ends only by its deadline (deadline_exceeded)."""
+    assert warm_worker.entry()["schema_versions"] == "1,2,3"  # what the producer's gate reads
     r = app.send_task("vigil.generate", queue="vigil.pool.tiny-llama", kwargs={
-        "model": "tiny-llama", "prompt": "from the future", "schema_version": 3,
+        "model": "tiny-llama", "prompt": "from the future", "schema_version": 4,
         "speculative_mode": {"depth": 4}, "deadline_s": 8})
     wait_for(lambda: int((store().get(r.id) or {}).get("dispatch") or 0) >= 2, 60, 0.2,
              "two hand-backs")
     rec = store().get(r.id)
     assert rec["status"] in ("PENDING", "RUNNING") and rec["attempts"] == "0"
-    assert rec["last_error"].startswith("schema_too_new: schema_version 3 ")
+    assert rec["last_error"].startswith("schema_too_new: schema_version 4 ")
     with pytest.raises(TerminalError, match="^deadline_exceeded: "):
         r.get(timeout=120)
 

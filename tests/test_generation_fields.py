@@ -141,6 +141,65 @@ def test_an_uncompilable_schema_is_refused_before_publish_naming_the_reason():
         assert req.structured.wire() == ok
 
 
+SHORT = {"type": "object", "additionalProperties": False, "required": ["s"],
+         "properties": {"s": {"type": "string", "maxLength": 4}}}
+
+
+@pytest.mark.parametrize("constraint, text, says", [
+    ({"json": SHORT}, '{"s": "ab"}', ""),
+    # xgrammar 0.2.8 lets a raw control character into a string with maxLength (the issue's
+    # repro on tiny-llama): a strict JSON parser refuses it.
+    ({"json": SHORT}, '{"s": "a\x1ab"}', "not strict JSON: Invalid control character at"),
+    ({"json": SHORT}, '{"s": "abcdef"}', "JSON its schema refuses at s: maxLength 4"),
+    ({"json": SHORT}, '{"s": NaN}', "not strict JSON: NaN is not JSON"),
+    ({"json": SHORT}, '{"s": "ab"', "not strict JSON: Expecting"),
+    ({"json_object": True}, '{"a": [1, 2]}', ""),
+    ({"json_object": True}, '[1]', "JSON, but not an object (a list)"),
+    ({"regex": "[a-c]{3}-[0-9]{2}"}, "abc-12", ""),
+    ({"regex": "[a-c]{3}-[0-9]{2}"}, "abc-123", "7 characters that its regex does not match"),
+    ({"regex": "a.b"}, "a\nb", ""),  # `.` matches any character, as the backends' does
+    ({"regex": "(?<!x"}, "anything", ""),  # Python cannot compile it: not checked
+    ({"choice": ["red fox", "blue whale"]}, "blue whale", ""),
+    ({"choice": ["red fox", "blue whale"]}, "red fo", "6 characters, none of its 2 choices"),
+    ({"grammar": 'root ::= "a"'}, "b", ""),  # no parser but the backend's: not checked
+])
+def test_an_output_is_checked_against_its_constraint_apart_from_the_backend(constraint, text,
+                                                                             says):
+    """app/requests/structured.py `violation`: a strict JSON parse and the schema by
+    jsonschema, a regex fullmatch, choice membership; the reason never quotes the output."""
+    from app.requests.structured import Structured, violation
+
+    why = violation(Structured.model_validate(constraint), text)
+    assert why.startswith(says) if says else why == ""
+    assert text not in why or not says
+
+
+def test_only_a_sample_the_engine_ended_is_checked_and_a_break_is_a_typed_retryable_error():
+    """workers/result.py `check_structured`: a sample cut by max_tokens, or by the request's
+    own stop strings, is left alone; one the engine ended that breaks the constraint raises
+    TransientError(structured_output_invalid) naming the sample and the reason. A greedy or
+    seeded request repeats its output (`repeats_output`), a sampled one without a seed not."""
+    from app.errors import TransientError
+    from workers.engine.output import EngineOutput, Sample
+    from workers.result import check_structured, repeats_output
+
+    kw = {"model": "tiny-llama", "prompt": "x", "structured": {"json": SHORT}}
+    req = parse_request(kw)
+    broken = '{"s": "\x1a"}'
+    check_structured(req, EngineOutput(broken, [1], "length", 1))
+    check_structured(parse_request({**kw, "stop": ["}"]}), EngineOutput(broken, [1], "stop", 1))
+    with pytest.raises(TransientError, match=r"^structured_output_invalid: the output broke its "
+                                             r"json constraint: not strict JSON: Invalid control"):
+        check_structured(req, EngineOutput(broken, [1], "stop", 1))
+    two = parse_request({**kw, "n": 2})
+    samples = [Sample(0, '{"s": "ok"}', [1], "stop"), Sample(1, broken, [1], "stop")]
+    with pytest.raises(TransientError, match=r"sample 1's output broke its json constraint"):
+        check_structured(two, EngineOutput.of(samples, 1))
+    assert repeats_output(parse_request({**kw, "temperature": 0.0}))
+    assert repeats_output(parse_request({**kw, "seed": 7}))
+    assert not repeats_output(req)
+
+
 def test_a_schema_nested_deeper_than_vllm_allows_is_refused_without_recursion():
     deep: dict = {"type": "object"}
     for _ in range(200):

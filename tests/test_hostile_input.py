@@ -162,23 +162,23 @@ def test_version_1_and_no_version_are_both_served(instant_runtime):
                                            "n": 2})["completion_tokens"] == 2
 
 
-NEWER = {**GOOD, "schema_version": 3, "field_of_version_3": {"x": 1}, "job": "rollout"}
+NEWER = {**GOOD, "schema_version": 4, "field_of_version_4": {"x": 1}, "job": "rollout"}
 
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "sent-around"])
 def test_a_message_of_a_newer_version_is_handed_back_never_failed(instant_runtime, recorded):
-    """Given a message of schema_version 3 (a newer producer, during a rolling upgrade) with a
+    """Given a message of schema_version 4 (a newer producer, during a rolling upgrade) with a
     field this worker has never heard of, recorded by its producer or sent around it, when this
     worker serves it, then the request is not failed (no invalid_request, no
     unsupported_version): the claim is given back without using an attempt, the record is
     PENDING for the next dispatch with the reason, and the task is retried (schema_too_new) for
-    a worker that reads version 3; its deadline still bounds it."""
+    a worker that reads version 4; its deadline still bounds it."""
     rt = instant_runtime
     rid = f"newer-{recorded}"
-    if recorded:  # as a version-3 producer would: the record, then the message
+    if recorded:  # as a version-4 producer would: the record, then the message
         assert rt.store.create(rid, provisional_fields(NEWER, time.time(), 600))
     for dispatch in (0, 1):  # the same again on its retry: never failed, never counted
-        with pytest.raises(TransientError, match="^schema_too_new: schema_version 3 ") as ei:
+        with pytest.raises(TransientError, match="^schema_too_new: schema_version 4 ") as ei:
             serve(rt, rid, dispatch, NEWER)
         assert not ei.value.decision.uses_attempt  # app/retry_policy.py: no attempt used
         rec = rt.store.get(rid)
@@ -192,7 +192,7 @@ def test_a_message_of_a_newer_version_is_handed_back_never_failed(instant_runtim
 def test_a_newer_message_without_a_readable_job_is_refused_not_lost(instant_runtime):
     """A newer message sent around the producer whose job cannot be read cannot be recorded for
     anyone: it fails unsupported_version, loudly (it is in no record, so nothing is lost)."""
-    with pytest.raises(RequestError, match="^unsupported_version: schema_version 3 "):
+    with pytest.raises(RequestError, match="^unsupported_version: schema_version 4 "):
         serve(instant_runtime, "newer-nojob", 0, {**NEWER, "job": {"bad": 1}})
     assert instant_runtime.store.get("newer-nojob")["status"] == "FAILED"
 
@@ -207,8 +207,8 @@ def test_an_oversized_prompt_sent_around_the_producer_is_refused_in_the_worker(
 
 
 def test_the_schema_refuses_an_unknown_version_before_anything_else():
-    with pytest.raises(RequestError, match="^unsupported_version: schema_version 3 "):
-        parse_request({"model": "tiny-llama", "prompt": "x", "schema_version": 3, "bogus": 1})
+    with pytest.raises(RequestError, match="^unsupported_version: schema_version 4 "):
+        parse_request({"model": "tiny-llama", "prompt": "x", "schema_version": 4, "bogus": 1})
 
 
 class _Msg:

@@ -40,6 +40,30 @@ def test_only_requests_past_their_deadline_are_failed_and_waiters_are_told(store
     assert store.past_deadline(T0 + 11) == []
 
 
+def test_the_deadline_watch_sleeps_until_the_earliest_deadline_and_ends_it_then(store):
+    """The housekeeper's watch (app/fleet/deadlines.py) on an injected clock: with no request
+    open it rereads after its period; it sleeps exactly until the earliest deadline when that
+    is sooner, a later one submitted meanwhile changes nothing, an earlier one shortens the
+    next sleep; at the deadline it ends that request (and only it) and looks again at once."""
+    from app.fleet.deadlines import WATCH_AFTER_SWEEP_S, DeadlineWatch
+
+    now = [T0]
+    told = Told()
+    watch = DeadlineWatch(store, told, clock=lambda: now[0], reread_s=0.5)
+    assert watch.step() == 0.5  # nothing open
+    add(store, "ten", deadline_s=10)
+    assert watch.step() == 0.5  # 10 s away: it rereads first
+    now[0] = T0 + 9.8
+    assert watch.step() == pytest.approx(0.2)
+    add(store, "later", created=T0 + 9.8, deadline_s=100)
+    assert watch.step() == pytest.approx(0.2)
+    now[0] = T0 + 10.0
+    assert watch.step() == WATCH_AFTER_SWEEP_S
+    assert told.ids == ["ten"] and store.get("ten")["status"] == "FAILED"
+    assert float(store.get("ten")["finished_at"]) == T0 + 10.0
+    assert store.get("later")["status"] == "PENDING" and watch.step() == 0.5
+
+
 def test_the_sweep_reads_in_chunks_and_finishes_a_large_backlog(store):
     for i in range(250):
         add(store, f"r{i}", deadline_s=1)

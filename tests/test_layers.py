@@ -23,6 +23,9 @@ FLOORS = [
     ("app.state", lambda m: m.startswith("app.state")),
     ("app.requests", lambda m: m.startswith("app.requests")),
     ("app.fleet", lambda m: m.startswith("app.fleet")),
+    # The online API's calls (rendered by vLLM, followed asynchronously): over the request
+    # contract and the fleet's ends, under the Celery app (its ports are handed in).
+    ("app.online", lambda m: m.startswith("app.online")),
     # The Celery app composes the floors below it and hands them its ports
     # (app/celery_ports.py); the entry points above it (the harness, the operator tools, the
     # worker, the tasks) get it from `shared_app()`.

@@ -1,8 +1,10 @@
-"""Unit tier: lossless preemption in the engine host (workers/engine/host.py `_preempt_for`)
-with a fake engine whose batch holds two requests: an interactive request admitted to a full
-engine makes the youngest preemptible bulk run yield its slot (its tokens read first), and
-nothing else is ever picked; bulk work beyond the batch waits at the bulk gate, outside the
-engine, so the one that yields holds a batch slot."""
+"""Unit tier: lossless preemption in the engine host (workers/engine/tier_gate.py
+`TierGate.preempt_for`) with a fake engine whose batch holds two requests: an interactive
+request admitted to a full engine makes the preemptible bulk runs cheapest to rebuild (fewest
+prompt and prefix tokens) yield as many slots as it needs (their tokens read first), never a run
+whose resume would be refused, and nothing else is ever picked; work beyond the batch waits at
+the batch gate, outside the engine, so the one that yields holds a batch slot, and the slot it
+frees is kept for the interactive request, also while its LoRA adapter loads."""
 from __future__ import annotations
 
 import asyncio
@@ -14,15 +16,24 @@ import pytest
 
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest, parse_request
+from app.state.streams import Checkpoint
 from tests.conftest import wait_until
 from workers.engine.host import Preempted
 from workers.engine.output import EngineOutput
+from workers.streaming import StreamTap
 
 SPEC = ModelSpec(name="m", path="/x")
 
 
-def req(prompt, priority="bulk"):
-    return GenerateRequest(model="m", prompt=prompt, priority=priority)
+def req(prompt, priority="bulk", n=1):
+    return GenerateRequest(model="m", prompt=prompt, priority=priority, n=n, max_tokens=1000)
+
+
+def tap_of(rid, prompt_tokens, made, made_with="", now=""):
+    """A run's tap holding a prompt of `prompt_tokens` tokens and `made` generated ones (a
+    resumed run's prefix among them), made with the adapter files `made_with` (today's: `now`)."""
+    prior = Checkpoint([1] * prompt_tokens, [7] * made, "x" * made, made_with, [made])
+    return StreamTap(None, rid, "claim", 1, "m", prior if made else None, now)
 
 
 class Batch:
@@ -33,15 +44,26 @@ class Batch:
         self.max_num_seqs = max_num_seqs
         self.dead = False
         self.running: list[str] = []
+        self.started: list[str] = []
         self.read: list[str] = []
         self.aborted: list[str] = []
         self.release = threading.Event()
+        self.adapter_loads = threading.Event()  # cleared: an adapter's load waits for it
+        self.adapter_loads.set()
 
     def __call__(self, spec, plan=None):
         return self
 
-    async def run(self, r, rid):
+    async def add_adapter(self, a):
+        while not self.adapter_loads.is_set():
+            await asyncio.sleep(0.01)
+
+    async def remove_adapter(self, a):
+        pass
+
+    async def run(self, r, rid, adapter=None):
         self.running.append(rid)
+        self.started.append(rid)
         try:
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
@@ -62,14 +84,14 @@ class Batch:
         pass
 
 
-def test_an_interactive_request_makes_the_youngest_bulk_run_yield_its_slot(make_host):
+def test_of_runs_as_cheap_to_rebuild_the_youngest_yields_its_slot(make_host):
     eng = Batch()
     host = make_host(eng)
     pool = ThreadPoolExecutor(4)
     old = pool.submit(host.generate, req("old"), SPEC, "old-1", 30, None, None, True)
     wait_until(lambda: "old-1" in eng.running)
     time.sleep(0.05)  # a younger run starts strictly later
-    young = pool.submit(host.generate, req("young"), SPEC, "young-1", 30, None, None, True)
+    young = pool.submit(host.generate, req("new"), SPEC, "young-1", 30, None, None, True)
     wait_until(lambda: len(eng.running) == 2)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
     with pytest.raises(Preempted):
@@ -83,6 +105,114 @@ def test_an_interactive_request_makes_the_youngest_bulk_run_yield_its_slot(make_
     pool.shutdown()
 
 
+def test_the_run_cheapest_to_rebuild_yields_not_the_one_started_last(make_host):
+    """Given a bulk run with 10 prompt tokens and 5 made, and one started later that resumed
+    a 200-token prefix (the run started last is the one a preemption costs most: its prefix is
+    prefilled again), then the interactive request makes the first one yield (eb37a72 picked
+    the one started last)."""
+    eng = Batch()
+    host = make_host(eng)
+    pool = ThreadPoolExecutor(4)
+    cheap = pool.submit(host.generate, req("cheap"), SPEC, "cheap-1", 30, None,
+                        tap_of("cheap", 10, 5), True)
+    wait_until(lambda: "cheap-1" in eng.running)
+    time.sleep(0.05)  # the resumed run starts strictly later
+    resumed = pool.submit(host.generate, req("resumed"), SPEC, "resumed-2", 30, None,
+                          tap_of("resumed", 10, 200), True)
+    wait_until(lambda: len(eng.running) == 2)
+    urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
+    with pytest.raises(Preempted):
+        cheap.result(10)
+    assert eng.read == ["cheap-1"]
+    eng.release.set()
+    assert urgent.result(10).text == "now" and resumed.result(10).text == "resumed"
+    assert host.stats.preemptions == 1
+    pool.shutdown()
+
+
+def test_a_run_whose_resume_would_be_refused_is_never_the_victim(make_host):
+    """Given the cheaper of two bulk runs holding tokens made with adapter files that changed
+    since (its resume would be refused: workers/engine/resume.py `refusal`, and its tokens
+    thrown away), then the other one yields, though it costs more to rebuild; with only such
+    runs in the batch, none yields and the interactive request waits for a slot."""
+    eng = Batch()
+    host = make_host(eng)
+    pool = ThreadPoolExecutor(4)
+    dear = pool.submit(host.generate, req("dear"), SPEC, "dear-1", 30, None,
+                       tap_of("dear", 10, 200), True)
+    wait_until(lambda: "dear-1" in eng.running)
+    time.sleep(0.05)  # the refused one starts strictly later (eb37a72 picked it, the youngest)
+    stale = pool.submit(host.generate, req("stale"), SPEC, "stale-1", 30, None,
+                        tap_of("stale", 10, 5, made_with="old", now="new"), True)
+    wait_until(lambda: len(eng.running) == 2)
+    urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
+    with pytest.raises(Preempted):
+        dear.result(10)
+    assert eng.read == ["dear-1"]
+    wait_until(lambda: "now-1" in eng.running)
+    again = pool.submit(host.generate, req("again", "interactive"), SPEC, "again-1", 30)
+    wait_until(lambda: host.waiting_for_slots == 1)  # at the gate: nothing yields for it
+    assert eng.read == ["dear-1"] and host.stats.preemptions == 1
+    eng.release.set()
+    assert [f.result(10).text for f in (stale, urgent, again)] == ["stale", "now", "again"]
+    pool.shutdown()
+
+
+def test_an_interactive_request_of_n_samples_frees_as_many_slots(make_host):
+    """Given a batch of four full of bulk runs, an interactive request of n=2 (vLLM runs each
+    sample in a slot of its own) makes the two cheapest yield, not one (eb37a72: one), and
+    enters once both slots are free."""
+    eng = Batch(max_num_seqs=4)
+    host = make_host(eng)
+    pool = ThreadPoolExecutor(6)
+    bulk = [pool.submit(host.generate, req(f"b{i}"), SPEC, f"b{i}-1", 30, None,
+                        tap_of(f"b{i}", 10, made), True)
+            for i, made in enumerate((300, 5, 200, 6))]
+    wait_until(lambda: len(eng.running) == 4)
+    urgent = pool.submit(host.generate, req("now", "interactive", n=2), SPEC, "now-1", 30)
+    for i in (1, 3):
+        with pytest.raises(Preempted):
+            bulk[i].result(10)
+    assert sorted(eng.read) == ["b1-1", "b3-1"] and host.stats.preemptions == 2
+    wait_until(lambda: "now-1" in eng.running)
+    eng.release.set()
+    assert urgent.result(10).text == "now"
+    assert [bulk[i].result(10).text for i in (0, 2)] == ["b0", "b2"]
+    pool.shutdown()
+
+
+def test_the_slot_freed_for_an_interactive_request_loading_its_adapter_stays_its_own(
+        make_host, tmp_path):
+    """Given a full batch of bulk runs, a bulk request waiting for a slot, and an interactive
+    request whose LoRA adapter is cold (its load takes a while), then the slot the preemption
+    frees is kept for the interactive request while its adapter loads: it enters the engine
+    before the waiting bulk request (eb37a72: the bulk request took the slot at once)."""
+    from tests.test_engine_lora import make_adapter
+
+    spec = ModelSpec(name="model-a", path="/x", max_loras=1, max_lora_rank=8,
+                     lora_mixing_safe=True)
+    adapter = make_adapter(tmp_path, "a1")
+    eng = Batch()
+    host = make_host(eng)
+    first = [host.submit(req(f"b{i}"), spec, f"b{i}-1", 30, None, None, True) for i in (0, 1)]
+    wait_until(lambda: len(eng.running) == 2)
+    waiting = host.submit(req("b2"), spec, "b2-1", 30, None, None, True)
+    wait_until(lambda: host.waiting_for_slots == 1)
+    eng.adapter_loads.clear()
+    pool = ThreadPoolExecutor(1)
+    urgent = pool.submit(host.generate, req("now", "interactive"), spec, "now-1", 30, adapter)
+    with pytest.raises(Preempted):
+        host.result(first[1])
+    wait_until(lambda: eng.aborted == ["b1-1"])
+    eng.adapter_loads.set()
+    wait_until(lambda: "now-1" in eng.running)
+    assert eng.started == ["b0-1", "b1-1", "now-1"]  # the waiting bulk request did not take it
+    eng.release.set()
+    assert urgent.result(10).text == "now"
+    assert [host.result(p).text for p in (first[0], waiting)] == ["b0", "b2"]
+    pool.shutdown()
+
+
 def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_host):
     eng = Batch(max_num_seqs=2)
     host = make_host(eng)
@@ -93,8 +223,8 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
                         None, True)
     wait_until(lambda: len(eng.running) == 2)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
-    wait_until(lambda: "now-1" in eng.running)  # the fake runs it beside them: vLLM would queue
-    assert eng.aborted == [] and host.stats.preemptions == 0
+    wait_until(lambda: host.waiting_for_slots == 1)  # it waits for a slot, outside the engine
+    assert eng.aborted == [] and host.stats.preemptions == 0 and "now-1" not in eng.running
     eng.release.set()
     assert {f.result(10).text for f in (tired, plain, urgent)} == {"tired", "plain", "now"}
     pool.shutdown()
@@ -178,3 +308,39 @@ def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(sett
         pool.shutdown()
     finally:
         rt.host.shutdown(1)
+
+
+def test_the_bulk_gate_holds_a_re_run_after_an_engine_death_too(make_host):
+    """Given an engine whose batch holds two requests and four bulk requests (two in it, two at
+    the bulk gate), when the engine dies, then the four suspects re-run on the fresh engine
+    still at most two at a time: the gate holds a ticket's every run, not only its first. (A
+    minimal change to workers/engine/host.py, whose tier gate issue 38's items 1, 4 and 5
+    rework.) Before, all four re-runs entered the fresh engine at once, bulk work waiting
+    inside vLLM ahead of any interactive request."""
+    from tests.test_engine_recovery import DyingEngine, World
+
+    class Batched(DyingEngine):
+        max_num_seqs = 2
+
+    class Fleet(World):
+        def __call__(self, spec, plan=None):
+            e = Batched(self)
+            self.engines.append(e)
+            return e
+
+    w = Fleet()
+    host = make_host(w)
+    pool = ThreadPoolExecutor(4)
+    try:
+        futs = [pool.submit(host.generate, req(f"b{i}"), SPEC, f"b{i}-1", 30) for i in range(4)]
+        wait_until(lambda: w.engines and len(w.current().in_flight) == 2)
+        time.sleep(0.1)
+        assert len(w.current().in_flight) == 2  # two wait at the gate, outside the engine
+        w.current().die()
+        wait_until(lambda: len(w.engines) == 2)
+        w.gate.set()  # the fresh engine's canary and the re-runs may finish
+        assert sorted(f.result(30).text for f in futs) == ["b0", "b1", "b2", "b3"]
+        assert w.engines[1].peak <= 2, w.engines[1].peak
+    finally:
+        w.gate.set()
+        pool.shutdown()

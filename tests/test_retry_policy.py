@@ -46,6 +46,7 @@ TABLE = {
     "engine_error": (TransientError, True, False, True, None),
     "generation_failed": (TransientError, True, True, True, None),
     "retry_requested": (TransientError, True, False, True, None),
+    "structured_output_invalid": (TransientError, True, True, True, None),
     "cuda_context_lost": (WorkerFatalError, True, True, True, None),
     "repeated_engine_death": (WorkerFatalError, True, True, True, None),
     "canary_failed": (WorkerFatalError, True, True, True, None),
@@ -111,6 +112,21 @@ def test_an_error_that_uses_an_attempt_ends_the_request_when_none_is_left(code):
     d = decide(e, Attempted(3, 2), LIMITS, NOW)
     assert isinstance(d, End) and d.error.code == "attempts_exhausted"
     assert str(d.error) == f"attempts_exhausted: 3 attempts used; last error: {code}: boom"
+
+
+def test_a_broken_structured_output_is_retried_only_when_another_attempt_can_differ():
+    """`structured_output_invalid`: a sampled request without a seed is tried again at once
+    (another sample may hold to its constraint), using an attempt; a greedy or seeded one, which
+    would make the same output again, ends at once with attempts_exhausted saying why."""
+    e = TransientError.of("structured_output_invalid", "not strict JSON")
+    assert decide(e, Attempted(1, 0), LIMITS, NOW) == Retry(0.0, True)
+    d = decide(e, Attempted(1, 0, repeats=True), LIMITS, NOW)
+    assert isinstance(d, End) and str(d.error) == (
+        "attempts_exhausted: 1 attempt used, and another would make the same output (greedy, or "
+        "sampled with a seed); last error: structured_output_invalid: not strict JSON")
+    # Only for an error another output mends: a repeating request's other failures still retry.
+    assert isinstance(decide(TransientError.of("engine_error", "x"), Attempted(1, 0, repeats=True),
+                             LIMITS, NOW), Retry)
 
 
 def test_an_attempt_given_back_is_bounded_by_time_not_attempts():

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import metrics
-from app.requests.async_result import _Cursor
+from app.requests.stream_cursor import StreamCursor
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
 from app.state.conn import connect
@@ -145,7 +145,7 @@ def test_a_reader_gets_each_samples_chunk_with_its_index_and_the_tails_last():
          "logprobs": [lp(10, -1), lp(11, -2), lp(12, -6)]},
         {"index": 1, "text": "cde", "token_ids": [20, 21, 22],
          "logprobs": [lp(20, -3), lp(21, -4), lp(22, -5)]}]}
-    cur = _Cursor(0)
+    cur = StreamCursor(0)
     got = cur.take_all(e1) + cur.take_all(e2) + cur.finals(result)
     assert [(c["index"], c["offset"], c["token_ids"], c["text"]) for c in got] == [
         (0, 0, [10, 11], "ab"), (1, 0, [20], "c"), (1, 1, [21, 22], "de"),
@@ -153,7 +153,7 @@ def test_a_reader_gets_each_samples_chunk_with_its_index_and_the_tails_last():
     assert [e["logprob"] for e in got[2]["logprobs"]] == [-4, -5] and got[3]["logprobs"][0][
         "logprob"] == -6
     assert got[-1]["final"] and got[-1]["result"] is result and "final" not in got[3]
-    later = _Cursor(3)
+    later = StreamCursor(3)
     assert [(c["index"], c["offset"], c["token_ids"]) for c in later.take_all(e1)
             + later.take_all(e2)] == [(1, 1, [21, 22])]
 
@@ -161,7 +161,7 @@ def test_a_reader_gets_each_samples_chunk_with_its_index_and_the_tails_last():
 def test_a_result_whose_sample_does_not_continue_the_stream_comes_whole():
     from app.state.streams import Entry, Part
 
-    cur = _Cursor(0)
+    cur = StreamCursor(0)
     cur.take_all(Entry("1-0", 0, parts=[Part(1, 0, [20], "c", [1])]))
     result = {"text": "a", "token_ids": [1], "choices": [
         {"index": 0, "text": "a", "token_ids": [1]}, {"index": 1, "text": "q", "token_ids": [9]}]}

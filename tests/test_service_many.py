@@ -193,6 +193,93 @@ def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime)
         pool.shutdown()
 
 
+def test_a_sibling_whose_structured_output_broke_is_no_result_and_ends_or_goes_back_alone(
+        runtime):
+    """Given a message of three structured (JSON schema) requests whose engine output breaks
+    the schema for two of them (a raw control character in a string: what xgrammar 0.2.8 lets
+    through), when it is served, then neither broken output is stored as a result: the greedy
+    one ends at once (attempts_exhausted: it would make the same output again), the sampled one
+    goes back alone as its next dispatch (another sample may hold), and the valid one
+    succeeds."""
+    schema = {"type": "object", "required": ["s"],
+              "properties": {"s": {"type": "string", "maxLength": 4}}}
+    broken = EngineOutput('{"s": "\x1a"}', [1, 2], "stop", 1)
+    rt = runtime({"p0": broken, "p1": broken,
+                  "p2": EngineOutput('{"s": "ok"}', [1, 2], "stop", 1)})
+    batch = items(3, structured={"json": schema})
+    batch[0]["kwargs"]["temperature"] = 0.0
+    for it in batch:
+        create(rt.store, it["id"], **{k: v for k, v in it["kwargs"].items() if k != "model"})
+    tally = serve_many(rt, batch)
+    assert (tally["succeeded"], tally["failed"], tally["retried"]) == (1, 1, 1)
+    greedy = rt.store.get("m0")
+    assert greedy["status"] == "FAILED" and greedy["error"].startswith(
+        "attempts_exhausted: 1 attempt used, and another would make the same output")
+    assert "structured_output_invalid: the output broke its json constraint: not strict " \
+        "JSON: Invalid control character" in greedy["error"]
+    sampled = rt.store.get("m1")
+    assert (sampled["status"], sampled["dispatch"], sampled["attempts"]) == ("PENDING", "1", "1")
+    assert sampled["last_error"].startswith("structured_output_invalid: ")
+    assert rt.ports.sent == [("m1", 1)]
+    assert rt.store.get("m2")["status"] == "SUCCEEDED"
+
+
+@pytest.mark.parametrize("fault, code", [
+    (TransientError.of("redis_unavailable", "cannot reach Redis (past the outage grace)"),
+     "redis_unavailable"),
+    (RuntimeError("a bug in the finish"), "worker_lost"),
+])
+def test_an_exception_out_of_the_serving_loop_strands_none_of_the_messages_requests(
+        runtime, fault, code):
+    """Given a message of three requests, one of which ends at once while two still run, when
+    the finish of the first raises (a Redis error past the outage grace, or any bug: injected
+    into the store's `finish_many`, Redis itself staying up to witness), then no request is
+    left RUNNING under this live worker until the deadline sweep: the two still running are
+    aborted in the engine, and all three go back alone as their next dispatch, through the one
+    retry decision (`redis_unavailable` as itself, anything else as `worker_lost`), each
+    published; serve_many returns what it did."""
+    rt = runtime(engine=Held({"p1", "p2"}))
+    batch = items(3)
+    for it in batch:
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"])
+
+    def failing(*_a, **_kw):
+        raise fault
+    rt.store.finish_many = failing
+    pool = ThreadPoolExecutor(1)
+    try:
+        tally = pool.submit(serve_many, rt, batch).result(30)
+    finally:
+        rt.engine.release.set()
+        pool.shutdown()
+    assert (tally["retried"], tally["succeeded"], tally["failed"]) == (3, 0, 0)
+    recs = [rt.store.get(it["id"]) for it in batch]
+    assert [(r["status"], r["dispatch"]) for r in recs] == [("PENDING", "1")] * 3
+    assert all(r["last_error"].startswith(f"{code}: ") for r in recs)
+    assert sorted(rt.ports.sent) == [("m0", 1), ("m1", 1), ("m2", 1)]
+    assert sorted(rt.engine.aborted) == ["m1-1", "m2-1"]
+
+
+def test_a_request_sent_around_the_producer_with_a_new_job_announces_its_queue(runtime):
+    """Given no record (sent around the producer: send_task, a raw push) and a job no request
+    used before, when a worker serves it alone (vigil.generate) or in a message of many, then
+    it records the request and tells the pool's workers to consume the job's new queue, as the
+    producer's submit does (its retries are published there). Before, no broadcast: they waited
+    there for beat's reconcile to repair the announcement."""
+    from app.state.queues import job_queue_name
+    from workers.service import serve
+
+    rt = runtime()
+    rt.store.workers.write(7, {"name": "w-many", "instance_id": 7, "pools": "tiny-llama",
+                               "has_pinged": 1}, time.time())
+    assert serve(rt, "solo", 0, {**KW, "prompt": "alone", "job": "fresh-a"})["text"] == "ok"
+    tally = serve_many(rt, [{"id": "many", "kwargs": {**KW, "prompt": "m", "job": "fresh-b"}}])
+    assert tally["succeeded"] == 1
+    assert [b for b in rt.ports.broadcasts if b[0] == "add_consumer"] == [
+        ("add_consumer", job_queue_name("tiny-llama", job), ["w-many"])
+        for job in ("fresh-a", "fresh-b")]
+
+
 def test_a_sibling_the_reaper_requeued_is_dropped_alone(runtime):
     """Given a message of three whose middle request the reaper already requeued (its record
     at dispatch 1, its copy published by the reaper), when the message is served, then that
@@ -219,6 +306,30 @@ def test_the_message_goes_back_whole_when_the_worker_takes_nothing_new(runtime):
         serve_many(rt, batch)
     assert {rt.store.get(it["id"])["status"] for it in batch} == {"PENDING"}
     assert rt.engine.calls == 0
+
+
+def test_a_delivery_given_back_leaves_the_givers_in_flight_set(runtime):
+    """Given a worker that takes nothing new (stopping or quarantined) and deliveries its
+    consumer took (each held in its in-flight set, as app/state/transport.py writes it), when
+    it gives them back to their queue untouched (a message of one request, one of many), then
+    it no longer holds them: nothing it does later (a hand-back, an orphan reclaim) nor the
+    reaper takes them for its own. A request it still runs (a copy of a live run) stays held.
+    Before, every given-back id stayed in the giver's set."""
+    from workers.service import serve
+
+    rt = runtime()
+    batch = items(2)
+    for rid in ("g1", "busy", *(it["id"] for it in batch)):
+        create(rt.store, rid, prompt="back")
+        rt.store.hold(rid, rt.instance_id)
+    assert rt.store.begin("busy", 0, rt.name, rt.instance_id, time.time(), 3).action == "run"
+    rt.host.refuse_new()
+    for rid in ("g1", "busy"):
+        with pytest.raises(GiveBack):
+            serve(rt, rid, 0, {**KW, "prompt": "back"})
+    with pytest.raises(GiveBack):
+        serve_many(rt, batch)
+    assert rt.store.inflight_ids(rt.instance_id) == ["busy"]
 
 
 def test_a_message_of_many_holds_every_request_it_carries(runtime):

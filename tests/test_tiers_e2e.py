@@ -3,15 +3,15 @@ by STEP_S, an engine batch of 4, six task threads, two of them kept from bulk wo
 start for every check:
 
 - with the engine full of long greedy bulk generations and more bulk queued, an interactive
-  request starts at once by preempting the youngest bulk run, and finishes within a small
-  multiple of its idle latency; the preempted bulk request resumes from its stream and ends
+  request starts at once by preempting the bulk run cheapest to rebuild, and finishes within a
+  small multiple of its idle latency; the preempted bulk request resumes from its stream and ends
   token-identical to an uninterrupted twin; no token is thrown away (the worker's own
   vigil_tokens_discarded_total); every stored result is backed by the engine's witness;
 - the same with the bulk work arriving as one message of many requests (`generate_many`, as a
   batch object's window does): twice the engine's batch in one message, so the intake cap and
-  the engine's bulk gate, not the message count, keep the extra bulk requests out of vLLM, the
-  one that yields holds a batch slot, and vLLM's priority scheduling gives it to the
-  interactive request;
+  the engine's batch gate, not the message count, keep the extra bulk requests out of vLLM, the
+  one that yields holds a batch slot, and the gate's line gives it to the interactive
+  request;
 - last, the worker is SIGTERMed under load (a drain: a scale-in), with default-tier greedy
   generations streaming and bulk ones waiting at the gate: every request is handed back with
   every token it made in its stream and its attempt given back, none counted discarded (the
@@ -147,9 +147,10 @@ def interactive_beside(tiers, bulk, job: str, before: float, what: str) -> None:
 @pytest.mark.alone  # a latency bound: a neighbour starting an engine stretches it
 def test_an_interactive_request_preempts_bulk_work_that_resumes_identical(tiers):
     """Given six long greedy bulk requests (sent one by one) filling the engine's batch of 4,
-    when an interactive request arrives, then it preempts the youngest bulk run and finishes
-    within 5x its idle latency + 1 s; every bulk request completes, the preempted ones resumed
-    and identical to their twins, no token discarded, the witness backs each result."""
+    when an interactive request arrives, then it preempts a bulk run (the cheapest to rebuild)
+    and finishes within 5x its idle latency + 1 s; every bulk request completes, the preempted
+    ones resumed and identical to their twins, no token discarded, the witness backs each
+    result."""
     job = f"tiers-{uuid.uuid4().hex[:6]}"
     before = tiers.discarded()
     bulk = [generate.delay(**bulk_kwargs(i, job)) for i in range(6)]

@@ -15,7 +15,7 @@ import redis
 
 from app.errors import TerminalError
 from app.local.embedded import stop_process
-from app.requests.async_result import _Cursor
+from app.requests.stream_cursor import StreamCursor
 from app.requests.schemas import parse_request
 from app.requests.submit import record_fields
 from app.settings import load_settings
@@ -227,6 +227,38 @@ def test_tokens_that_arrive_while_a_chunk_is_written_stay_pending(store):
 
 
 @pytest.mark.redis
+def test_the_last_write_of_a_yielding_request_waits_for_the_chunk_in_flight(store):
+    """Given a tap whose chunk the flusher thread is writing (Redis holds writes for a second:
+    CLIENT PAUSE WRITE, a slow round trip), when its request yields its slot and its last
+    tokens come in, then `write_now` waits for that chunk's answer and writes the rest: every
+    token is in the stream, none left to count as discarded (eb37a72 gave up at once)."""
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "y1")
+    tap.add([5, 6], "ab")
+    store.raw.client_pause(1000, all=False)
+    flusher = threading.Thread(target=sink.flush, kwargs={"force": True})
+    flusher.start()
+    wait_until(lambda: tap._in_flight)
+    tap.add([7], "c")  # read out of the engine right before the yield
+    assert sink.write_now(tap) and tap.unwritten() == 0
+    flusher.join(10)
+    cp = sink.streams.checkpoint("y1")
+    assert cp.token_ids == [5, 6, 7] and cp.text == "abc"
+
+
+@pytest.mark.redis
+def test_the_last_write_gives_up_on_a_chunk_in_flight_at_its_bound(store):
+    """A chunk in flight whose answer never comes (a flusher stuck) holds the last write only
+    for its bound: it returns False, the tokens left unwritten (the close counts them)."""
+    sink = StreamSink(TokenStreams(store.raw), flush_ms=200, chunk_tokens=64)
+    tap = open_tap(sink, store, "y2")
+    tap.add([5], "a")
+    assert tap.take_chunk(0, 0.2, 64, force=True) is not None  # in flight, never answered
+    tap.add([6], "b")
+    assert sink.write_now(tap, timeout=0.2) is False and tap.unwritten() == 2
+
+
+@pytest.mark.redis
 def test_a_reply_from_before_a_restart_is_ignored(store):
     """A chunk of the old run in flight while the tap restarts its stream: its reply must not
     make the new run's tokens follow the old ones."""
@@ -405,7 +437,7 @@ def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store)
     assert entries[-1].reset and entries[-1].token_ids == []
     assert ts.checkpoint("z1") is None
     assert store.get("z1")["streamed"] == "0"
-    cur = _Cursor(0)
+    cur = StreamCursor(0)
     got = [c for e in entries if (c := cur.take(e)) is not None]
     assert got[-1] == {"offset": 0, "text": "", "token_ids": [], "restart": True}
     assert cur.final({"text": "xyz", "token_ids": [7, 8, 9]})["text"] == "xyz"
@@ -413,7 +445,7 @@ def test_a_refused_resume_restarts_the_stream_before_the_result_is_stored(store)
 
 # -- the reader's cursor ------------------------------------------------------------------------
 def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
-    cur = _Cursor(after=3)
+    cur = StreamCursor(after=3)
     e1 = Entry("1-0", 0, [1, 2], "ab", [1, 1])
     e2 = Entry("2-0", 2, [3, 4, 5], "cdef", [1, 0, 3])
     assert cur.take(e1) is None
@@ -424,7 +456,7 @@ def test_a_reader_after_n_gets_the_tokens_past_n_and_their_text():
 
 
 def test_a_reader_is_told_when_the_stream_restarts():
-    cur = _Cursor(after=0)
+    cur = StreamCursor(after=0)
     assert cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))["offset"] == 0
     again = cur.take(Entry("2-0", 0, [7], "z", [1], reset=True))
     assert again == {"offset": 0, "text": "z", "token_ids": [7], "restart": True}
@@ -433,7 +465,7 @@ def test_a_reader_is_told_when_the_stream_restarts():
 def test_a_result_that_does_not_continue_the_stream_comes_whole_as_a_restart():
     """The restart never reached the stream (a worker with streams off ran the last attempt):
     the reader is given the whole result, marked, instead of a tail cut at the wrong place."""
-    cur = _Cursor(after=0)
+    cur = StreamCursor(after=0)
     cur.take(Entry("1-0", 0, [1, 2], "ab", [1, 1]))
     final = cur.final({"text": "xyz", "token_ids": [7, 8, 9]})
     assert final["restart"] and final["offset"] == 0 and final["text"] == "xyz"
@@ -441,7 +473,7 @@ def test_a_result_that_does_not_continue_the_stream_comes_whole_as_a_restart():
 
 
 def test_a_reader_past_the_end_gets_an_empty_final_chunk():
-    cur = _Cursor(after=10)
+    cur = StreamCursor(after=10)
     final = cur.final({"text": "abc", "token_ids": [1, 2, 3]})
     assert final["token_ids"] == [] and final["text"] == ""
 

@@ -17,7 +17,7 @@ from app.errors import TransientError
 from app.requests.models import get_registry
 from app.requests.submit import admit, submit_request
 from app.requests.submit_many import submit_many
-from app.requests.version_gate import (ADVERTISED, VERDICT_CACHE_S, check_served,
+from app.requests.version_gate import (ADVERTISED, VERDICT_CACHE_S, check_served, pool_reads,
                                        unadvertised_workers)
 from app.state.conn import connect
 from app.state.queues import job_queue_name, pool_queue
@@ -65,11 +65,30 @@ def submit(store, settings, kwargs, ports=None, task_id=None):
 
 
 def test_a_worker_of_this_code_advertises_the_versions_it_reads(store):
-    """What workers/runtime.py writes in every heartbeat is read back as the versions (1, 2)."""
-    assert ADVERTISED == "1,2"
+    """What workers/runtime.py writes in every heartbeat is read back as the versions (1, 2,
+    3)."""
+    assert ADVERTISED == "1,2,3"
     register(store, 7, "new@h", versions=ADVERTISED)
     (entry,) = store.workers.entries()
-    assert entry.schema_versions == [1, 2]
+    assert entry.schema_versions == [1, 2, 3]
+
+
+def test_a_pool_reads_a_version_only_when_every_live_worker_of_it_advertises_it(store,
+                                                                               settings):
+    """Given tiny-llama served by a worker reading 1-3 and one reading 1-2, the pool does not
+    read version 3 (the online API then leaves `live` out: a version 2 worker would hand such a
+    request back), while it reads version 2; with the older worker gone (another pool's
+    registry read, after the cache), it reads 3. A pool with no live worker reads nothing."""
+    assert not pool_reads(store.workers, "tiny-llama", 3, settings.live_window, now=1000.0)
+    register(store, 1, "new@h", versions=ADVERTISED)
+    register(store, 2, "v2@h", versions="1,2")
+    now = time.time()
+    assert not pool_reads(store.workers, "tiny-llama", 3, settings.live_window, now=now)
+    assert pool_reads(store.workers, "tiny-llama", 2, settings.live_window, now=now)
+    store.workers.drop(2)
+    assert not pool_reads(store.workers, "tiny-llama", 3, settings.live_window, now=now)  # cached
+    assert pool_reads(store.workers, "tiny-llama", 3, settings.live_window,
+                      now=now + VERDICT_CACHE_S + 0.1)
 
 
 def test_a_version_2_request_is_refused_at_submit_while_an_old_worker_serves_its_pool(
@@ -138,22 +157,22 @@ def test_the_gate_reads_the_registry_at_most_every_few_seconds_per_pool(store, s
 
 
 def test_housekeeping_forwards_a_message_of_a_newer_version_as_it_is(store, settings):
-    """Given a vigil.generate message of schema_version 3 (a newer producer without queue=)
+    """Given a vigil.generate message of schema_version 4 (a newer producer without queue=)
     that reached vigil.housekeeping, when housekeeping forwards it, then it is not failed: it
     is recorded from the fields every version keeps (PENDING, its job and deadline), and
     published to its pool's queue for its job under the same id and dispatch, its kwargs
-    exactly as sent, for a worker that reads version 3."""
-    newer = {"model": POOL, "prompt": "from the future", "schema_version": 3, "job": "rollout",
+    exactly as sent, for a worker that reads version 4."""
+    newer = {"model": POOL, "prompt": "from the future", "schema_version": 4, "job": "rollout",
              "deadline_s": 60, "speculative_mode": {"depth": 4}}
     ports = CapturingPorts()
-    forward(store, get_registry(), settings, ports, "fwd-v3", 0, newer)
-    rec = store.get("fwd-v3")
+    forward(store, get_registry(), settings, ports, "fwd-v4", 0, newer)
+    rec = store.get("fwd-v4")
     assert (rec["status"], rec["job"], rec["pool"]) == ("PENDING", "rollout", POOL)
     assert json.loads(rec["request"]) == newer
     assert float(rec["deadline_at"]) - float(rec["created_at"]) == pytest.approx(60)
     (rid, kwargs, options), = ports.messages
-    assert (rid, kwargs) == ("fwd-v3", newer) and "retries" not in options
+    assert (rid, kwargs) == ("fwd-v4", newer) and "retries" not in options
     assert options["queue"].name == job_queue_name(POOL, "rollout")
     # Again (a duplicate delivery of the same message): published again, never failed.
-    forward(store, get_registry(), settings, ports, "fwd-v3", 0, newer)
-    assert store.get("fwd-v3")["status"] == "PENDING" and len(ports.messages) == 2
+    forward(store, get_registry(), settings, ports, "fwd-v4", 0, newer)
+    assert store.get("fwd-v4")["status"] == "PENDING" and len(ports.messages) == 2

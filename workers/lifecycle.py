@@ -1,6 +1,7 @@
 """Celery start-up and shutdown hooks of a Vigil worker process.
 
-worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard)
+worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard);
+                in a housekeeper, the deadline watch instead (app/fleet/deadlines.py)
 worker_ready -> preload the engines of VIGIL_POOLS in the background; the worker is ready
                 (has_pinged=1 in its registry entry) once that preload ended, or at once
 worker_shutdown -> the engine is shut down cleanly (no leaked processes or shared memory)
@@ -20,7 +21,8 @@ from app import metrics
 from app.celery_app import APP_NAME
 from app.celery_ports import ports_of
 from app.errors import CANCELLED, DEADLINE_EXCEEDED, TerminalError
-from app.fleet.cancel import cancel_requests
+from app.fleet.cancel import cancel_requests, revocable
+from app.fleet.deadlines import DeadlineWatch
 from app.fleet.outcomes import end_request
 from app.logging_setup import configure_vllm_logging, quiet_per_request_lines
 from app.requests.tiers import intake_limits_for
@@ -35,6 +37,7 @@ from workers.held import carried
 
 log = logging.getLogger("vigil.worker")
 _hand_back_thread: threading.Thread | None = None
+_deadline_watch: DeadlineWatch | None = None  # a housekeeper's
 
 
 def housekeeper() -> bool:
@@ -65,6 +68,9 @@ def _on_worker_init(sender=None, **_):
     if housekeeper():
         log.info("housekeeper %s: runs beat's tasks on %s, never an engine",
                  getattr(sender, "hostname", ""), HOUSEKEEPING_QUEUE)
+        # Requests end at their deadline, not at beat's next sweep (app/fleet/deadlines.py).
+        global _deadline_watch
+        _deadline_watch = DeadlineWatch(shared_store(), ports_of(sender.app).backend).start()
         return
     rt = runtime.install(runtime.WorkerRuntime(s, getattr(sender, "hostname", "") or "worker",
                                                ports=ports_of(sender.app)).start())
@@ -124,18 +130,25 @@ def revoke(state, task_id, terminate=False, signal=None, **kwargs):
     requests among the ids cancelled first (app/fleet/cancel.py): ended `cancelled` once and
     aborted in this worker's engine now. `terminate` is taken as a plain revoke: the threads
     pool cannot kill one task (Celery's terminate raises there), and the abort already stopped
-    the generation; the worker and its other requests carry on."""
+    the generation; the worker and its other requests carry on. Only the ids whose record ended
+    `cancelled` go to Celery's revoked set (`revocable`): an unknown id, one that ended another
+    way, or any id while Redis cannot be read changes nothing here, so a later request under it
+    runs."""
     ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
     rt = runtime.installed()
+    revoked: list[str] = []
     try:
         if ids:
             store = rt.store if rt is not None else shared_store()
             cancel_requests(store, ids, backend=state.app.backend, bus=None)
+            revoked = revocable(store, ids)
     except Exception as e:  # the record stays open: the sender's own cancel may have ended it
         log.warning("revoke: could not end %s cancelled: %s", ids, e)
-    if rt is not None and ids:
-        rt.host.abort_requests(set(ids))
-    return celery_control.revoke(state, task_id, terminate=False, signal=signal, **kwargs)
+    if rt is not None and revoked:
+        rt.host.abort_requests(set(revoked))
+    if not revoked:  # unknown or ended otherwise: nothing changes, Celery's revoked set neither
+        return {"ok": f"nothing revoked: no request among {sorted(ids)} ended cancelled"}
+    return celery_control.revoke(state, revoked, terminate=False, signal=signal, **kwargs)
 
 
 @control_command(args=[("request_ids", list)], signature="<request_id> ...")
@@ -197,6 +210,8 @@ def _on_worker_shutting_down(sender=None, **_):
 def _on_worker_shutdown(sender=None, **_):
     if not vigil_worker(sender):
         return
+    if _deadline_watch is not None:
+        _deadline_watch.stop()
     if _hand_back_thread is not None:
         _hand_back_thread.join(timeout=30)
     if runtime.installed() is not None:  # its tasks have ended: their taps are closed

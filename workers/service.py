@@ -16,9 +16,9 @@ from typing import Callable
 
 from app import metrics
 from app.celery_ports import CeleryPorts
-from app.errors import (DEADLINE_EXCEEDED, PREEMPTED, SCHEMA_TOO_NEW, WORKER_LOST,
-                        RequestError, TerminalError, TransientError, VigilError,
-                        WorkerFatalError, error_from_record)
+from app.errors import (DEADLINE_EXCEEDED, PREEMPTED, SCHEMA_TOO_NEW,
+                        STRUCTURED_OUTPUT_INVALID, WORKER_LOST, RequestError, TerminalError,
+                        TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.adapters import files_fingerprint
 from app.requests.limits import check_limits
@@ -33,7 +33,7 @@ from app.settings import VigilSettings
 from app.state.results import ResultKey
 from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack, Preempted
-from workers.result import build_result
+from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger("vigil.service")
@@ -76,14 +76,13 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         return _refused(rt, request_id, dispatch, kwargs, e)
     pool = req.pool
     if not rt.host.accepting:  # stopping or quarantined: another worker takes it
-        metrics.dropped(pool, "given_back")
-        raise GiveBack(request_id)
+        raise give_back(rt, pool, [request_id], dispatch)
     # A worker seen within the reap window is alive: a copy of what it runs is not run again.
     live = s.live_window
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live,
                        avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
-        rt.store.create(request_id, record_fields(req, now, s.request_deadline))
+        record_here(rt, request_id, record_fields(req, now, s.request_deadline), pool, req.job)
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            live)
     if b.action != "run":
@@ -95,9 +94,11 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         out = rt.host.generate(req, spec, attempt_id(request_id, b.attempts),
                                s.request_timeout, adapter, tap=tap,
                                preemptible=preemptible(req, b, s))
+        check_structured(req, out)  # a broken structured output is no result
         ok = True
     except (VigilError, Aborted, HandedBack, Preempted) as e:
-        return after_run_error(rt, request_id, dispatch, b, e, pool, tap)
+        return after_run_error(rt, request_id, dispatch, b, e, pool, tap,
+                               repeats=repeats_output(req))
     finally:
         if tap is not None:
             rt.streams.close(tap, ok)
@@ -109,6 +110,31 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
         log.warning("request %s already had a result; this attempt's result was dropped",
                     request_id)
     return _outcome(stored)
+
+
+def give_back(rt: WorkerRuntime, pool: str, request_ids: list[str], dispatch: int) -> GiveBack:
+    """The GiveBack to raise for a delivery of `request_ids` (of `dispatch`) that goes back to
+    its queue untouched (the task's Reject(requeue)): counted, and let go from this worker's
+    in-flight set, where its consumer noted it as it took the message (best effort: a Redis
+    away leaves it there, and the worker's hand-backs then find it moved on or ended)."""
+    for _ in request_ids:
+        metrics.dropped(pool, "given_back")
+    try:
+        rt.store.let_go(request_ids, rt.instance_id, dispatch)
+    except Exception as e:
+        log.warning("could not let go of %s given back: %s", request_ids, e)
+    return GiveBack(request_ids[0])
+
+
+def record_here(rt: WorkerRuntime, request_id: str, fields: dict, pool: str, job: str) -> None:
+    """Record a delivery sent around the producer (it has no record yet) from its `fields`;
+    when its job's queue in `pool` is new, tell the pool's workers to consume it, as the
+    producer's submit does (best effort: beat's reconcile repairs a lost announcement)."""
+    if rt.store.create(request_id, fields) == CREATED_NEW_JOB_QUEUE:
+        try:
+            announce_queue(rt.ports.bus, rt.store.workers, pool, job)
+        except Exception as e:
+            log.warning("could not announce job %s's queue: %s", job, e)
 
 
 def admitted(rt: WorkerRuntime, kwargs: object):
@@ -145,12 +171,13 @@ def preemptible(req, b: Begin, s: VigilSettings) -> bool:
 
 
 def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
-                    e: BaseException, pool: str, tap=None) -> dict:
+                    e: BaseException, pool: str, tap=None, *, repeats: bool = False) -> dict:
     """What a run that raised `e` ends in: the stored outcome of a request that ended elsewhere
     while it ran (Aborted: a job deleted, a cancel), a retry decided by app/retry_policy.py
     (raised, carrying its decision: a handed-back run, a preempted one, whose tokens are
     written to its stream first from `tap`, the fleet's or the worker's fault), or the
-    request's own error written as its end."""
+    request's own error written as its end. `repeats`: the request makes the same output on
+    every attempt (workers/result.py `repeats_output`), for the decision."""
     if isinstance(e, Preempted):
         if tap is not None:
             rt.streams.write_now(tap)  # every token it made: the next attempt goes on from it
@@ -174,7 +201,7 @@ def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
             raise StaleDelivery(request_id) from None
         e = TransientError.of(WORKER_LOST, "the worker stopped")
     if isinstance(e, (TransientError, WorkerFatalError)):
-        return _after_failure(rt, request_id, dispatch, b.attempts, e, pool)
+        return _after_failure(rt, request_id, dispatch, b.attempts, e, pool, repeats=repeats)
     return _fail(rt, request_id, e, pool)
 
 
@@ -212,15 +239,14 @@ def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: 
     deadline_s); one whose job cannot be read is refused (`err`, unsupported_version)."""
     s, now = rt.settings, time.time()
     if not rt.host.accepting:
-        metrics.dropped(pool, "given_back")
-        raise GiveBack(request_id)
+        raise give_back(rt, pool, [request_id], dispatch)
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                        s.live_window, avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":
         fields = provisional_fields(kwargs, now, s.request_deadline)
         if fields is None:
             return _fail(rt, request_id, err, pool)
-        rt.store.create(request_id, fields)
+        record_here(rt, request_id, fields, pool, fields["job"])
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            s.live_window)
     if b.action != "run":
@@ -239,14 +265,20 @@ def open_tap(rt: WorkerRuntime, request_id: str, req, b: Begin, adapter):
         return None
     prior = rt.streams.streams.checkpoint(request_id) if b.streamed else None
     tap = rt.streams.open(request_id, b.token, b.attempts, req.pool, prior,
-                          files_fingerprint(adapter.path) if adapter else "", req.n)
+                          files_fingerprint(adapter.path) if adapter else "", req.n, req.live)
     if b.streamed and prior is None:  # its tokens are not there to continue
         tap.refuse_resume("the stream holds no tokens to continue")
+    elif b.streamed and req.structured is not None and str(
+            (rt.store.get(request_id) or {}).get("last_error", "")).startswith(
+                f"{STRUCTURED_OUTPUT_INVALID}:"):
+        # Its last attempt's output broke its constraint: another sample starts afresh, not
+        # from tokens that may hold the break.
+        tap.refuse_resume("its last attempt's output broke its structured constraint")
     return tap
 
 
 def _after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
-                   e: VigilError, pool: str) -> dict:
+                   e: VigilError, pool: str, *, repeats: bool = False) -> dict:
     """The fleet's or the worker's fault: app/retry_policy.py decides. An end is written; a
     retry releases the record to the next dispatch (giving the attempt back when the rule says
     so: a pending adapter, a memory wait) and raises `e`, carrying the decision, for the task's
@@ -257,7 +289,8 @@ def _after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: 
     if rule_for(e).memory_window:  # the wait is bounded by time from its first refusal
         rec = rt.store.get(request_id) or {}
         since = float(rec.get("pressure_since") or now)
-    decision = decide(e, Attempted(attempts, dispatch, pressure_since=since), s, now)
+    decision = decide(e, Attempted(attempts, dispatch, pressure_since=since, repeats=repeats),
+                      s, now)
     if isinstance(decision, End):
         return _fail(rt, request_id, decision.error, pool)
     if rt.store.release(request_id, rt.instance_id, dispatch + 1, str(e), now=now,

@@ -13,7 +13,10 @@ message of its next dispatch after the decision's countdown; its siblings are no
 worker killed mid-message loses nothing: the message's every request is in the worker's
 in-flight set from the moment it was taken (app/state/transport.py), so the reaper hands each
 back on its own; the message itself, if it comes back after the visibility timeout, meets
-records that moved on and runs nothing twice.
+records that moved on and runs nothing twice. An exception that escapes the serving loop (a
+Redis error past the outage grace, a bug) strands none of them either: every request not yet
+settled is aborted in the engine and goes back alone through the same retry decision, or ends
+(`_hand_back_rest`).
 """
 from __future__ import annotations
 
@@ -24,18 +27,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app import metrics
-from app.errors import INVALID_REQUEST, RequestError, TransientError, VigilError, WorkerFatalError
+from app.errors import (INVALID_REQUEST, REDIS_UNAVAILABLE, WORKER_LOST, RequestError,
+                        TransientError, VigilError, WorkerFatalError)
 from app.fleet.outcomes import end_request, tell_backend
 from app.request_ids import attempt_id
 from app.requests.publish import publish
 from app.requests.submit import record_fields, wire_kwargs
-from app.retry_policy import Retry
+from app.retry_policy import Attempted, Retry, decide
 from app.state.results import ResultKey
 from app.state.store import Outcome
-from workers.result import build_result
+from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
-                             after_run_error, open_tap, preemptible)
+                             after_run_error, give_back, open_tap, preemptible, record_here)
 
 log = logging.getLogger("vigil.service")
 
@@ -56,6 +60,7 @@ class _Run:
     begin: object = None
     tap: object = None
     pending: object = None
+    settled: bool = False  # its end or retry is written (or it was not ours to run)
 
 
 def serve_many(rt: WorkerRuntime, items: object,
@@ -85,11 +90,12 @@ def serve_many(rt: WorkerRuntime, items: object,
     if not runs:
         return tally
     if not rt.host.accepting:  # stopping or quarantined: the whole message goes back
-        for r in runs:
-            metrics.dropped(r.req.pool, "given_back")
-        raise GiveBack(runs[0].request_id)
-    _begin(rt, runs)
-    _run_all(rt, tally, [r for r in runs if _may_run(rt, tally, r)], result_key)
+        raise give_back(rt, runs[0].req.pool, [r.request_id for r in runs], 0)
+    try:
+        _begin(rt, runs)
+        _run_all(rt, tally, [r for r in runs if _may_run(rt, tally, r)], result_key)
+    except Exception as e:  # none of the message's requests may be stranded by it
+        _hand_back_rest(rt, tally, runs, e)
     return tally
 
 
@@ -98,6 +104,7 @@ def _may_run(rt: WorkerRuntime, tally: dict, r: _Run) -> bool:
     if r.begin.action != "run":
         _settle(rt, tally, r.request_id, r.kwargs, 0,
                 lambda: _not_run(rt, r.request_id, r.begin, r.req.pool))
+        r.settled = True
         return False
     metrics.attempt_begun(r.req.pool)
     try:
@@ -137,11 +144,13 @@ def _run_all(rt: WorkerRuntime, tally: dict, runs: list[_Run], result_key) -> No
             left.discard(i)
             try:
                 out = rt.host.result(r.pending)
+                check_structured(r.req, out)  # a broken structured output is no result
             except BaseException as e:
                 _ended_run(rt, tally, r, e)
                 continue
             if r.tap is not None:
                 rt.streams.close(r.tap, True)
+                r.tap = None
             done.append((r, out))
         _finish(rt, tally, done, result_key)
 
@@ -185,7 +194,8 @@ def _begin(rt: WorkerRuntime, runs: list[_Run]) -> None:
                                  now, s.max_attempts, s.live_window)
     for r, b in zip(runs, begins):
         if b.action == "missing":
-            rt.store.create(r.request_id, record_fields(r.req, now, s.request_deadline))
+            record_here(rt, r.request_id, record_fields(r.req, now, s.request_deadline),
+                        r.req.pool, r.req.job)
             b = rt.store.begin(r.request_id, 0, rt.name, rt.instance_id, now, s.max_attempts,
                                s.live_window)
         r.begin = b
@@ -197,10 +207,60 @@ def _ended_run(rt: WorkerRuntime, tally: dict, r: _Run, e: BaseException) -> Non
         if not isinstance(e, Exception):
             raise e
         _settle(rt, tally, r.request_id, r.kwargs, 0,
-                lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool, r.tap))
+                lambda: after_run_error(rt, r.request_id, 0, r.begin, e, r.req.pool, r.tap,
+                                        repeats=repeats_output(r.req)))
+        r.settled = True
     finally:
         if r.tap is not None:
             rt.streams.close(r.tap, False)
+            r.tap = None
+
+
+def _hand_back_rest(rt: WorkerRuntime, tally: dict, runs: list[_Run], e: Exception) -> None:
+    """An exception escaped the serving loop: every request of the message not yet settled is
+    aborted in the engine (its tokens so far written to its stream when Redis takes them) and
+    goes back alone as its next dispatch, or ends, by the retry decision on `e` (itself when a
+    VigilError, else `worker_lost`). One whose claim never came back (the claim itself failed)
+    is published as its next dispatch with its record untouched, which the next delivery takes
+    over. When Redis cannot be reached for that either, the rest stay in this worker's
+    in-flight set, which it hands back itself once Redis returns (workers/held.py
+    `reclaim_orphans`)."""
+    rest = [r for r in runs if not r.settled]
+    log.error("a generate_many message failed with %d of its %d requests unsettled; each goes "
+              "back alone: %s", len(rest), len(runs), e, exc_info=e)
+    err = e if isinstance(e, VigilError) else TransientError.of(
+        WORKER_LOST, f"its worker failed serving its message: {type(e).__name__}: {e}")
+    running = {r.request_id for r in rest if r.pending is not None}
+    if running:
+        rt.host.abort_requests(running)
+    for i, r in enumerate(rest):
+        try:
+            if r.tap is not None:
+                rt.streams.write_now(r.tap)  # the next attempt goes on from them
+                rt.streams.close(r.tap, False)
+                r.tap = None
+            mine = type(err)(str(err))
+            if r.begin is None:  # not claimed: the record is untouched, its next copy runs
+                d = decide(mine, Attempted(None, 0), rt.settings, time.time())
+                _publish_alone(rt, r.request_id, r.kwargs, 1, getattr(d, "countdown", 0.0))
+                tally["retried"] += 1
+            elif r.begin.action != "run":
+                _settle(rt, tally, r.request_id, r.kwargs, 0,
+                        lambda r=r: _not_run(rt, r.request_id, r.begin, r.req.pool))
+            else:
+                _settle(rt, tally, r.request_id, r.kwargs, 0,
+                        lambda r=r, mine=mine: after_run_error(
+                            rt, r.request_id, 0, r.begin, mine, r.req.pool,
+                            repeats=repeats_output(r.req)))
+            r.settled = True
+        except Exception as again:
+            gone = isinstance(again, TransientError) and again.code == REDIS_UNAVAILABLE
+            # Each of the rest would wait out the outage grace again: leave them all.
+            left = [x.request_id for x in rest[i:]] if gone else [r.request_id]
+            log.error("could not hand back %s (%s); this worker hands back what its in-flight "
+                      "set still names once Redis returns", left, again)
+            if gone:
+                return
 
 
 def _settle(rt: WorkerRuntime, tally: dict, request_id: str, kwargs: object, dispatch: int,
@@ -240,6 +300,7 @@ def _finish(rt: WorkerRuntime, tally: dict, done: list, result_key) -> None:
                 result_key(r.request_id) if result_key else None) for r, out in done]
     ends = rt.store.finish_many(results, rt.instance_id, time.time())
     for (r, _), (rid, _, key), (won, stored) in zip(done, results, ends):
+        r.settled = True
         tally["succeeded" if stored.status == "SUCCEEDED" else "failed"] += 1
         if won:
             metrics.request_ended(r.req.pool, stored.status, stored.error)

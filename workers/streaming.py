@@ -13,6 +13,11 @@ engine death) continues from everything the tap holds.
 A tap has at most one chunk in flight (a hand-back's flush and the flusher never send the same
 tokens twice), and a reply that comes back after the tap restarted its stream (a refused resume:
 a new generation) is ignored.
+
+A `live` request's tap (its reader shows tokens as they come: the online API's streams) is fed
+after every engine step (workers/engine/stream_watch.py) and wakes the flusher for every new
+token: each step's tokens are one chunk, written and published to live readers at once
+(app/state/streams.py), stamped with the step's time.
 """
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ from app import metrics
 from app.state.streams import APPENDED, FENCED, Checkpoint, Chunk, Part, TokenStreams
 
 log = logging.getLogger("vigil.streams")
+
+# How long a yielding request's last write waits for a chunk the flusher has in flight (its
+# round trip is bounded by the Redis calls' own timeout and outage grace; this bounds the wait
+# of the task thread that hands the request back).
+LAST_WRITE_TIMEOUT_S = 10.0
 
 
 class _Seq:
@@ -65,8 +75,10 @@ class StreamTap:
 
     def __init__(self, sink: "StreamSink | None", request_id: str, token: str, attempt: int,
                  pool: str, prior: Checkpoint | None = None, adapter_fingerprint: str = "",
-                 samples: int = 1):
+                 samples: int = 1, live: bool = False):
         self._sink = sink
+        self.live = live  # every step's tokens written (and published) at once
+        self._made_at: float | None = None  # the step time of the newest token (live taps)
         self.request_id, self.token, self.attempt, self.pool = request_id, token, attempt, pool
         self.adapter_fingerprint = adapter_fingerprint
         self.samples = samples
@@ -164,10 +176,13 @@ class StreamTap:
                 self.prompt_ids = list(prompt_ids)
 
     def add(self, token_ids: list[int], text: str, char_counts: list[int] | None = None, *,
-            index: int = 0, logprobs: list[dict] | None = None) -> None:
+            index: int = 0, logprobs: list[dict] | None = None,
+            made_at: float | None = None) -> None:
         """Tokens sample `index` generated and the text released with them (whole
         characters); `char_counts[i]` is how many of the characters came with token i
-        (default: all with the last); `logprobs` their entries, when the request asked."""
+        (default: all with the last); `logprobs` their entries, when the request asked;
+        `made_at` the wall time of the engine step that made them (a live tap's chunks carry
+        it)."""
         if not token_ids:
             return
         counts = char_counts or [0] * (len(token_ids) - 1) + [len(text)]
@@ -181,10 +196,16 @@ class StreamTap:
             q.pending_chars += counts
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
+            if made_at is not None:
+                self._made_at = made_at
             due = sum(x.unwritten() for x in self._seqs) >= (
-                self._sink.chunk_tokens if self._sink else 1 << 30)
+                self._threshold(self._sink.chunk_tokens) if self._sink else 1 << 30)
         if due and self._sink is not None:
             self._sink.wake()
+
+    def _threshold(self, chunk_tokens: int) -> int:
+        """Unwritten tokens that make a chunk due at once: one for a live tap."""
+        return 1 if self.live else chunk_tokens
 
     # -- the flusher's side ---------------------------------------------------------------------
     def take_chunk(self, now: float, flush_s: float, chunk_tokens: int,
@@ -196,7 +217,8 @@ class StreamTap:
             if self.dead or self._in_flight or (n <= 0 and not self._reset) \
                     or self._pending_since is None:
                 return None
-            if not force and n < chunk_tokens and now - self._pending_since < flush_s:
+            if not force and n < self._threshold(chunk_tokens) and \
+                    now - self._pending_since < flush_s:
                 return None
             written = sum(q.written for q in self._seqs)
             first = written == 0
@@ -204,7 +226,8 @@ class StreamTap:
             meta = dict(reset=self._reset and first,
                         prompt_ids=self.prompt_ids if first else None,
                         adapter_fingerprint=self._made_with if first else "",
-                        generation=self._generation)
+                        generation=self._generation, live=self.live,
+                        made_at=self._made_at if self.live else None)
             if self.samples == 1:
                 p = self._seqs[0].part(0)
                 return Chunk(self.request_id, self.token, self.attempt, written, p.token_ids,
@@ -278,10 +301,11 @@ class StreamSink:
 
     def open(self, request_id: str, token: str, attempt: int, pool: str,
              prior: Checkpoint | None, adapter_fingerprint: str = "",
-             samples: int = 1) -> StreamTap:
-        """A tap for one attempt (claim `token`) of a request of `samples` samples."""
+             samples: int = 1, live: bool = False) -> StreamTap:
+        """A tap for one attempt (claim `token`) of a request of `samples` samples; `live`:
+        every step's tokens written and published at once (module docstring)."""
         tap = StreamTap(self, request_id, token, attempt, pool, prior, adapter_fingerprint,
-                        samples)
+                        samples, live)
         with self._lock:
             self._taps[request_id] = tap
         return tap
@@ -301,27 +325,33 @@ class StreamSink:
             c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
             if c is None:  # the flusher has one in flight: its answer decides
                 return
-            try:
-                tap.chunk_written(c, self.streams.append_many([c])[0])
-            except Exception as e:
-                tap.chunk_written(c, None)
-                log.warning("request %s: could not restart its token stream: %s",
-                            tap.request_id, e)
+            self._send(tap, c, "restart its token stream")
 
-    def write_now(self, tap: StreamTap) -> bool:
-        """Write `tap`'s pending tokens now, in one round trip (a request that yields its slot:
-        its next attempt goes on from them); True when nothing is left unwritten. A Redis that
-        cannot be reached leaves them pending (and they count as discarded at the close)."""
-        c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
-        if c is None:
-            return tap.unwritten() == 0
+    def write_now(self, tap: StreamTap, timeout: float = LAST_WRITE_TIMEOUT_S) -> bool:
+        """Write `tap`'s pending tokens now (a request that yields its slot: its next attempt
+        goes on from them); True when nothing is left unwritten. A chunk the flusher thread has
+        in flight is waited out (for at most `timeout` seconds), then the rest is written: its
+        answer decides where the rest begins. A Redis that cannot be reached, a tap fenced
+        meanwhile or the bound leave them pending (they count as discarded at the close)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = tap.take_chunk(self._clock(), 0.0, 1, force=True)
+            if c is not None and not self._send(tap, c, "write its tokens before it yielded"):
+                return False
+            if tap.unwritten() == 0 or tap.dead or time.monotonic() >= deadline:
+                return tap.unwritten() == 0
+            time.sleep(0.005)  # the flusher's chunk in flight (its answer first), or refused
+
+    def _send(self, tap: StreamTap, c: Chunk, doing: str) -> bool:
+        """Append `c` now, in one round trip, and answer `tap`; False (logged) when Redis
+        could not take it (it stays pending)."""
         try:
             tap.chunk_written(c, self.streams.append_many([c])[0])
+            return True
         except Exception as e:
             tap.chunk_written(c, None)
-            log.warning("request %s: could not write its tokens before it yielded: %s",
-                        tap.request_id, e)
-        return tap.unwritten() == 0
+            log.warning("request %s: could not %s: %s", tap.request_id, doing, e)
+            return False
 
     def write_all(self, timeout: float) -> int:
         """Write every open tap's pending tokens now, waiting out a chunk the flusher thread has

@@ -8,7 +8,9 @@ control bus' `vigil_abort`): a running generation stops at its next engine step,
 tokens streamed so far stay readable (the stream's end entry is written by the same finish). A
 queued copy, delivered later to any worker, meets the ended record and is dropped unexecuted
 (a duplicate delivery). An id with no record, or one that already ended, changes nothing and
-gets a clear answer.
+gets a clear answer: not even Celery's revoked set, which a revoke fills for 3 h and whose ids a
+worker drops unrun as `cancelled`, gets it (a later request under that id, a caller's own
+`task_id` or a `generate_many` request's retry, must run). Only `revocable` ids go there.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import logging
 from app.control import ControlBus
 from app.errors import CANCELLED, TerminalError
 from app.fleet.outcomes import Backend, end_request
-from app.state.keys import TERMINAL
+from app.state.keys import FAILED, TERMINAL
 from app.state.store import RequestStore
 
 log = logging.getLogger("vigil.cancel")
@@ -55,4 +57,18 @@ def cancel_requests(store: RequestStore, request_ids: list[str], *, backend: Bac
         except Exception as e:  # each worker's heartbeat aborts what ended elsewhere anyway
             log.warning("cancel: the abort broadcast failed (%s); the workers stop these "
                         "requests at their next heartbeat", e)
+    return out
+
+
+def revocable(store: RequestStore, request_ids: list[str]) -> list[str]:
+    """The ids among `request_ids` that Celery's revoked set may take: those whose record has
+    ended `cancelled` (by this cancel or an earlier one), whose copies are dropped unrun anyway.
+    An unknown id, or one that ended any other way, is left out: in that set it would make a
+    worker drop a later request under the same id as `cancelled` for 3 h. Raises
+    TransientError(redis_unavailable) when Redis cannot be reached."""
+    out = []
+    for rid in dict.fromkeys(request_ids):
+        rec = store.get(rid) or {}
+        if rec.get("status") == FAILED and rec.get("error", "").startswith(f"{CANCELLED}:"):
+            out.append(rid)
     return out

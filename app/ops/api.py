@@ -1,6 +1,8 @@
-"""`vigil api`: OpenAI's Files and Batches endpoints over the fleet's batch objects.
+"""`vigil api`: OpenAI's online endpoints (app/ops/api_online.py: completions and chat,
+streamed, whose streams survive a dying worker and a restarted gateway) and its Files and
+Batches endpoints over the fleet's batch objects.
 
-    vigil api --port 8000            # VIGIL_API_TOKEN required (or VIGIL_API_AUTH_DISABLED=1)
+    vigil api --port 8000 [--workers N]   # VIGIL_API_TOKEN required (or VIGIL_API_AUTH_DISABLED=1)
 
     client = openai.OpenAI(base_url="http://host:8000/v1", api_key=token)
     f = client.files.create(file=open("eval.jsonl", "rb"), purpose="batch")
@@ -11,16 +13,24 @@
 
 Served (docs/batch.md, "HTTP API"): POST/GET /v1/files, GET/DELETE /v1/files/{id},
 GET /v1/files/{id}/content, POST/GET /v1/batches, GET /v1/batches/{id},
-POST /v1/batches/{id}/cancel. Every request needs `Authorization: Bearer <VIGIL_API_TOKEN>`
-(401 otherwise); errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
-The process holds no state of its own: any number of them can serve one fleet. Handlers are
-plain functions (FastAPI runs them on its thread pool): every one is a few Redis calls.
+POST /v1/batches/{id}/cancel. Every request needs `Authorization: Bearer <token>` (401
+otherwise): VIGIL_API_TOKEN (every endpoint, any job and tier), or an API key made with `vigil
+api-key create` (the online endpoints only, under its job and up to its tier: app/state/
+api_keys.py); errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+The process holds no state of its own: any number of them can serve one fleet (`--workers N`
+processes on one host, and any number of hosts behind a load balancer, no sticky sessions).
+The batch handlers are plain functions (FastAPI runs them on its thread pool): every one is a
+few Redis calls.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, File, Form, Request, UploadFile
@@ -29,10 +39,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from app.errors import RequestError, TransientError
+from app.errors import RequestError, TransientError, VigilError
 from app.fleet import batches
-from app.settings import VigilSettings
+from app.online.serving import Caller
+from app.ops.api_online import add_online_routes, vigil_error_response
+from app.ops.gateway import Gateway
+from app.settings import VigilSettings, get_settings
 from app.state.batches import BatchStore
+
+log = logging.getLogger("vigil.api")
+ADMIN = "admin"
+# The online endpoints: an API key may call these; Files and Batches need VIGIL_API_TOKEN.
+ONLINE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/calls", "/v1/models",
+                "/tokenize", "/detokenize", "/tokenizer_info", "/health")
+# Threads for what blocks (submits, cancels): a stream holds none.
+BLOCKING_THREADS = 64
 
 DEFAULT_API_PORT = 8000
 API_LOCAL_ADDRESS = "127.0.0.1"  # where `vigil api` listens when it runs without a token
@@ -79,11 +100,27 @@ def listen_address(args: argparse.Namespace, settings: VigilSettings) -> str:
                          f"{API_LOCAL_ADDRESS})")
 
 
-def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> FastAPI:
-    """The ASGI app: the endpoints of the module docstring over `bs`, behind the bearer token of
-    `settings` (none when auth is disabled and no token is set)."""
-    api = FastAPI(title="Vigil", description="OpenAI Files and Batches over a Vigil fleet",
-                  docs_url=None, redoc_url=None, openapi_url=None)
+def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time,
+               gateway: Gateway | None = None) -> FastAPI:
+    """The ASGI app: the endpoints of the module docstring over `bs` (and, with `gateway`,
+    the online endpoints; it is started with the app and closed with it), behind the bearer
+    token of `settings` or an API key (none when auth is disabled and no token is set)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if gateway is not None:
+            asyncio.get_running_loop().set_default_executor(
+                ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="vigil-api"))
+            await gateway.start()
+        try:
+            yield
+        finally:
+            if gateway is not None:
+                await gateway.close()
+
+    api = FastAPI(title="Vigil", description="OpenAI's online API, Files and Batches over a "
+                  "Vigil fleet", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     token = settings.api_token.get_secret_value()
 
     def error(e: ApiError) -> JSONResponse:
@@ -94,12 +131,27 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
     async def gate(request: Request, call_next):
         # Before any body is read: an unauthenticated client cannot make the server spool an
         # upload, and an upload over the limit is refused from its Content-Length.
+        online = request.url.path.startswith(ONLINE_PATHS)
+        request.state.caller = Caller("", None, "interactive")
         if token:
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                     token.encode()):
-                return error(ApiError(401, "Incorrect API key provided (Authorization: Bearer "
-                                      "<VIGIL_API_TOKEN>).", "invalid_api_key"))
+            value = value.strip()
+            if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(),
+                                                                  token.encode()):
+                request.state.caller = Caller(ADMIN, None, "interactive")
+            else:
+                grant = None
+                if scheme.lower() == "bearer" and online and gateway is not None:
+                    try:
+                        grant = await gateway.keys.grant(value)
+                    except Exception as e:  # Redis away: the key cannot be checked
+                        return error(ApiError(503, f"could not check the API key: {e}",
+                                              "redis_unavailable", "server_error"))
+                if grant is None:
+                    return error(ApiError(401, "Incorrect API key provided (Authorization: "
+                                          "Bearer <VIGIL_API_TOKEN or an API key>).",
+                                          "invalid_api_key"))
+                request.state.caller = Caller(grant["name"], grant["job"], grant["max_tier"])
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > settings.batch_max_bytes + UPLOAD_OVERHEAD:
             return error(ApiError(400, f"the request has {int(length):,} bytes; a batch file "
@@ -111,23 +163,19 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
     def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return error(e)
 
-    @api.exception_handler(RequestError)
-    def _request_error(request: Request, e: RequestError) -> JSONResponse:
-        return error(ApiError(400, str(e), e.code))
+    @api.exception_handler(VigilError)
+    def _vigil_error(request: Request, e: VigilError) -> JSONResponse:
+        return vigil_error_response(e, settings)
 
     @api.exception_handler(batches.BatchNotFound)
     def _not_found(request: Request, e: batches.BatchNotFound) -> JSONResponse:
         return error(ApiError(404, str(e.args[0]), "not_found"))
 
-    @api.exception_handler(TransientError)
-    def _unavailable(request: Request, e: TransientError) -> JSONResponse:
-        # 503: the openai client retries it (its max_retries) as it does OpenAI's own outages.
-        return error(ApiError(503, str(e), e.code, "server_error"))
-
     @api.exception_handler(HTTPException)
     def _http(request: Request, e: HTTPException) -> JSONResponse:  # unknown path or method
         return error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail} "
-                              "(Vigil serves the Files and Batches endpoints only)",
+                              "(Vigil serves OpenAI's completions, chat completions, Files and "
+                              "Batches endpoints)",
                               "not_found" if e.status_code == 404 else "invalid_request"))
 
     @api.exception_handler(RequestValidationError)
@@ -136,6 +184,9 @@ def create_api(bs: BatchStore, settings: VigilSettings, clock=time.time) -> Fast
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return error(ApiError(400, f"invalid request: {first.get('msg', e)}", "invalid_request",
                               param=param))
+
+    if gateway is not None:
+        add_online_routes(api, lambda: gateway.calls, lambda: gateway.renderers, settings)
 
     @api.post("/v1/files")
     def upload(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:
@@ -193,8 +244,24 @@ def _page(rows: list[dict], has_more: bool) -> dict:
             "last_id": rows[-1]["id"] if rows else None, "has_more": has_more}
 
 
-def serve(args: argparse.Namespace, settings: VigilSettings, bs: BatchStore) -> None:
-    """Run the API with uvicorn until stopped (SIGTERM/SIGINT end it cleanly)."""
+def gateway_app() -> FastAPI:
+    """The whole API of one `vigil api` process, from the settings (uvicorn's factory: each of
+    `--workers N` processes builds its own)."""
+    settings = get_settings()
+    gateway = Gateway.from_settings(settings)
+    return create_api(gateway.store.batches(), settings, gateway=gateway)
+
+
+def serve(args: argparse.Namespace, settings: VigilSettings) -> None:
+    """Run the API with uvicorn (`args.workers` processes) until stopped: SIGTERM/SIGINT end
+    it, letting open streams go without cancelling their requests (their clients reconnect
+    to another gateway)."""
     address = listen_address(args, settings)
-    uvicorn.run(create_api(bs, settings), host=address, port=args.port,
-                log_level=(args.loglevel or settings.log_level).lower(), access_log=False)
+    level = (args.loglevel or settings.log_level).lower()
+    if getattr(args, "workers", 1) > 1:
+        uvicorn.run("app.ops.api:gateway_app", factory=True, host=address, port=args.port,
+                    workers=args.workers, log_level=level, access_log=False,
+                    timeout_graceful_shutdown=2)
+        return
+    uvicorn.run(gateway_app(), host=address, port=args.port, log_level=level,
+                access_log=False, timeout_graceful_shutdown=2)

@@ -12,7 +12,8 @@
     vigil batch FILE.jsonl [--job NAME]  # an OpenAI Batch input file (docs/batch.md)
     vigil batch submit FILE.jsonl        # a batch object the fleet runs; then status ID
                                          # [--watch], list, cancel ID, results ID
-    vigil api --port 8000                # OpenAI Files + Batches endpoints (VIGIL_API_TOKEN)
+    vigil api --port 8000 [--workers N]  # OpenAI online API, Files, Batches (VIGIL_API_TOKEN)
+    vigil api-key create NAME [--job J] [--max-tier T] | list | revoke ID|NAME
     vigil request ID [--json]            # one request: status, attempts, and why it waits
     vigil request ID --follow            # its text as it is generated, until it ends
 """
@@ -33,6 +34,7 @@ from app.local.demo import run_demo
 from app.requests.model_files import build_tiny_llama
 from app.ops import batch_cli, metrics_exporter
 from app.ops.api import DEFAULT_API_PORT, ApiAuthMissing, listen_address, serve
+from app.requests.batch_file import valid_job
 from app.ops.batch_run import run_command
 from app.ops.request_view import follow_request, run_request
 from app.ops.status import run_status
@@ -163,10 +165,34 @@ def _cmd_api(args: argparse.Namespace) -> int:
     if not settings.api_token.get_secret_value():
         print("vigil api: no token (VIGIL_API_AUTH_DISABLED); for local use only",
               file=sys.stderr)
-    print(f"vigil api: OpenAI Files and Batches on http://{address}:{args.port}/v1",
-          file=sys.stderr)
-    serve(args, settings, open_store(settings).batches())
+    print(f"vigil api: OpenAI completions, chat completions, Files and Batches on "
+          f"http://{address}:{args.port}/v1 ({args.workers} process(es))", file=sys.stderr)
+    serve(args, settings)
     return 0
+
+
+def _cmd_api_key(args: argparse.Namespace) -> int:
+    keys = open_store(get_settings()).api_keys()
+    if args.action == "create":
+        if args.job is not None and not valid_job(args.job):
+            print(f"vigil api-key: bad job name {args.job!r}", file=sys.stderr)
+            return 2
+        token = keys.create(args.name, args.job, args.max_tier)
+        print(token)
+        print(f"vigil api-key: {args.name}: job {args.job or '(any the caller names)'}, tiers "
+              f"up to {args.max_tier}; the key is shown once", file=sys.stderr)
+        return 0
+    if args.action == "list":
+        rows = keys.list()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        for k in rows if not args.json else ():
+            print(f"{k['id']}  {k['name']:<20} job={k['job'] or '*':<20} "
+                  f"max_tier={k['max_tier']}")
+        return 0
+    gone = keys.revoke(args.name)
+    print(f"vigil api-key: revoked {gone} key(s)", file=sys.stderr)
+    return 0 if gone else 1
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
@@ -305,7 +331,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--address", help="address to listen on (default: all interfaces; "
                    "127.0.0.1 when auth is disabled)")
     a.add_argument("--loglevel", help="log level (default VIGIL_LOG_LEVEL, INFO)")
+    a.add_argument("--workers", type=int, default=1,
+                   help="processes serving the port (default %(default)s)")
     a.set_defaults(func=_cmd_api)
+
+    k = sub.add_parser("api-key", help="the online API's keys: create (printed once), list, "
+                       "revoke (by id or name); a key names its job and highest tier")
+    k.add_argument("action", choices=["create", "list", "revoke"])
+    k.add_argument("name", nargs="?", default="", help="the key's name (create), or its id "
+                   "or name (revoke)")
+    k.add_argument("--job", help="the job its requests run under (default: the job a request "
+                   "names, X-Vigil-Job)")
+    k.add_argument("--max-tier", default="interactive",
+                   choices=["interactive", "default", "bulk"],
+                   help="the highest tier it may ask for (default %(default)s)")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_api_key)
 
     r = sub.add_parser("request", help="one request: status, attempts, result or error, and "
                        "while it waits, why")

@@ -19,12 +19,13 @@ from app.requests.structured import Structured
 
 # The newest version this code writes. A request is stamped with the lowest version that holds
 # it (`needed_version`): one that uses no field of version 2 is a version 1 message, which a
-# worker from before version 2 still serves during a rolling upgrade.
-SCHEMA_VERSION = 2
+# worker from before version 2 still serves during a rolling upgrade; one that uses no field of
+# version 3 is at most version 2, which a worker from before version 3 still serves.
+SCHEMA_VERSION = 3
 # Versions this code can read. A message naming any other is refused (`unsupported_version`),
 # never read as the nearest known one; a message without the field is version 1. A worker hands
 # a message of a newer version back instead (workers/service.py): a newer worker serves it.
-SUPPORTED_VERSIONS = frozenset({1, 2})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_STOP_SEQUENCES = 16
 MAX_DEADLINE_S = 7 * 86400.0
@@ -50,6 +51,10 @@ V2_DEFAULTS = {
     "allowed_token_ids": None, "structured": None, "detokenize": True,
     "priority": "default",  # its tier (app/requests/tiers.py)
 }
+# The fields of version 3, with their defaults. A worker from before version 3 hands such a
+# message back (it never fails it): the online API sets `live` only where every live worker of
+# the pool reads version 3 (app/requests/version_gate.py `pool_reads`).
+V3_DEFAULTS = {"live": False}
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 
 
@@ -101,8 +106,14 @@ class GenerateRequest(BaseModel):
     # False: token ids only (no text, no decoded tokens in logprobs): the engine skips its
     # incremental detokenizer, the front end's largest per-token cost.
     detokenize: StrictBool = True
+    # -- version 3 -------------------------------------------------------------------------
+    # A reader shows the tokens as they come (the online API's streams): the worker reads the
+    # request's new tokens after every engine step and writes each step's as a chunk of its
+    # stream at once, and the stream's append also publishes it to live readers
+    # (docs/api.md, "Live streams"), instead of a chunk per VIGIL_STREAM_FLUSH_MS.
+    live: StrictBool = False
     # The lowest version that holds the request when not given (`needed_version`).
-    schema_version: Literal[1, 2] = 1
+    schema_version: Literal[1, 2, 3] = 1
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -210,10 +221,10 @@ class GenerateRequest(BaseModel):
         if "schema_version" not in self.model_fields_set:
             object.__setattr__(self, "schema_version", needed)  # frozen: set once, here
         elif self.schema_version < needed:
-            used = ", ".join(v2_fields_used(self))
-            raise ValueError(f"version 2 fields ({used}) need schema_version 2 (leave "
-                             "schema_version out: the lowest version that holds the request "
-                             "is used)")
+            used = ", ".join(fields_of_version(self, needed))
+            raise ValueError(f"version {needed} fields ({used}) need schema_version {needed} "
+                             "(leave schema_version out: the lowest version that holds the "
+                             "request is used)")
         return self
 
     @property
@@ -256,11 +267,21 @@ class GenerateResult(BaseModel):
 
 def v2_fields_used(req: GenerateRequest) -> list[str]:
     """The version 2 fields `req` sets to something other than their default."""
-    return [k for k, d in V2_DEFAULTS.items() if getattr(req, k) != d]
+    return fields_of_version(req, 2)
+
+
+def fields_of_version(req: GenerateRequest, version: int) -> list[str]:
+    """The fields of schema version `version` (2 or 3) that `req` sets to something other
+    than their default."""
+    defaults = V2_DEFAULTS if version == 2 else V3_DEFAULTS if version == 3 else {}
+    return [k for k, d in defaults.items() if getattr(req, k) != d]
 
 
 def needed_version(req: GenerateRequest) -> int:
-    """The lowest schema version that holds `req`: 2 when it uses a version 2 field, else 1."""
+    """The lowest schema version that holds `req`: 3 when it uses a version 3 field, else 2
+    when it uses a version 2 field, else 1."""
+    if fields_of_version(req, 3):
+        return 3
     return 2 if v2_fields_used(req) else 1
 
 

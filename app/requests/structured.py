@@ -9,6 +9,11 @@ when that library is installed in the producer (xgrammar, vLLM's default; outlin
 uncompilable schema is `invalid_request` before publish instead of on the first attempt. The
 engine's own front end checks again (vLLM's validation): a constraint it refuses fails the
 request `invalid_request` at once, the engine untouched.
+
+After the engine, `violation` checks a complete output against its constraint, with parsers that
+are not the backend that held the engine to it (a strict JSON parse and `jsonschema`, Python's
+`re`, membership): a backend's bug (xgrammar 0.2.8 lets a raw control character into a string
+with maxLength) must not reach the caller as a silently invalid result (workers/result.py).
 """
 from __future__ import annotations
 
@@ -185,6 +190,62 @@ def _xgrammar_refusal(s: Structured) -> str:
     except Exception as e:  # xgrammar's own errors are plain RuntimeErrors
         return " ".join(str(e).split()) or type(e).__name__
     return ""
+
+
+def violation(s: Structured, text: str) -> str:
+    """Why `text`, a complete output (the engine ended it, not `max_tokens` or a stop
+    sequence), breaks `s`, or "" when it holds to it or cannot be checked here. Checked apart
+    from the backend that held the engine to it: `json` and `json_object` by a strict JSON parse
+    (no raw control character in a string, no NaN or Infinity) and `json` then by its schema
+    (`jsonschema`, installed with vLLM; formats are not checked, a schema it cannot use is
+    not); `regex` by Python's `re.fullmatch`, `.` matching any character as the backends' does
+    (a pattern Python cannot compile is not checked); `choice` by membership. A `grammar` is not
+    checked: no parser of EBNF or Lark but the backend's own. The reason names positions, never
+    the output's text (user data)."""
+    if s.choice is not None:
+        return "" if text in s.choice else \
+            f"{len(text)} characters, none of its {len(s.choice)} choices"
+    if s.regex is not None:
+        try:
+            pattern = re.compile(s.regex, re.DOTALL)
+        except (re.error, RecursionError, OverflowError):
+            return ""
+        return "" if pattern.fullmatch(text) else \
+            f"{len(text)} characters that its regex does not match whole"
+    if s.json_schema is None and s.json_object is None:
+        return ""
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except ValueError as e:
+        return f"not strict JSON: {e}"
+    except RecursionError:
+        return ""
+    if s.json_object is not None:
+        return "" if isinstance(value, dict) else \
+            f"JSON, but not an object (a {type(value).__name__})"
+    return _schema_violation(s.json_schema, value)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _schema_violation(schema: dict, value: Any) -> str:
+    try:
+        import jsonschema
+    except ImportError:  # not installed here: the strict parse alone
+        return ""
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        err = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
+    except Exception:  # a schema jsonschema cannot use (an unresolvable $ref): not checked
+        return ""
+    if err is None:
+        return ""
+    where = "/".join(str(p) for p in err.absolute_path) or "the top"
+    # The keyword and its value are the schema's; the instance (user data) is left out.
+    return (f"JSON its schema refuses at {where}: {err.validator} "
+            f"{err.validator_value!r}")[:400]
 
 
 def _outlines_refusal(s: Structured) -> str:

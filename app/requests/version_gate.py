@@ -66,3 +66,24 @@ def check_served(req: GenerateRequest, pool: str, registry: WorkerRegistry,
             f"({shown}), which would fail this request (it uses "
             f"{', '.join(v2_fields_used(req))}); nothing was sent: submit it again once they "
             "are upgraded, or without those fields"))
+
+
+def pool_reads(registry: WorkerRegistry, pool: str, version: int, window: float,
+               now: float | None = None) -> bool:
+    """True when every live worker (heartbeat within `window`) consuming `pool` reads request
+    schema `version` (it advertises it), and at least one lives. What a producer asks before it
+    uses a field a worker from before `version` would only hand back (the online API's `live`
+    streams, version 3). Read from the registry at most every VERDICT_CACHE_S per pool."""
+    now = time.time() if now is None else now
+    per_pool = _reads.setdefault(registry, {})
+    cached = per_pool.get((pool, version))
+    if cached is not None and now - cached[0] < VERDICT_CACHE_S:
+        return cached[1]
+    serving = [e for e in registry.entries() if e.live(now, window) and pool in e.pools]
+    verdict = bool(serving) and all(version in e.schema_versions for e in serving)
+    per_pool[(pool, version)] = (now, verdict)
+    return verdict
+
+
+_reads: "weakref.WeakKeyDictionary[WorkerRegistry, dict[tuple[str, int], tuple[float, bool]]]" = \
+    weakref.WeakKeyDictionary()

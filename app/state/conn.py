@@ -24,6 +24,8 @@ import ssl
 import time
 
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -178,3 +180,25 @@ def server_run(client: redis.Redis) -> tuple[str, float]:
     seconds, to the second). Raises redis' own errors (callers retry or wrap them)."""
     info = client.info("server")
     return str(info["run_id"]), time.time() - float(info["uptime_in_seconds"])
+
+
+def async_client(settings: VigilSettings, *, max_connections: int = 64):
+    """An asyncio Redis client (redis.asyncio) for Vigil's state, for the online API's event
+    loop (app/state/live.py): the same endpoint, credentials, TLS and Sentinel master as
+    `connect`, bounded timeouts, and a pool that waits (up to redis_timeout) for a free
+    connection. Pub/sub connections it opens are its own, outside the pool's bound."""
+    url = settings.redis_url
+    kw = {"socket_connect_timeout": settings.redis_timeout, "health_check_interval": 30}
+    if is_sentinel(url):
+        user, password, db = credentials_and_db(url)
+        sentinel = AsyncSentinel(sentinel_addresses(url),
+                                 sentinel_kwargs=sentinel_kwargs(settings),
+                                 socket_timeout=settings.redis_timeout,
+                                 socket_connect_timeout=settings.redis_timeout)
+        return sentinel.master_for(settings.redis_sentinel_master, redis_class=aioredis.Redis,
+                                   username=user, password=password, db=db,
+                                   max_connections=max_connections, **kw)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=settings.redis_timeout,
+        **(tls_options(settings) or {}), **kw)
+    return aioredis.Redis(connection_pool=pool)

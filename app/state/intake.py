@@ -14,8 +14,8 @@ first and, within a tier, jobs keep sharing round-robin. For a worker that set i
   only, so the task threads left (worker concurrency - lower_cap) wait for interactive (and
   default) requests. A message is taken whole, so the last bulk message taken may carry the
   count past the cap by up to one message's requests, and its requests count until it is
-  acked (its last request ended); the engine host keeps any bulk request beyond its batch out
-  of the engine (workers/engine/host.py, "the bulk gate");
+  acked (its last request ended); the engine host keeps any request beyond its batch out of
+  the engine (workers/engine/tier_gate.py, the batch gate);
 - **the floor**: every `floor_every`-th BRPOP names the lists lowest tier first, so with a
   backlog in every tier the bulk work still gets at least 1/`floor_every` of the intake.
 """

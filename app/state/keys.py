@@ -46,6 +46,16 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      | once terminal (the finish   | streams.py): chunks of generated tokens  |
 |                             |      | sets it)                    | the running attempt appends (fenced by   |
 |                             |      |                             | the record), an `end` entry at the finish|
+| vigil:live:{request_id}     |pubsub| (a channel: nothing stored) | each chunk a `live` request's stream     |
+|                             |      |                             | appends, published by the same script    |
+|                             |      |                             | (app/state/lua_fleet.py STREAM_APPEND);  |
+|                             |      |                             | the online API's readers (app/state/     |
+|                             |      |                             | live.py) subscribe                       |
+| vigil:call:{call_id}        | hash | the call's deadline plus    | an online API call (app/state/online_    |
+|                             |      | result_ttl                  | calls.py): its key, request ids, format  |
+| vigil:apikey:{sha256}       | hash | none; deleted when revoked  | an online API key's grant (app/state/    |
+|                             |      |                             | api_keys.py): name, job, max_tier        |
+| vigil:apikeys               | hash | none                        | every key's sha256 -> name               |
 
 | vigil:file:{file_id}        | hash | VIGIL_BATCH_RETENTION from  | an uploaded batch input file (app/state/ |
 |                             |      | upload; a batch extends it  | batches.py): id, bytes, created_at,      |
@@ -112,6 +122,26 @@ STREAM_PREFIX = PREFIX + "stream:"
 def stream(request_id: str) -> str:
     """The request's token stream (a Redis stream; app/state/streams.py)."""
     return STREAM_PREFIX + request_id
+
+
+LIVE_PREFIX = PREFIX + "live:"
+API_KEYS = PREFIX + "apikeys"
+
+
+def call(call_id: str) -> str:
+    """An online API call's record (app/state/online_calls.py)."""
+    return f"{PREFIX}call:{call_id}"
+
+
+def api_key(sha: str) -> str:
+    """An online API key's grant, under the key's SHA-256 (app/state/api_keys.py)."""
+    return f"{PREFIX}apikey:{sha}"
+
+
+def live(request_id: str) -> str:
+    """The pub/sub channel a `live` request's stream chunks are published on, as they are
+    appended (app/state/live.py reads it)."""
+    return LIVE_PREFIX + request_id
 
 
 JOBS = PREFIX + "jobs"

@@ -41,6 +41,9 @@ return (#ARGV - 1) / 2
 # alive, an attempt that lost its request) never adds to it, and a chunk is never written with a
 # gap. A chunk sent again (a pipeline retried after a lost reply) finds its signature in
 # `stream_last` and is not written twice.
+# Optional KEYS[3]: the request's live channel (app/state/keys.py `live`): the appended entry is
+# also published there, as JSON [entry id, field, value, ...], for readers that show tokens as
+# they come (app/state/live.py); nothing is published for a chunk that was not appended.
 # -> 1 appended (or already), 0 fenced (no longer this claim's request), -1 off sequence.
 STREAM_APPEND = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'begin_token', 'streamed', 'stream_last')
@@ -49,7 +52,12 @@ if f[4] == ARGV[4] then return 1 end
 local at = tonumber(f[3] or '0')
 if ARGV[3] == '1' then at = 0 end
 if at ~= tonumber(ARGV[2]) then return -1 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+if KEYS[3] then
+  local entry = {id}
+  for i = 5, #ARGV do entry[#entry + 1] = ARGV[i] end
+  redis.call('PUBLISH', KEYS[3], cjson.encode(entry))
+end
 local n = 0
 for i = 5, #ARGV, 2 do if ARGV[i] == 'n' then n = tonumber(ARGV[i + 1]) end end
 redis.call('HSET', KEYS[1], 'streamed', at + n, 'stream_last', ARGV[4])

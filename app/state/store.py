@@ -17,6 +17,7 @@ import redis
 
 from app.settings import VigilSettings, get_settings
 from app.state import jobs, keys
+from app.state.api_keys import ApiKeys
 from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect
@@ -163,6 +164,12 @@ class RequestStore(HoldCalls, ManyCalls):
         ids = self._call(self._r.zrangebyscore, keys.DEADLINES, "-inf", now, start=0, num=limit)
         return [i.decode() for i in ids]
 
+    def next_deadline(self) -> float | None:
+        """The earliest `deadline_at` among non-terminal requests (the deadline index's head),
+        None when no request is open."""
+        head = self._call(self._r.zrange, keys.DEADLINES, 0, 0, withscores=True)
+        return float(head[0][1]) if head else None
+
     @property
     def raw(self) -> redis.Redis:
         """The Redis client itself, for tests and benches that look at Redis directly (a
@@ -187,6 +194,10 @@ class RequestStore(HoldCalls, ManyCalls):
         """The batch objects (app/state/batches.py) on this store's client, under this store's
         outage policy."""
         return BatchStore(self._r, self._call)
+
+    def api_keys(self) -> ApiKeys:
+        """The online API's keys (app/state/api_keys.py) on this store's client."""
+        return ApiKeys(self._r, self._call)
 
     def streams(self) -> TokenStreams:
         """The token streams (app/state/streams.py) on this store's client, under this store's

@@ -58,6 +58,23 @@ class HoldCalls:
                                keys=[keys.request(request_id), keys.inflight(dead_instance)],
                                args=args))
 
+    def let_go(self, request_ids: list[str], instance: int | str, dispatch: int) -> None:
+        """This worker instance put a message of these requests (of `dispatch`) back on its
+        queue untouched (a given-back delivery): it no longer holds them, so its own hand-backs
+        and the reaper leave them to whoever takes the message next. A request it still holds
+        another way stays: RUNNING under it (a copy of a live run), or at another dispatch
+        (another copy of it, such as a retry's delayed message, is this worker's)."""
+        let = []
+        for rid in request_ids:
+            st, inst, disp = self._call(self._r.hmget, keys.request(rid), "status", "instance",
+                                        "dispatch")
+            running_here = st == b"RUNNING" and inst is not None and inst.decode() == str(
+                instance)
+            if not running_here and int(disp or 0) == dispatch:
+                let.append(rid)
+        if let:
+            self._call(self._r.srem, keys.inflight(instance), *let)
+
     def inflight_ids(self, instance: int | str) -> list[str]:
         """A worker instance's in-flight request ids (bounded by its concurrency)."""
         return [r.decode() for r in self._call(self._r.smembers, keys.inflight(instance))]

@@ -16,6 +16,8 @@ One Redis stream per request (`vigil:stream:{id}`, app/state/keys.py). Its entri
   sample, "ids", "t", "tc", and "lp" with logprobs};
 - `r` = 1 on a chunk: the stream restarts from token 0 here (a resume was refused, so an
   attempt started again from the prompt);
+- `w` on a chunk of a `live` request: the wall-clock time (Unix seconds) of the engine step that
+  made its last token, as EngineCore stamped it (what a live reader's delay is measured from);
 - an **end** entry (`end` = the final status), written by the finish script (app/state/lua.py),
   which also gives the stream the result's TTL.
 
@@ -80,6 +82,8 @@ class Chunk:
     generation: int = 0  # the writer's run generation (a refused resume starts a new one)
     logprobs: list[dict] | None = None  # one entry per token, when the request asked for them
     parts: list[Part] | None = None  # a chunk of several samples (then token_ids is empty)
+    live: bool = False  # also published on the request's live channel
+    made_at: float | None = None  # `w`: the wall time of the step that made its last token
 
     @property
     def tokens(self) -> int:
@@ -108,6 +112,8 @@ class Chunk:
             f += ["p", json.dumps(self.prompt_ids)]
         if self.adapter_fingerprint:
             f += ["lf", self.adapter_fingerprint]
+        if self.made_at is not None:
+            f += ["w", f"{self.made_at:.4f}"]
         return f
 
 
@@ -127,6 +133,7 @@ class Entry:
     end: str = ""
     logprobs: list[dict] | None = None
     parts: list[Part] | None = None  # a chunk of several samples
+    made_at: float | None = None  # `w` (live requests' chunks)
 
     def sample_parts(self) -> list[Part]:
         """The entry's tokens as parts (a chunk of one sample: one part, sample 0)."""
@@ -139,6 +146,21 @@ def parse_entry(entry_id, raw: dict) -> Entry:
     """A stream entry from Redis' reply (bytes keys and values)."""
     f = {k.decode(): v.decode() for k, v in raw.items()}
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return entry_of(eid, f)
+
+
+def parse_published(message: bytes | str) -> Entry:
+    """An entry as a live channel carries it (STREAM_APPEND: JSON [entry id, field, value,
+    ...]); ValueError for anything else."""
+    raw = json.loads(message)
+    if not isinstance(raw, list) or len(raw) % 2 != 1 or not all(
+            isinstance(x, str) for x in raw):
+        raise ValueError("not a published stream entry")
+    return entry_of(raw[0], dict(zip(raw[1::2], raw[2::2])))
+
+
+def entry_of(eid: str, f: dict[str, str]) -> Entry:
+    """An entry from its id and its fields (str keys and values)."""
     if "end" in f:
         return Entry(eid, end=f["end"])
     return Entry(eid, start=int(f["o"]), token_ids=json.loads(f["ids"]), text=f["t"],
@@ -147,7 +169,8 @@ def parse_entry(entry_id, raw: dict) -> Entry:
                  prompt_ids=json.loads(f["p"]) if "p" in f else None,
                  adapter_fingerprint=f.get("lf", ""),
                  logprobs=json.loads(f["lp"]) if "lp" in f else None,
-                 parts=[Part.of(p) for p in json.loads(f["s"])] if "s" in f else None)
+                 parts=[Part.of(p) for p in json.loads(f["s"])] if "s" in f else None,
+                 made_at=float(f["w"]) if "w" in f else None)
 
 
 @dataclass
@@ -262,8 +285,11 @@ class TokenStreams:
             self._sha = self._call(self.r.script_load, STREAM_APPEND)
         pipe = self.r.pipeline(transaction=False)
         for c in chunks:
-            pipe.evalsha(self._sha, 2, keys.request(c.request_id), keys.stream(c.request_id),
-                         c.token, c.start, "1" if c.reset else "0", c.signature, *c.fields())
+            ks = [keys.request(c.request_id), keys.stream(c.request_id)]
+            if c.live:
+                ks.append(keys.live(c.request_id))
+            pipe.evalsha(self._sha, len(ks), *ks, c.token, c.start, "1" if c.reset else "0",
+                         c.signature, *c.fields())
         return self._call(pipe.execute, raise_on_error=False)
 
     def entries(self, request_id: str, after: str = "-", count: int | None = None) -> list[Entry]:

@@ -13,8 +13,9 @@ loop, holding that condition. Its parts, by job:
 - the engine slot (workers/engine/slot.py): load sized to free memory, switch, evict, idle;
 - recovery (workers/engine/recovery.py): engine death, suspects re-isolated, the canary, the
   death streak, the worker's fatal end;
-- the tier gate (workers/engine/tier_gate.py): bulk runs enter only free batch slots, an
-  interactive request preempts the youngest bulk run;
+- the tier gate (workers/engine/tier_gate.py): every request enters the engine's batch only
+  into a free slot, in tier order (waiting for it is not on its wedge clock), and an interactive
+  request makes the bulk runs cheapest to rebuild yield the slots it needs;
 - the in-flight request (workers/engine/ticket.py), what it tells the worker
   (`HostEvents`) and its counters (`HostStats`), both in workers/engine/host_state.py.
 Its collaborators have state of their own: the loop bridge (the thread, the futures, aborting),
@@ -28,7 +29,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from app.errors import WEDGED, TransientError, WorkerFatalError
@@ -41,6 +41,7 @@ from workers.engine.classify import classify, death_cause, is_engine_dead
 from workers.engine.host_state import HostEvents, HostState, HostStats
 from workers.engine.lora import AdapterCache, lane_of
 from workers.engine.output import EngineOutput
+from workers.engine.pending import Pending
 from workers.engine.recovery import Recovery
 from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
@@ -51,17 +52,6 @@ __all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents",
            "Pending", "Preempted"]
 
 log = logging.getLogger("vigil.engine")
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A request `EngineHost.submit` started: its future on the loop, its engine request id,
-    when (time.monotonic) waiting for it gives up, and that wait's whole bound."""
-
-    future: concurrent.futures.Future
-    engine_request_id: str
-    deadline: float
-    bound: float
 
 
 class EngineHost:
@@ -129,15 +119,16 @@ class EngineHost:
         """Run one request to completion in the warm engine (loading it if needed).
 
         Raises a classified VigilError; HandedBack / Aborted as the bridge says. `timeout` bounds
-        the generation inside a running engine only: past it the request is aborted in the
-        engine and TransientError(wedged) is raised (wedge evidence). Waiting for the engine
-        (the current model's requests draining, a load, a recovery) is bounded apart, by one
-        more `timeout` plus `start_bound`: past that the attempt is given up as
-        TransientError(engine_restarting), which is no evidence of a wedge. With a `tap`
-        (workers/streaming.py) the tokens are streamed as they come, and every run (a re-run
-        after an engine death too) continues from the tokens the tap holds. A `preemptible`
-        (bulk) request may yield its slot to an interactive one at a token boundary: it then
-        raises Preempted, its tokens in its tap (`_preempt_for`)."""
+        the generation inside a running engine only, from the moment the request holds its
+        batch slots (the tier gate: it waits for them outside vLLM): past it the request is
+        aborted in the engine and TransientError(wedged) is raised (wedge evidence). Waiting for
+        the engine (the current model's requests draining, a load, a recovery) is bounded apart,
+        by one more `timeout` plus `start_bound`, not counting the time spent waiting for batch
+        slots: past that the attempt is given up as TransientError(engine_restarting), which is
+        no evidence of a wedge. With a `tap` (workers/streaming.py) the tokens are streamed as
+        they come, and every run (a re-run after an engine death too) continues from the tokens
+        the tap holds. A `preemptible` (bulk) request may yield its slot to an interactive one
+        at a token boundary: it then raises Preempted, its tokens in its tap (the tier gate)."""
         return self.result(self.submit(req, spec, engine_request_id, timeout, adapter, tap,
                                        preemptible))
 
@@ -148,30 +139,34 @@ class EngineHost:
         together this way (a message carrying many, workers/service_many.py); `result` waits.
         Raises HandedBack when the host takes nothing new."""
         arrived = self._st.clock()
-        fut = self._bridge.submit(
-            lambda: self._generate(req, spec, engine_request_id, arrived, adapter, timeout, tap,
-                                   preemptible), engine_request_id)
+        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
+                   preemptible=preemptible)
+        fut = self._bridge.submit(lambda: self._generate(t, spec, arrived), engine_request_id)
         bound = timeout + timeout + self.start_bound(spec)
-        return Pending(fut, engine_request_id, time.monotonic() + bound, bound)
+        return Pending(fut, engine_request_id, time.monotonic() + bound, bound, t)
 
     def submit_many(self, runs: list[tuple]) -> list["Pending"]:
         """`submit` for each tuple of its arguments (req, spec, engine_request_id, timeout,
         adapter, tap, preemptible), handed to the loop in one hop; the Pendings in order.
         Raises HandedBack when the host takes nothing new (none is started then)."""
         arrived = self._st.clock()
-        calls = [((lambda r=r: self._generate(r[0], r[1], r[2], arrived, r[4], r[3], r[5],
-                                              r[6])), r[2]) for r in runs]
+        tickets = [Ticket(r[0], r[2], adapter=r[4], timeout=r[3], tap=r[5], preemptible=r[6])
+                   for r in runs]
+        calls = [((lambda t=t, r=r: self._generate(t, r[1], arrived)), r[2])
+                 for t, r in zip(tickets, runs)]
         futures = self._bridge.submit_many(calls)
         now = time.monotonic()
         out = []
-        for r, fut in zip(runs, futures):
+        for r, t, fut in zip(runs, tickets, futures):
             bound = r[3] + r[3] + self.start_bound(r[1])
-            out.append(Pending(fut, r[2], now + bound, bound))
+            out.append(Pending(fut, r[2], now + bound, bound, t))
         return out
 
     def result(self, pending: "Pending") -> EngineOutput:
         """The output of a `submit`ted request, raised as `generate` raises it, within the bound
-        `generate` gives it counted from its submit."""
+        `generate` gives it counted from its submit (its deadline moves on while it waits for
+        batch slots)."""
+        pending.settle()
         return self._bridge.wait(pending.future, pending.engine_request_id,
                                  max(0.0, pending.deadline - time.monotonic()), pending.bound)
 
@@ -269,6 +264,11 @@ class EngineHost:
                            f"within {bound:g} s + {timeout:g} s")
 
     @property
+    def waiting_for_slots(self) -> int:
+        """Requests admitted and waiting for engine batch slots, outside the engine."""
+        return self._tiers.waiting
+
+    @property
     def stalls(self) -> int:
         """Stalls the watchdog declared."""
         return self._watchdog.stalls if self._watchdog is not None else 0
@@ -303,20 +303,19 @@ class EngineHost:
         return eng.child_pids() if eng is not None else []
 
     # -- one request, on the loop ---------------------------------------------------------------
-    async def _generate(self, req, spec, engine_request_id, arrived, adapter,
-                        timeout: float, tap=None, preemptible: bool = False) -> EngineOutput:
-        t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
-                   preemptible=preemptible)
-        lane = lane_of(spec, adapter, req, engine_request_id)
+    async def _generate(self, t: Ticket, spec: ModelSpec, arrived: float) -> EngineOutput:
+        lane = lane_of(spec, t.adapter, t.req, t.rid)
         engine = await self._admission.acquire(spec, arrived, lane)
+        self._tiers.join(t)
         if t.urgent:
             self._tiers.preempt_for(t, engine)
         try:
             while True:
-                if adapter is not None:
+                # Every run takes its slots: a re-run after an engine death too, so the suspects
+                # never enter the fresh engine past its batch (they keep their place in line).
+                await self._tiers.seat(t)
+                if t.adapter is not None:
                     await self._gate_or_release(engine, t, spec)
-                if t.runs == 0 and t.bulk:
-                    await self._tiers.bulk_gate(engine, t)
                 outcome, value = await self._run_once(engine, t, spec)
                 if outcome == "ok":
                     return value
@@ -329,7 +328,8 @@ class EngineHost:
                     raise value
                 engine = await self._recovery.await_turn(t)  # died: the recovery's verdict
         finally:
-            if adapter is not None and self._adapters.done(t):
+            self._tiers.leave(t)
+            if t.adapter is not None and self._adapters.done(t):
                 self._loop.create_task(self._st.notify())
 
     async def _run_once(self, engine, t: Ticket, spec: ModelSpec):
@@ -338,6 +338,7 @@ class EngineHost:
         the engine empty before every casualty of a death is registered as a suspect."""
         st = self._st
         t.runs += 1
+        self._tiers.hold(t)
         st.running[t] = time.monotonic()
         outcome, value = "cancelled", None
         args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
@@ -367,6 +368,7 @@ class EngineHost:
                 value.__cause__ = e
         finally:
             st.running.pop(t, None)
+            self._tiers.leave(t)  # its slots go to the line's head
             async with st.cond:
                 st.release_slot()
                 t.last = outcome

@@ -94,8 +94,13 @@ class HostState:
         self.streak = DeathStreak(death_limit)
         self.counted_death: object = None
         self.suspects: list[Ticket] = []
-        # preemption: the tickets running in the engine now -> when their run started
+        # the tier gate (workers/engine/tier_gate.py): the tickets running in the engine now ->
+        # when their run started; those holding batch slots (seated: from the gate to the end
+        # of their run); the line of those admitted and waiting for slots, in the order they
+        # get them
         self.running: dict[Ticket, float] = {}
+        self.seated: set[Ticket] = set()
+        self.line: list[Ticket] = []
         self.recovery: asyncio.Task | None = None
         self.fatal: WorkerFatalError | None = None
         self.fatal_handled = False

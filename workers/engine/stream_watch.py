@@ -15,11 +15,19 @@ state. A tick costs a few microseconds per request in flight.
 A resumed run's engine request does not detokenize: its new tokens go through the run's Seam
 (workers/engine/resume.py), which makes their text and may find a stop string, which ends the
 run (the engine request is cancelled, so vLLM aborts it).
+
+A `live` request (its tap's `live`: a reader shows its tokens as they come) is read after every
+engine step instead, right after vLLM's output processor has taken the step in: the watch wraps
+that processor's `process_outputs` (on the same loop, so the read sees the state the step left)
+while a live request is watched, and stamps the tokens with the step's time as EngineCore took
+it (its monotonic clock, shared by every process of the host, turned into wall time). Each read
+costs a few microseconds per live request per step; other requests keep the tick.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -81,17 +89,24 @@ class WatchedRun:
     def new_ids(self) -> list[int]:
         return self.own.new_ids
 
+    @property
+    def live(self) -> bool:
+        """Read after every engine step (its reader shows tokens as they come)."""
+        return bool(getattr(self.tap, "live", False))
+
     def feed(self, token_ids: list[int], text: str, index: int | None = None,
-             logprobs: list[dict] | None = None) -> None:
+             logprobs: list[dict] | None = None, made_at: float | None = None) -> None:
         """New tokens of sample `index` and the text the engine released with them (a
-        continuing run's text is the seam's): to the tap."""
+        continuing run's text is the seam's): to the tap, with the wall time of the step that
+        made them (`made_at`, live runs)."""
         index = (self.index or 0) if index is None else index
         prog = self.of(index)
         prog.new_ids += token_ids
         if logprobs is not None:
             prog.logprobs += logprobs
+        stamp = {"made_at": made_at} if made_at is not None else {}
         if self.seam is None:
-            self.tap.add(token_ids, text, index=index, logprobs=logprobs)
+            self.tap.add(token_ids, text, index=index, logprobs=logprobs, **stamp)
             return
         released, cut = self.seam.feed(token_ids)
         if cut is not None:
@@ -100,7 +115,7 @@ class WatchedRun:
                 self.task.cancel()  # vLLM aborts the request
             return
         self.tap.add(token_ids, released if self.detokenize else "", index=index,
-                     logprobs=logprobs)
+                     logprobs=logprobs, **stamp)
 
 
 class StreamWatch:
@@ -110,18 +125,59 @@ class StreamWatch:
         self._llm = llm
         self.period = period
         self._runs: dict[str, WatchedRun] = {}
+        self._live: dict[str, WatchedRun] = {}  # read after every step (module docstring)
         self._task: asyncio.Task | None = None
+        self._hooked = False
         self.ticks = 0
+        self.step_reads = 0
 
     def watch(self, request_id: str, run: WatchedRun) -> None:
-        """Start reading `request_id` (call on the engine's loop)."""
+        """Start reading `request_id` (call on the engine's loop): every `period`, or after
+        every engine step for a live run."""
         self._runs[request_id] = run
+        if run.live:
+            self._live[request_id] = run
+            self._hook_steps()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._ticking())
 
     def unwatch(self, request_id: str) -> None:
         """Stop reading `request_id`."""
         self._runs.pop(request_id, None)
+        self._live.pop(request_id, None)
+
+    def _hook_steps(self) -> None:
+        """Wrap the output processor's `process_outputs` (once per engine) so that every
+        step's outputs are followed by a read of the live runs."""
+        if self._hooked or self._llm is None:
+            return
+        op = self._llm.output_processor
+        inner = op.process_outputs
+
+        def process_outputs(outputs, engine_core_timestamp=None, *args, **kwargs):
+            out = inner(outputs, engine_core_timestamp, *args, **kwargs)
+            if self._live:
+                try:
+                    self.after_step(engine_core_timestamp)
+                except Exception:  # a read must never take the engine's output loop down
+                    log.exception("reading the live requests' tokens after a step failed")
+            return out
+
+        op.process_outputs = process_outputs
+        self._hooked = True
+
+    def after_step(self, engine_core_timestamp: float | None = None) -> None:
+        """Read every live run's new tokens now (an engine step's outputs were just taken
+        in), stamped with that step's wall time."""
+        if self._llm is None:
+            return
+        made_at = time.time()
+        if engine_core_timestamp is not None:  # EngineCore's monotonic clock, the host's
+            made_at -= max(0.0, time.monotonic() - engine_core_timestamp)
+        self.step_reads += 1
+        op = self._llm.output_processor
+        for request_id, run in list(self._live.items()):
+            self._read_request(op, request_id, run, made_at)
 
     def stop(self) -> None:
         """Stop ticking and let go of the engine (it shuts down). The cancelled tick task may
@@ -132,6 +188,7 @@ class StreamWatch:
             self._task = None
         self._llm = None
         self._runs.clear()
+        self._live.clear()
 
     async def _ticking(self) -> None:
         while True:
@@ -173,7 +230,8 @@ class StreamWatch:
             if key == request_id or key.startswith(request_id + "~"):
                 self._read_request(op, key, run)
 
-    def _read_request(self, op, request_id: str, run: WatchedRun) -> None:
+    def _read_request(self, op, request_id: str, run: WatchedRun,
+                      made_at: float | None = None) -> None:
         if run.cut is not None:
             return
         internal = op.external_req_ids.get(request_id)
@@ -184,12 +242,12 @@ class StreamWatch:
             state = op.request_states.get(iid)
             if state is None:  # not in yet, or finished: the final output has the rest
                 continue
-            self._read(run, state)
+            self._read(run, state, made_at)
             if run.cut is not None:
                 break
 
     @staticmethod
-    def _read(run: WatchedRun, state) -> None:
+    def _read(run: WatchedRun, state, made_at: float | None = None) -> None:
         """One sample's new tokens, their text and logprobs, out of its vLLM request state."""
         index = run.index if run.index is not None else state.request_index
         prog = run.of(index)
@@ -218,4 +276,4 @@ class StreamWatch:
             released = prog.fed_chars
         new_text = text[prog.fed_chars:released]
         prog.fed_chars = released
-        run.feed(new, new_text, index, lps)
+        run.feed(new, new_text, index, lps, made_at)

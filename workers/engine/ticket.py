@@ -30,12 +30,19 @@ class Ticket:
     # preemptions are under VIGIL_MAX_PREEMPTIONS), and whether it is yielding now.
     preemptible: bool = False
     preempting: bool = False
+    # Its place in the line for the engine's batch slots, (tier, arrival), and the time it has
+    # spent there: `gated` seconds before, and since `gate_since` (time.monotonic) while it
+    # waits now. Written on the host's loop (workers/engine/tier_gate.py), read by the task
+    # thread (workers/engine/pending.py): waiting for a slot is not waiting for an engine.
+    place: tuple = ()
+    gated: float = 0.0
+    gate_since: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
     def bulk(self) -> bool:
-        """A bulk request: it enters the engine only into a free batch slot (the bulk gate,
-        workers/engine/host.py) and may yield its slot to an interactive one."""
+        """A bulk request: it may yield its batch slot to an interactive one
+        (workers/engine/tier_gate.py)."""
         return getattr(self.req, "priority", None) == "bulk"
 
     @property

@@ -1,77 +1,190 @@
-"""The tier gate of the engine host (workers/engine/host.py): bulk work enters the engine's
-batch only into a free slot, and an interactive request admitted to a full batch makes the
-youngest bulk run yield its slot (docs/architecture.md, tiers). It decides on the host's one
-state (workers/engine/host_state.py), on the host's loop, holding its condition."""
+"""The tier gate of the engine host (workers/engine/host.py): every request enters the engine's
+batch only into a free slot, in tier order, and an interactive request admitted to a full batch
+makes the bulk runs cheapest to rebuild yield as many slots as it needs (docs/architecture.md,
+"Tiers"). It decides on the host's one state (workers/engine/host_state.py), on the host's loop.
+
+Why every tier waits here: vLLM runs `max_num_seqs` requests and queues the rest inside it,
+and a request's own timeout (`VIGIL_REQUEST_TIMEOUT`, the wedge clock) runs from its entry into
+the engine, so a request queued in vLLM behind long runs would end `wedged` and report a health
+failure against a healthy engine. Here it waits for its slot outside vLLM, admitted (counted in
+flight, handed back or aborted like any), and its wedge clock starts when it enters; the time it
+waits is not counted against its wait for an engine either (`Ticket.gated`,
+workers/engine/pending.py). The stall watchdog still watches the engine: a batch that makes no
+step aborts the runs and those waiting alike.
+
+The line: the tickets admitted and waiting for slots, ordered by tier (interactive, default,
+bulk), then arrival. Slots go to its head only, whenever a run ends or a ticket joins or leaves
+the line: a request of n samples at the head (vLLM runs each sample in a slot of its own) waits
+for n free slots and nobody behind passes it; one larger than the whole batch runs alone. A
+ticket holds its seat (`HostState.seated`) from the gate until its run ends, also while its LoRA
+adapter loads, so a slot freed for an interactive request stays its own.
+"""
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
+import sys
+import time
 
 from app.request_ids import request_id_of
+from app.requests.tiers import engine_priority
 from workers.engine.bridge import PREEMPTED, LoopBridge
 from workers.engine.host_state import HostState
+from workers.engine.resume import refusal, unsound
 from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
 
 
 class TierGate:
-    """The bulk gate and preemption, on the host's state and its loop bridge."""
+    """The batch gate, its line and preemption, on the host's state and its loop bridge."""
 
     def __init__(self, st: HostState, bridge: LoopBridge):
         self._st = st
         self._bridge = bridge
+        self._arrivals = itertools.count()
+        self._seats: dict[Ticket, asyncio.Future] = {}  # tickets at the gate -> their wake-up
 
     def batch_used(self, but: Ticket | None = None) -> int:
-        """The engine batch slots the runs in the engine take now (`but` left out)."""
-        return sum(x.seqs for x in self._st.running if x is not but)
+        """The engine batch slots the seated tickets take now (`but` left out)."""
+        return sum(x.seqs for x in self._st.seated if x is not but)
 
-    async def bulk_gate(self, engine, t: Ticket) -> None:
-        """The bulk gate: a bulk request's first run enters an engine with a batch
-        (`max_num_seqs`) only while the runs in it leave a slot free; until then it waits here,
-        admitted (counted in flight, handed back or aborted like any) but not in the engine.
-        So no bulk request ever waits inside vLLM: every bulk run in the engine holds a batch
-        slot, a preempted one frees it, and work that arrives in messages of many requests
-        (vigil.generate_many, batch objects) cannot queue ahead of an interactive request in
-        vLLM. Interactive and default requests never wait here. An engine that died meanwhile
-        lets it through: its run then meets the death like any other."""
-        seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs:
+    @property
+    def waiting(self) -> int:
+        """Requests in the line: admitted, waiting for batch slots outside the engine."""
+        return len(self._st.line)
+
+    def join(self, t: Ticket) -> None:
+        """`t` takes its place in the line, as it is admitted: before its adapter loads and
+        before a preemption for it is decided, so the slots freed for it are its own."""
+        if t in self._st.line or t in self._st.seated:
             return
+        if not t.place:
+            t.place = (engine_priority(getattr(t.req, "priority", None)), next(self._arrivals))
+        bisect.insort(self._st.line, t, key=lambda x: x.place)
+
+    async def seat(self, t: Ticket) -> None:
+        """Return once `t` holds its batch slots (module docstring). Cancelled while it waits
+        (aborted, handed back, its caller gone), it leaves the line and its admission is
+        counted out: it never entered the engine."""
         st = self._st
-        async with st.cond:
-            try:
-                await st.cond.wait_for(
-                    lambda: self.batch_used() + t.seqs <= seqs or self.batch_used() == 0
-                    or getattr(engine, "dead", False) or st.engine is not engine)
-            except asyncio.CancelledError:  # aborted while waiting: it never entered
+        self.join(t)
+        wake = asyncio.get_running_loop().create_future()
+        self._seats[t] = wake
+        self.fill()
+        if t in st.seated:
+            self._seats.pop(t, None)
+            return
+        t.gate_since = time.monotonic()
+        try:
+            await wake
+        except asyncio.CancelledError:
+            self.leave(t)
+            async with st.cond:
                 st.release_slot()
                 st.cond.notify_all()
-                raise
+            raise
+        finally:
+            self._seats.pop(t, None)
+            t.gated += time.monotonic() - t.gate_since  # before gate_since clears: see Pending
+            t.gate_since = None
+
+    def hold(self, t: Ticket) -> None:
+        """`t` runs now: it holds its slots (a re-run after an engine death comes here without
+        waiting in the line)."""
+        self._st.seated.add(t)
+
+    def leave(self, t: Ticket) -> None:
+        """`t` gave up its place or its slots (its run ended, it was aborted while waiting, its
+        adapter failed): they go to the line's head."""
+        st = self._st
+        if t in st.line:
+            st.line.remove(t)
+        st.seated.discard(t)
+        self.fill()
+
+    def fill(self) -> None:
+        """Seat the line's head while its slots are free (every ticket in the line at once
+        when the engine is gone or dead: its run meets that like any other, or has no batch
+        to wait for)."""
+        st = self._st
+        eng = st.engine
+        seqs = getattr(eng, "max_num_seqs", None)
+        open_all = not seqs or getattr(eng, "dead", True)
+        used = self.batch_used()
+        while st.line:
+            head = st.line[0]
+            if not open_all and used > 0 and used + head.seqs > seqs:
+                return
+            del st.line[0]
+            st.seated.add(head)
+            used += head.seqs
+            wake = self._seats.get(head)
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
     def preempt_for(self, urgent: Ticket, engine) -> None:
-        """An interactive request was admitted to an engine whose batch is full (its runs take
-        every one of its `max_num_seqs` slots): the youngest preemptible bulk run (the one
-        started last, whose KV cache costs least to rebuild) yields its slot at the engine's
-        next token boundary. The bulk gate (`bulk_gate`) lets a bulk run into the engine only
-        into a free slot, so the victim holds one, and vLLM's priority scheduling
-        (workers/engine/vllm_args.py) gives the freed slot to the interactive request, not to
-        an older default one waiting there. Its tokens so far are read into its tap first
-        (nothing is lost), then its run is cancelled with reason PREEMPTED: its caller hands it
-        back to resume from them."""
+        """An interactive request was admitted (it is in the line): when the seated runs and
+        the line up to it leave it short of slots, the preemptible bulk runs cheapest to
+        rebuild (fewest prompt and prefix tokens to prefill again: `rebuild_cost`; of equals,
+        the one started last) yield as many slots as it lacks, at the engine's next token
+        boundary. Never a run whose resume would be refused (its tokens would be thrown away:
+        workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
+        run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
+        The line keeps the freed slots for the interactive request."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs or self.batch_used(but=urgent) < seqs:
-            return  # a slot is free: it starts at the next step anyway
-        pick = [x for x in st.running if x is not urgent and x.preemptible and not x.preempting
-                and not x.gone and x.bulk]
-        if not pick:
+        if not seqs or urgent not in st.line:
             return
-        victim = max(pick, key=lambda x: st.running[x])
+        need = sum(x.seqs for x in st.seated if not x.preempting) - seqs
+        for x in st.line:
+            need += x.seqs
+            if x is urgent:
+                break
+        if need <= 0:
+            return  # its slots are free, or are being freed for it
+        picks = []
+        for x in st.running:
+            if x is not urgent and x.preemptible and x.bulk and not x.preempting and not x.gone:
+                cost = rebuild_cost(x, engine)
+                if cost is not None:
+                    picks.append((cost, -st.running[x], id(x), x))
+        for _, _, _, victim in sorted(picks):
+            if need <= 0:
+                return
+            need -= victim.seqs
+            self._preempt(victim, urgent, engine)
+
+    def _preempt(self, victim: Ticket, urgent: Ticket, engine) -> None:
         victim.preempting = True
         read_now = getattr(engine, "read_now", None)
         if read_now is not None:
             read_now(victim.engine_request_id())
         if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
-            st.stats.preemptions += 1
+            self._st.stats.preemptions += 1
             log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
+
+
+def rebuild_cost(t: Ticket, engine) -> int | None:
+    """The tokens a resume of `t`'s run would prefill again: for each of its samples, the
+    prompt and the tokens it made (a run that made none restarts from its prompt, once); None
+    when its resume would be refused (workers/engine/resume.py decides: `unsound`, `refusal`)
+    and a preemption would throw its tokens away. Until the engine has read the prompt's token
+    ids into the tap, the prompt's length in characters stands in for them."""
+    if unsound(t.req):
+        return None
+    tap = t.tap
+    prompt_ids = getattr(tap, "prompt_ids", None)
+    prompt = (len(prompt_ids) if prompt_ids is not None
+              else len(t.req.prompt_token_ids or ()) or len(t.req.prompt or ""))
+    cp = tap.resume_point() if tap is not None else None
+    if cp is None:
+        return prompt
+    limit = getattr(engine, "max_model_len", None) or sys.maxsize
+    samples = [cp.sample(i) for i in range(t.seqs)]
+    if any(refusal(c, max_tokens=t.req.max_tokens, max_model_len=limit,
+                   adapter_fingerprint=tap.adapter_fingerprint) for c in samples if c.tokens):
+        return None
+    return sum(prompt + c.tokens for c in samples)

@@ -1,0 +1,159 @@
+"""Unit tier: waiting is not wedging, for any tier (docs/failure-modes.md, "Wedges").
+
+The engine host lets a request into the engine only into a free batch slot (the batch gate,
+workers/engine/tier_gate.py), so `VIGIL_REQUEST_TIMEOUT` (the wedge clock) never counts time a
+request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
+as vLLM does: it runs at most `max_num_seqs` requests, the rest wait inside it in vLLM's
+priority order (tier, then arrival), and each request, once scheduled, takes `work_s`."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app.errors import TransientError
+from app.requests.models import ModelSpec
+from app.requests.schemas import GenerateRequest
+from app.requests.tiers import engine_priority
+from tests.conftest import wait_until
+from workers.engine.output import EngineOutput
+
+SPEC = ModelSpec(name="m", path="/x")
+
+
+def req(prompt: str, priority: str = "default") -> GenerateRequest:
+    return GenerateRequest(model="m", prompt=prompt, priority=priority)
+
+
+class Queueing:
+    """An engine that queues past `max_num_seqs` as vLLM does (module docstring). It records
+    the order runs were scheduled in and the most requests that ever waited inside it.
+    `stepping` cleared: scheduled runs make no progress (a SIGSTOPped EngineCore)."""
+
+    def __init__(self, max_num_seqs: int = 2, work_s: float = 0.3):
+        self.max_num_seqs = max_num_seqs
+        self.work_s = work_s
+        self.dead = False
+        self.progress = 0
+        self.stepping = threading.Event()
+        self.stepping.set()
+        self.release: threading.Event | None = None  # set: runs last until it is set instead
+        self.running: list[str] = []
+        self.waiting: list[tuple[int, int, str]] = []
+        self.started: list[str] = []
+        self.peak_waiting = 0
+        self._arrivals = 0
+        self._turn = None
+
+    def __call__(self, spec, plan=None):
+        return self
+
+    async def run(self, r, rid):
+        if self._turn is None:
+            self._turn = asyncio.Condition()
+        self._arrivals += 1
+        me = (engine_priority(r.priority), self._arrivals, rid)
+        async with self._turn:
+            self.waiting.append(me)
+            self.waiting.sort()
+            self.peak_waiting = max(self.peak_waiting, len(self.waiting) - (
+                self.max_num_seqs - len(self.running)))
+            try:
+                await self._turn.wait_for(lambda: self.waiting[0] is me
+                                          and len(self.running) < self.max_num_seqs)
+            finally:
+                self.waiting.remove(me)
+                self._turn.notify_all()
+            self.running.append(rid)
+            self.started.append(rid)
+        try:
+            end = time.monotonic() + self.work_s
+            while (time.monotonic() < end if self.release is None
+                   else not self.release.is_set()):
+                if self.stepping.is_set():
+                    self.progress += 1
+                await asyncio.sleep(0.01)
+            return EngineOutput(r.prompt, [1], "length", 1)
+        finally:
+            async with self._turn:
+                self.running.remove(rid)
+                self._turn.notify_all()
+
+    def child_pids(self):
+        return []
+
+    def shutdown(self, timeout):
+        self.dead = True
+
+
+def test_a_message_of_eight_on_two_slots_waits_for_slots_and_nothing_wedges(make_host):
+    """The issue's scenario: an engine of 2 slots, 0.3 s per request, a request timeout of
+    0.5 s, one message of 8 (the host's `submit_many`, as workers/service_many.py starts one).
+    Every request ends ok, no health failure is reported, and none ever waited inside the
+    engine: the wedge clock ran only while each held a slot (eb37a72: 2 ok, 6 wedged, 6
+    failures)."""
+    eng = Queueing(max_num_seqs=2, work_s=0.3)
+    failures: list[str] = []
+    host = make_host(eng, on_failure=failures.append)
+    pendings = host.submit_many([(req(f"p{i}"), SPEC, f"r{i}-1", 0.5, None, None, False)
+                                 for i in range(8)])
+    assert [host.result(p).text for p in pendings] == [f"p{i}" for i in range(8)]
+    assert failures == [] and eng.peak_waiting == 0
+    assert eng.started == [f"r{i}-1" for i in range(8)]  # in arrival order
+
+
+def test_every_tier_gets_slots_in_tier_order_then_arrival_order_outside_the_engine(make_host):
+    """Given a full batch and default, bulk and interactive requests arriving in that order,
+    then none of them waits inside the engine, and freed slots go to the interactive request
+    first, then the default ones by arrival, then bulk."""
+    eng = Queueing(max_num_seqs=2)
+    eng.release = threading.Event()
+    host = make_host(eng)
+    first = [host.submit(req(f"f{i}"), SPEC, f"f{i}-1", 30) for i in range(2)]
+    wait_until(lambda: len(eng.running) == 2)
+    later = [host.submit(req("d1"), SPEC, "d1-1", 30),
+             host.submit(req("b1", "bulk"), SPEC, "b1-1", 30),
+             host.submit(req("d2"), SPEC, "d2-1", 30)]
+    wait_until(lambda: host.snapshot()["in_flight"] == 5)
+    urgent = host.submit(req("i1", "interactive"), SPEC, "i1-1", 30)
+    wait_until(lambda: host.snapshot()["in_flight"] == 6)
+    eng.release.set()
+    assert [host.result(p).text for p in first + later + [urgent]] == [
+        "f0", "f1", "d1", "b1", "d2", "i1"]
+    assert eng.started[2:] == ["i1-1", "d1-1", "d2-1", "b1-1"] and eng.peak_waiting == 0
+
+
+def test_waiting_for_a_slot_does_not_use_up_the_wait_for_an_engine(make_host):
+    """Given a wait bound for an engine (2 x timeout + the engine start bound = 1.05 s) shorter
+    than the last requests' wait for a slot (3 x 0.3 s) plus their run, then they still end ok,
+    not engine_restarting: a slot that frees as the batch makes progress is not an engine that
+    does not come."""
+    eng = Queueing(max_num_seqs=2, work_s=0.3)
+    failures: list[str] = []
+    host = make_host(eng, on_failure=failures.append, engine_start_timeout=0.05)
+    pendings = host.submit_many([(req(f"p{i}"), SPEC, f"r{i}-1", 0.5, None, None, False)
+                                 for i in range(8)])
+    assert [host.result(p).text for p in pendings] == [f"p{i}" for i in range(8)]
+    assert failures == []
+
+
+def test_an_engine_that_makes_no_steps_is_still_a_stall_for_the_runs_and_those_waiting(
+        make_host):
+    """Given two runs in the engine and two requests waiting for a slot, when the engine makes
+    no step for the stall timeout, then the watchdog aborts all four (wedged, each reported),
+    as it did before requests waited outside the engine."""
+    eng = Queueing(max_num_seqs=2, work_s=30)
+    eng.stepping.clear()
+    failures: list[str] = []
+    host = make_host(eng, stall_timeout=0.3, on_failure=failures.append)
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(host.generate, req(f"p{i}"), SPEC, f"r{i}-1", 30) for i in range(4)]
+        for f in futs:
+            with pytest.raises(TransientError, match="^wedged: the engine made no progress"):
+                f.result(timeout=10)
+    assert host.stalls == 1 and len(failures) == 4
+    assert len(eng.started) == 2  # the two waiting never entered the engine
+    wait_until(lambda: eng.running == [] and host.snapshot()["in_flight"] == 0)
