@@ -16,7 +16,8 @@ alike: Celery rebuilds a worker's exception in the producer only if the class im
 |                  |                                            | engine_restarting, worker_lost, wedged, |
 |                  |                                            | redis_unavailable, engine_error,        |
 |                  |                                            | lora_adapter_pending, schema_too_new,   |
-|                  |                                            | preempted, drained,                     |
+|                  |                                            | preempted, drained, generation_failed,  |
+|                  |                                            | retry_requested,                        |
 |                  |                                            | structured_output_invalid;              |
 |                  |                                            | overloaded, workers_too_old (raised by  |
 |                  |                                            | `.delay` only: the caller retries;      |
@@ -75,6 +76,12 @@ DRAINED = "drained"
 SCHEMA_TOO_NEW = "schema_too_new"
 # An engine failure nobody recognised: retried (bounded) rather than failed for good.
 ENGINE_ERROR = "engine_error"
+# vLLM (0.33 on) ended the request with an error of its own and stays healthy (its
+# GenerationError: e.g. a KV transfer that failed): back on its queue at once, for any worker.
+GENERATION_FAILED = "generation_failed"
+# vLLM (0.33 on) asked for the request to be tried again (its RetryableRequestError: generation
+# paused, a cache miss): re-run on the same engine a few times first (app/retry_policy.py).
+RETRY_REQUESTED = "retry_requested"
 # The engine's output broke the request's structured constraint (the worker checks every
 # complete structured output before it is returned: workers/result.py). Retried only when
 # another attempt can make another output (sampled without a seed); a greedy or seeded request

@@ -16,7 +16,8 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 | --- | --- | --- | --- |
 | RequestError, TerminalError | never | | |
 | TransientError (default) | until VIGIL_MAX_ATTEMPTS | jittered backoff on the attempt | yes |
-| TransientError wedged, worker_lost | until VIGIL_MAX_ATTEMPTS | at once | yes |
+| TransientError wedged, worker_lost, generation_failed | until VIGIL_MAX_ATTEMPTS | at once | yes |
+| TransientError retry_requested | re-run here RETRY_HERE times, then until VIGIL_MAX_ATTEMPTS | here: RETRY_HERE_PAUSE_S doubling; then backoff | no here; yes after |
 | TransientError lora_adapter_pending | until the deadline | backoff on the dispatch | no |
 | TransientError schema_too_new | until the deadline | backoff on the dispatch | no |
 | TransientError preempted | VIGIL_MAX_PREEMPTIONS times (`may_preempt`) | at once | no |
@@ -34,6 +35,10 @@ retry after a failure; BEGIN is the gate before the next run. The preemption bou
 a run too: a request is never preempted once it has been VIGIL_MAX_PREEMPTIONS times
 (`may_preempt`), so `decide` never sees a preemption past it.
 
+One rule is asked inside the worker, before an error leaves it: `retry_here` says whether the
+engine host re-runs a request on its own engine (vLLM asked for a retry: `retry_requested`),
+how soon, and how often; only once those re-runs are spent does the error reach `decide`.
+
 The outage policies: how long a reader or writer of Redis rides out an outage before it raises
 (`OutagePolicy`, used by app/state/calls.py), the same bound in kombu's terms for a worker's own
 publishes (`OutagePolicy.kombu`), and the fail-fast policy of a producer's submit
@@ -44,10 +49,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, DRAINED, LORA_ADAPTER_PENDING,
-                        MEMORY_PRESSURE, PREEMPTED, SCHEMA_TOO_NEW, STRUCTURED_OUTPUT_INVALID,
-                        WEDGED, WORKER_LOST, RequestError, TerminalError, TransientError,
-                        VigilError, WorkerFatalError)
+from app.errors import (ATTEMPTS_EXHAUSTED, DEADLINE_EXCEEDED, DRAINED, GENERATION_FAILED,
+                        LORA_ADAPTER_PENDING, MEMORY_PRESSURE, PREEMPTED, RETRY_REQUESTED,
+                        SCHEMA_TOO_NEW, STRUCTURED_OUTPUT_INVALID, WEDGED, WORKER_LOST,
+                        RequestError, TerminalError, TransientError, VigilError,
+                        WorkerFatalError)
 from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DRAINS,
                                    DEFAULT_MAX_PREEMPTIONS,
                                    DEFAULT_MEMORY_PRESSURE_WINDOW_S, DEFAULT_RETRY_BACKOFF_MAX_S,
@@ -56,6 +62,11 @@ from app.settings_defaults import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DRAINS,
 # A request waiting for memory (memory_pressure) is tried again at least this often, so it
 # starts soon after a co-tenant lets go of the card.
 MEMORY_RETRY_MAX_S = 15.0
+# A request vLLM asked to be retried (retry_requested) is re-run on the same engine this many
+# times, after pauses of RETRY_HERE_PAUSE_S doubling (0.5 + 1 + 2 s: a paused engine resumes, a
+# cache refills), before it goes back on its queue like any transient error.
+RETRY_HERE = 3
+RETRY_HERE_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,8 @@ class Rule:
     given back and the request's deadline or window bounds it); `delay_cap` (a tighter cap on
     the backoff); `memory_window` (bounded by VIGIL_MEMORY_PRESSURE_WINDOW from the first
     refusal); `varies` (retried only because another attempt may answer differently: a request
-    that makes the same output every time, `Attempted.repeats`, ends at once)."""
+    that makes the same output every time, `Attempted.repeats`, ends at once); `here`
+    (re-runs on the worker's own engine before the error leaves it: `retry_here`)."""
 
     retried: bool
     at_once: bool = False
@@ -73,6 +85,7 @@ class Rule:
     delay_cap: float | None = None
     memory_window: bool = False
     varies: bool = False
+    here: int = 0
 
 
 NEVER = Rule(retried=False)
@@ -90,6 +103,12 @@ CLASS_RULES: dict[type[VigilError], Rule] = {
 CODE_RULES: dict[str, Rule] = {
     WEDGED: AT_ONCE,
     WORKER_LOST: AT_ONCE,
+    # vLLM ended the request with an error of its own, its engine healthy: at once, through
+    # the queue, where any worker (another one, if one is free) can take it.
+    GENERATION_FAILED: AT_ONCE,
+    # vLLM asked for a retry: its engine takes the request again in a moment (`retry_here`);
+    # past RETRY_HERE re-runs, as any transient error.
+    RETRY_REQUESTED: Rule(retried=True, here=RETRY_HERE),
     LORA_ADAPTER_PENDING: Rule(retried=True, uses_attempt=False),
     # A message of a schema version this worker does not read: handed back, no attempt used,
     # for a worker that reads it; the deadline bounds the wait.
@@ -216,6 +235,16 @@ def decide(error: VigilError, state: Attempted, settings: Limits, now: float,
             and state.attempts >= settings.max_attempts:
         return End(exhausted(state.attempts, str(error)))
     return Retry(countdown(rule, state, settings, rng), rule.uses_attempt, rule.memory_window)
+
+
+def retry_here(error: VigilError, reruns: int) -> float | None:
+    """Seconds to wait before the engine host re-runs `error`'s request on its own engine,
+    which has re-run it `reruns` times already for this; None when it does not (the error
+    leaves the worker, to `decide`). Re-runs here use no attempt and publish nothing."""
+    rule = rule_for(error)
+    if not rule.retried or reruns >= rule.here:
+        return None
+    return RETRY_HERE_PAUSE_S * (2 ** reruns)
 
 
 def may_preempt(preemptions: int, settings: Limits) -> bool:

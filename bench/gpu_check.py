@@ -22,10 +22,14 @@ Facts, each checked in processes of its own so that this one never holds a CUDA 
   6. request_cpu        the per-request CPU of a real worker (instant engine: Vigil's whole path,
                         no model) on this host's cores; needs redis-server (on PATH, or
                         --redis-server / $REDIS_SERVER naming a carried binary), else SKIP
-  7. engine_smoke       with vLLM installed: a random-weight model built here, bfloat16, LoRA on;
-                        one base and one adapter request, EngineCore SIGKILLed under a request
-                        and the request finished on a recovered engine, and the card's memory
-                        back in NVML after shutdown; without vLLM, SKIP
+  7. engine_smoke       with vLLM installed: a random-weight model built here, bfloat16, LoRA on,
+                        CUDA graphs on; one base and one adapter request, EngineCore SIGKILLed
+                        under a request and the request finished on a recovered engine, and the
+                        card's memory back in NVML after shutdown; without vLLM, SKIP
+  8. restart_s          from the same smoke: SIGKILL of EngineCore -> the killed request
+                        finished on the recovered engine, held against the goal RESTART_GOAL_S
+                        (10 s, a small model on one GPU: issue 39), with the first start's
+                        seconds and the first adapter request's beside it
 
 Needs only what a bare GPU host has plus carried wheels: the NVIDIA driver, torch (CUDA build),
 nvidia-ml-py, Vigil's own dependencies; nvidia-smi for part of fact 1; redis-server for fact 6;
@@ -87,7 +91,10 @@ STEP_LIMITS_S = {"memory": 45.0, "sized_down": 60.0, "same_card": 30.0, "tp_cont
 # The facts each step prints (a step stopped early: a FAIL for each it did not print).
 STEP_FACTS = {"memory": ("nvml_agrees", "context_cost"), "sized_down": ("sized_down_start",),
               "same_card": ("same_card",), "tp_context": ("tp_context_cost",),
-              "request_cpu": ("request_cpu",), "engine_smoke": ("engine_smoke",)}
+              "request_cpu": ("request_cpu",), "engine_smoke": ("engine_smoke", "restart_s")}
+# The goal of a dead engine's return (issue 39): SIGKILL of EngineCore -> the request it was
+# running finished on a fresh engine, for a small model on one GPU.
+RESTART_GOAL_S = 10.0
 STOP_GRACE_S = 10.0  # after SIGTERM, a stopped step's time to stop what it started
 MIN_STEP_S = 5.0  # less left than this: the step is not started (SKIP)
 FACT_PREFIX = "FACT "  # a step process's line carrying one Fact (JSON)
@@ -241,6 +248,20 @@ def tp_context_cost(costs: dict[str, int], headroom: int, single: int | None = N
 
 
 # -- the deadline ---------------------------------------------------------------------------------
+def restart_s(smoke: dict, goal_s: float = RESTART_GOAL_S) -> Fact:
+    """Fact 8 from the smoke's figures: the request killed with its EngineCore finished on a
+    recovered engine within `goal_s` seconds of the SIGKILL (`recovered_s`)."""
+    took = smoke.get("recovered_s")
+    if took is None or not smoke.get("killed") or smoke.get("long_tokens") is None:
+        return Fact("restart_s", False, "the smoke did not kill and recover an engine")
+    whole = smoke.get("long_tokens") == smoke.get("long_asked")
+    return Fact("restart_s", bool(whole and took <= goal_s), (
+        f"{took:.1f} s from SIGKILL of EngineCore to the {smoke.get('long_tokens')}-token request "
+        f"finished on the recovered engine (goal <= {goal_s:g} s; the same request took "
+        f"{smoke.get('long_warm_s')} s on the warm engine); first start {smoke.get('start_s')} s, "
+        f"first adapter request {smoke.get('lora_s')} s"))
+
+
 def step_limit(limit_s: float, left_s: float) -> float | None:
     """The seconds a step may run: its own limit, cut to what is left of the budget once a
     stopped step's grace is kept aside; None when less than MIN_STEP_S would be left."""
@@ -634,13 +655,13 @@ def check_request_cpu(n: int, deadline: float, redis_server: str | None = None) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_engine(entry: str, headroom: int, deadline: float) -> Fact:
-    """Fact 7, in a process of its own (bench/gpu_engine_smoke.py) so that the card's memory is
-    measured after everything of the engine is gone."""
+def check_engine(entry: str, headroom: int, deadline: float) -> list[Fact]:
+    """Facts 7 and 8, in a process of its own (bench/gpu_engine_smoke.py) so that the card's
+    memory is measured after everything of the engine is gone."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return Fact("engine_smoke", None, "vLLM is not installed here")
+        return [Fact(n, None, "vLLM is not installed here") for n in STEP_FACTS["engine_smoke"]]
     baseline = _free(entry)
     try:
         out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_engine_smoke.py"),
@@ -648,12 +669,13 @@ def check_engine(entry: str, headroom: int, deadline: float) -> Fact:
                              timeout=_left(deadline, 35),
                              env={**os.environ, **_card_env(entry), "HF_HUB_OFFLINE": "1"})
     except subprocess.TimeoutExpired as e:
-        return Fact("engine_smoke", False, f"the smoke process did not finish within "
-                    f"{e.timeout:.0f} s (the check's budget)")
+        return [Fact(n, False, f"the smoke process did not finish within {e.timeout:.0f} s "
+                     f"(the check's budget)") for n in STEP_FACTS["engine_smoke"]]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("SMOKE ")]
     if out.returncode != 0 or not lines:
-        return Fact("engine_smoke", False, f"the smoke process failed (exit {out.returncode}): "
-                    + " | ".join(out.stderr.strip().splitlines()[-5:]))
+        return [Fact(n, False, f"the smoke process failed (exit {out.returncode}): "
+                     + " | ".join(out.stderr.strip().splitlines()[-5:]))
+                for n in STEP_FACTS["engine_smoke"]]
     smoke = json.loads(lines[-1][len("SMOKE "):])
     until = min(time.monotonic() + 30, deadline - 2)
     after = _free(entry)
@@ -661,9 +683,9 @@ def check_engine(entry: str, headroom: int, deadline: float) -> Fact:
         time.sleep(0.5)
         after = _free(entry)
     back = baseline - after <= BACK_TOLERANCE
-    return Fact("engine_smoke", bool(smoke["ok"]) and back,
-                f"{smoke['detail']}; NVML free {_gib(baseline)} before, {_gib(after)} after "
-                f"shutdown ({'back' if back else 'NOT back'})")
+    return [Fact("engine_smoke", bool(smoke["ok"]) and back,
+                 f"{smoke['detail']}; NVML free {_gib(baseline)} before, {_gib(after)} after "
+                 f"shutdown ({'back' if back else 'NOT back'})"), restart_s(smoke)]
 
 
 def run_one_step(name: str, a: argparse.Namespace) -> list[Fact]:
@@ -682,7 +704,7 @@ def run_one_step(name: str, a: argparse.Namespace) -> list[Fact]:
     if name == "request_cpu":
         return [check_request_cpu(a.requests, deadline, a.redis_server)]
     if name == "engine_smoke":
-        return [check_engine(entry, headroom, deadline)]
+        return check_engine(entry, headroom, deadline)
     raise ValueError(f"no step named {name!r} (one of {', '.join(STEP_LIMITS_S)})")
 
 
@@ -757,8 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     facts = run_steps(steps, a.budget - (time.monotonic() - started), env=env)
     if a.no_engine:
-        facts.append(Fact("engine_smoke", None, "--no-engine"))
-        print(facts[-1].line(), flush=True)
+        for n in STEP_FACTS["engine_smoke"]:
+            facts.append(Fact(n, None, "--no-engine"))
+            print(facts[-1].line(), flush=True)
     print(f"gpu_check: {len(facts)} facts, {sum(f.ok is False for f in facts)} FAIL, in "
           f"{time.monotonic() - started:.0f} s of a {a.budget:.0f} s budget", flush=True)
     return exit_status(facts)

@@ -10,10 +10,16 @@ adapter for it (random, written with safetensors: no peft), then runs Vigil's en
 the real vLLM engine as a worker does (its memory planner over NVML, its engine factory, its
 vLLM logging config): bfloat16 (the CUDA default), LoRA lanes on; one base request, one adapter
 request, then a 400-token request whose EngineCore is SIGKILLed mid-generation and which must
-finish on the recovered engine. Prints one `SMOKE {json}` line; exit 0 unless it crashed.
+finish on the recovered engine (`recovered_s`: bench/gpu_check.py's `restart_s` fact, with the
+same request's time on the warm engine beside it, `long_warm_s`). CUDA graphs are on, as on
+every GPU registry entry (app/requests/engine_defaults.py): their capture is in `start_s` and
+`recovered_s`. Where flashinfer is not importable, its engine runs with
+`VLLM_USE_FLASHINFER_SAMPLER=0` (vLLM 0.26's sampler imports flashinfer otherwise: issue 39).
+Prints one `SMOKE {json}` line; exit 0 unless it crashed.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -59,6 +65,19 @@ def build_adapter(model_dir: Path, dest: Path, rank: int = RANK, seed: int = 1) 
     return dest
 
 
+def sampler_env(find_spec=importlib.util.find_spec) -> dict:
+    """The environment the smoke's engine needs for vLLM's sampler: without flashinfer
+    importable, vLLM's own sampler (`VLLM_USE_FLASHINFER_SAMPLER=0`; an operator's setting
+    wins)."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ:
+        return {}
+    try:
+        found = find_spec("flashinfer") is not None
+    except (ImportError, ValueError):
+        found = False
+    return {} if found else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 def main() -> int:
     headroom = int(sys.argv[1])
     tmp = Path(tempfile.mkdtemp(prefix="vigil-gpu-smoke-"))
@@ -71,6 +90,8 @@ def main() -> int:
     from workers.engine.vllm_args import engine_env_defaults
 
     engine_env_defaults()
+    sampler = sampler_env()
+    os.environ.update(sampler)  # before the engine starts: its EngineCore inherits it
     model = build_tiny_llama(tmp / "model", hidden_size=HIDDEN)
     adapter = build_adapter(model, tmp / "adapter")
     device = worker_device()  # the card CUDA_VISIBLE_DEVICES names; the CPU where none is
@@ -78,7 +99,9 @@ def main() -> int:
                      memory_gib=2, kv_cache_floor_gib=0.25, max_loras=1, max_lora_rank=RANK,
                      # CUDA: bfloat16 by default; the CPU (a dry run of this script) float32
                      dtypes={"cpu": "float32"},
-                     engine_args={"enforce_eager": True, "max_model_len": 512, "seed": 0,
+                     # CUDA graphs on CUDA, as every GPU entry (their capture is in start_s
+                     # and restart_s); eager on the CPU (app/requests/engine_defaults.py)
+                     engine_args={"max_model_len": 512, "seed": 0,
                                   **({"gpu_memory_utilization": 0.3} if device[0] == "cuda"
                                      else {})})
     class Sized(HostEvents):  # every start sized to the card's free memory, as a worker's
@@ -93,12 +116,18 @@ def main() -> int:
         t0 = time.monotonic()
         base = host.generate(ask, spec, "smoke-base", 300)
         out["start_s"] = round(time.monotonic() - t0, 1)
+        t0 = time.monotonic()
         lora = host.generate(ask, spec, "smoke-lora", 300,
                              adapter=AdapterRef("gpu-check-adapter", str(adapter), "gpu-check"))
+        out["lora_s"] = round(time.monotonic() - t0, 2)  # the first adapter request
         out["base_tokens"], out["lora_tokens"] = len(base.token_ids), len(lora.token_ids)
         out["adapter_changed_tokens"] = base.token_ids != lora.token_ids
         long = GenerateRequest(model="gpu-check", prompt="tell me a long story", max_tokens=400,
                                temperature=0, ignore_eos=True)
+        out["long_asked"] = long.max_tokens
+        t0 = time.monotonic()
+        host.generate(long, spec, "smoke-long-warm", 600)
+        out["long_warm_s"] = round(time.monotonic() - t0, 2)
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(host.generate, long, spec, "smoke-long", 600)
             deadline = time.monotonic() + 60
@@ -120,6 +149,7 @@ def main() -> int:
           and out.get("killed", 0) >= 1 and out.get("long_tokens") == 400
           and out.get("restarts") == 1)
     out["device"] = device[0]
+    out["sampler_env"] = sampler
     detail = (f"{spec.dtype_on(device[0]) or 'auto'} + LoRA engine on {device[0]} started in {out.get('start_s')} s; base and adapter "
               f"requests {out.get('base_tokens')}/{out.get('lora_tokens')} tokens (adapter "
               f"{'changed' if out.get('adapter_changed_tokens') else 'did not change'} greedy "

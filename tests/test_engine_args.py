@@ -19,3 +19,21 @@ def test_a_registry_entry_that_names_an_executor_or_asks_for_devices_keeps_it():
     assert chooses_executor({"tensor_parallel_size": 2})
     assert chooses_executor({"pipeline_parallel_size": "2"})
     assert chooses_executor({"data_parallel_size": 4})
+
+
+def test_the_engines_distributed_init_is_on_loopback_unless_the_operator_says(monkeypatch):
+    # vLLM's own get_ip() is the witness: it is what its executor's rendezvous address uses
+    # (tcp://<get_ip()>:port in vLLM 0.26, whose reverse lookup cost 21-25 s per start on the
+    # H200 host; 0.32 rendezvous on a file store on one device, get_ip() elsewhere).
+    from vllm.utils.network_utils import get_ip, get_loopback_ip
+
+    from workers.engine.vllm_args import engine_env_defaults
+
+    for name in ("VLLM_HOST_IP", "VLLM_LOOPBACK_IP"):  # unset here, as they were after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    engine_env_defaults()
+    assert get_ip() == "127.0.0.1" and get_loopback_ip() == "127.0.0.1"
+    monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")  # an operator's choice wins
+    engine_env_defaults()
+    assert get_ip() == "10.1.2.3"

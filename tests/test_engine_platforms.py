@@ -47,6 +47,17 @@ def test_tiny_llama_is_float32_on_the_cpu_and_bfloat16_on_cuda():
     assert args["dtype"] == "bfloat16" and args["enable_lora"] is True
 
 
+def test_gpu_engines_capture_cuda_graphs_and_cpu_engines_run_eager():
+    # issue 39: no enforce_eager on a GPU entry unless it says so; the CPU stays eager.
+    spec = tiny()
+    assert "enforce_eager" not in engine_args(spec, cuda_plan(spec))
+    assert engine_args(spec, platform="cpu")["enforce_eager"] is True
+    own = ModelSpec(name="m", memory_gib=16, engine_args={"enforce_eager": True})
+    assert engine_args(own, cuda_plan(own))["enforce_eager"] is True  # debugging: its own
+    compiled = ModelSpec(name="m", engine_args={"enforce_eager": False})
+    assert engine_args(compiled, platform="cpu")["enforce_eager"] is False
+
+
 def test_an_entrys_own_dtype_wins_on_every_platform_or_per_platform():
     every = ModelSpec(name="a", engine_args={"dtype": "float16"})
     assert every.dtype_on("cuda") == every.dtype_on("cpu") == "float16"

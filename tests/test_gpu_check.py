@@ -327,3 +327,29 @@ def test_two_tensor_parallel_ranks_are_held_against_the_headroom():
     assert not bad.ok and "VIGIL_GPU_HEADROOM_MIB on tensor-parallel workers to at least " \
         "1344" in bad.detail
     assert not tp_context_cost({}, 1024 * MiB).ok
+
+
+def test_the_restart_fact_holds_the_smokes_recovery_against_the_goal():
+    # issue 39: SIGKILL of EngineCore -> the killed request finished, <= 10 s on one GPU.
+    from bench.gpu_check import RESTART_GOAL_S, STEP_FACTS, restart_s
+
+    assert RESTART_GOAL_S == 10.0 and STEP_FACTS["engine_smoke"] == ("engine_smoke", "restart_s")
+    smoke = {"killed": 1, "recovered_s": 6.4, "long_tokens": 400, "long_asked": 400,
+             "long_warm_s": 0.9, "start_s": 41.0, "lora_s": 0.2}
+    fact = restart_s(smoke)
+    assert fact.ok is True and fact.name == "restart_s"
+    assert fact.detail.startswith("6.4 s from SIGKILL of EngineCore to the 400-token request")
+    assert "goal <= 10 s" in fact.detail and "first start 41.0 s" in fact.detail
+    assert restart_s({**smoke, "recovered_s": 30.7}).ok is False  # the H200's, on vLLM 0.26
+    assert restart_s({**smoke, "long_tokens": 399}).ok is False  # tokens lost
+    assert restart_s({"killed": 0}).ok is False
+
+
+def test_the_smoke_turns_flashinfers_sampler_off_only_without_flashinfer(monkeypatch):
+    from bench.gpu_engine_smoke import sampler_env
+
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    assert sampler_env(lambda name: None) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert sampler_env(lambda name: object()) == {}
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # an operator's choice wins
+    assert sampler_env(lambda name: None) == {}

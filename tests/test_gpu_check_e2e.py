@@ -1,7 +1,7 @@
 """Worker tier: bench/gpu_check.py's real-engine smoke (bench/gpu_engine_smoke.py) as a dry run on
 the CPU build of vLLM: the model and adapter built here, Vigil's engine host with the real engine,
 a base and an adapter request, EngineCore SIGKILLed under a 400-token request that must finish
-on the recovered engine. On a GPU host the same script runs bfloat16 on the card; here it runs
+on the recovered engine, timed as the GPU check's `restart_s` fact reads it. On a GPU host the same script runs bfloat16 on the card; here it runs
 float32 (no GPU: the CUDA kernels are what this cannot check)."""
 from __future__ import annotations
 
@@ -39,3 +39,12 @@ def test_the_engine_smoke_passes_on_the_cpu_build(tmp_path):
     assert smoke["device"] == "cpu"
     assert smoke["ok"], smoke
     assert smoke["killed"] >= 1 and smoke["restarts"] == 1 and smoke["long_tokens"] == 400
+    # the restart_s fact, from the smoke's own figures (its bound is a GPU's: not held here)
+    from bench.gpu_check import restart_s
+
+    fact = restart_s(smoke)
+    assert fact.name == "restart_s" and fact.ok is not None
+    assert fact.detail.startswith(f"{smoke['recovered_s']:.1f} s from SIGKILL of EngineCore")
+    assert smoke["long_warm_s"] > 0 and smoke["lora_s"] > 0
+    # no flashinfer in the CPU build: the smoke's engine runs vLLM's own sampler
+    assert smoke["sampler_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}

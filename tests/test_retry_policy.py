@@ -12,8 +12,9 @@ import pytest
 
 from app import errors
 from app.errors import RequestError, TerminalError, TransientError, WorkerFatalError
-from app.retry_policy import (MEMORY_RETRY_MAX_S, NEVER_RETRIED, RETRIED, Attempted, End, Limits,
-                              OutagePolicy, Retry, backoff, decide, may_preempt, rule_for)
+from app.retry_policy import (MEMORY_RETRY_MAX_S, NEVER_RETRIED, RETRIED, RETRY_HERE,
+                              RETRY_HERE_PAUSE_S, Attempted, End, Limits, OutagePolicy, Retry,
+                              backoff, decide, may_preempt, retry_here, rule_for)
 from app.settings import load_settings
 
 LIMITS = Limits(max_attempts=3, memory_pressure_window=300.0, retry_backoff=2.0,
@@ -43,6 +44,8 @@ TABLE = {
     "preempted": (TransientError, True, True, False, None),
     "drained": (TransientError, True, True, False, None),
     "engine_error": (TransientError, True, False, True, None),
+    "generation_failed": (TransientError, True, True, True, None),
+    "retry_requested": (TransientError, True, False, True, None),
     "structured_output_invalid": (TransientError, True, True, True, None),
     "cuda_context_lost": (WorkerFatalError, True, True, True, None),
     "repeated_engine_death": (WorkerFatalError, True, True, True, None),
@@ -186,3 +189,16 @@ def test_the_outage_policy_rides_out_its_grace_in_doubling_pauses():
     kombu = p.kombu()
     assert kombu["max_retries"] == 62 and kombu["interval_max"] == 2.0
     assert OutagePolicy(0).kombu()["max_retries"] == 2
+
+
+@pytest.mark.parametrize("code", sorted(TABLE))
+def test_only_a_retry_vllm_asked_for_is_run_again_here_first(code):
+    """`retry_here`: retry_requested re-runs on the worker's own engine RETRY_HERE times, after
+    doubling pauses, before it leaves for `decide`; every other code leaves at once."""
+    e = TABLE[code][0].of(code, "x")
+    pauses = [retry_here(e, n) for n in range(RETRY_HERE + 2)]
+    if code != "retry_requested":
+        assert pauses == [None] * (RETRY_HERE + 2)
+        return
+    assert pauses[:RETRY_HERE] == [RETRY_HERE_PAUSE_S * 2 ** n for n in range(RETRY_HERE)]
+    assert pauses[RETRY_HERE:] == [None, None]

@@ -10,6 +10,13 @@ tests run tiny-llama there). `vigil worker` raises its concurrency to the larges
 `max_num_seqs` of the pools it serves (`worker_concurrency`): with fewer task threads than the
 engine's sequences its batch never runs full.
 
+Compilation: on the CPU, eager (`enforce_eager`) unless the entry says otherwise: torch.compile
+costs ~10 s of every engine start on 2 cores (measured with tiny-llama) and the CPU has no CUDA
+graphs to capture. On CUDA, vLLM's own default: torch.compile and CUDA graphs, which are much of
+a GPU engine's speed; their compile is cached on disk (`VLLM_CACHE_ROOT`, the images' volume:
+docker/README.md) and their capture is paid at every engine start, restarts included (measured by
+bench/gpu_check.py's engine smoke: `start_s`, `restart_s`).
+
 dtype: on CUDA, bfloat16 unless the entry says otherwise (vLLM's CUDA LoRA kernels accept
 float16 and bfloat16 only: `lora_shrink` asserts, killing EngineCore at the first adapter
 request); on the CPU, vLLM's own choice unless the entry says.
@@ -34,6 +41,12 @@ def batch_defaults(platform: str, card_total: int | None = None, card_name: str 
     if total >= 70 * GiB and "a100" not in card_name.lower():
         return {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
     return {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def compile_defaults(platform: str) -> dict:
+    """The engine args of compilation on `platform` where the registry entry does not say:
+    eager on the CPU, vLLM's torch.compile and CUDA graphs on CUDA (module docstring)."""
+    return {} if platform == "cuda" else {"enforce_eager": True}
 
 
 def default_dtype(platform: str) -> str | None:

@@ -121,9 +121,9 @@ def _builtins(settings: VigilSettings) -> list[ModelSpec]:
             memory_gib=2.0,
             kv_cache_gib=1.0,
             kv_cache_floor_gib=0.25,
-            # enforce_eager: torch.compile costs ~10 s per engine start on 2 cores and buys a
-            # tiny model nothing.
-            engine_args={"max_model_len": TINY_MAX_POSITIONS, "enforce_eager": True, "seed": 0,
+            # Eager on the CPU, CUDA graphs on a GPU: the platform's default
+            # (app/requests/engine_defaults.py `compile_defaults`).
+            engine_args={"max_model_len": TINY_MAX_POSITIONS, "seed": 0,
                          # Its random weights pick the whitespace a JSON grammar allows between
                          # tokens for ever; compact JSON leaves them none (docs/field-notes.md).
                          "structured_outputs_config": {"backend": "xgrammar",

@@ -7,6 +7,9 @@ Rules kept here, on the host's loop under its condition (workers/engine/host_sta
   evicts it and loads the new one (workers/engine/slot.py);
 - **one lane at a time**: the same for the lanes (workers/engine/lora.py: adapter requests,
   requests naming logprob_token_ids), without evicting anything;
+- **a fresh engine is warmed** before its first admission (its LoRA lane on CUDA: the engine
+  slot's `warm_up`); a restart after a death is not (the recovery's canary runs the base lane,
+  and the kernels a first start compiled load from Triton's disk cache);
 - **a failed load is shared**: a request that waited for a load that failed fails with that
   error;
 - **suspects first**: while a recovery runs (workers/engine/recovery.py), new requests wait;
@@ -81,6 +84,7 @@ class Admission:
                 except WorkerFatalError as e:  # its requests go back untouched; it leaves
                     self._recovery.go_fatal(e)
                     continue
+                await self._slot.warm_up(spec)  # its LoRA lane, before any request enters
                 if st.engine.dead:  # dead on arrival: a death like any other
                     self._recovery.note_death(st.engine, RuntimeError(
                         "the engine was dead as soon as it had started"))

@@ -5,16 +5,26 @@ are the request's fault (never retried); a dead engine or an allocation failure 
 (retried, bounded); a lost device context is the worker's. Anything unrecognised is treated as
 transient: retrying an unknown failure a bounded number of times is cheaper than failing a good
 request forever (a retryable signal is never turned permanent by a broad except).
+
+vLLM's own failure types are read by name, each on its own (`vllm_failure_types`): whichever a
+vLLM version lacks is left out, never the others; the worker logs which it recognises at its
+first engine start (`log_recognised`, workers/engine/kinds.py).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
 
 from app.errors import (ALLOCATION_FAILED, CUDA_CONTEXT_LOST, ENGINE_ERROR, ENGINE_RESTARTING,
-                        INVALID_MODEL_CONFIG, INVALID_REQUEST, MEMORY_PRESSURE, MODEL_NOT_FOUND,
-                        PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError,
-                        VigilError, WorkerFatalError)
+                        GENERATION_FAILED, INVALID_MODEL_CONFIG, INVALID_REQUEST,
+                        MEMORY_PRESSURE, MODEL_NOT_FOUND, PROMPT_TOO_LONG, RETRY_REQUESTED,
+                        TOKEN_OUT_OF_VOCAB, WEDGED, RequestError, TransientError, VigilError,
+                        WorkerFatalError)
 
 # Texts of a CUDA fault that leaves the device context unusable (torch's "CUDA error: ..."
 # messages, raised as torch.AcceleratorError since torch 2.8; Triton's and the driver API's; NCCL
@@ -36,13 +46,74 @@ _START_MEMORY = ("on startup is less than",)
 _PROFILING = ("error in memory profiling",)
 
 
-def _vllm_types():
+# Every vLLM failure type Vigil reads, by its role: (module, name). Each is imported on its own
+# (`vllm_failure_types`), so a name that one vLLM version lacks never loses the others: vLLM
+# 0.26 has no VLLMClientError, and one import statement for all four lost every one of them
+# there (docs/field-notes.md, "vLLM versions"). GenerationError and RetryableRequestError: a
+# request that vLLM ended with an error of its own (vllm/outputs.py `RequestError`), raised by
+# AsyncLLM.generate from vLLM 0.33 (0.32 defines both but raises neither there).
+VLLM_FAILURES: dict[str, tuple[str, str]] = {
+    "validation": ("vllm.exceptions", "VLLMValidationError"),
+    "refused": ("vllm.exceptions", "VLLMClientError"),
+    "dead": ("vllm.v1.engine.exceptions", "EngineDeadError"),
+    "generate": ("vllm.v1.engine.exceptions", "EngineGenerateError"),
+    "retryable": ("vllm.exceptions", "RetryableRequestError"),
+    "generation": ("vllm.exceptions", "GenerationError"),
+}
+
+log = logging.getLogger("vigil.engine")
+
+
+@dataclass(frozen=True)
+class VllmFailures:
+    """The vLLM failure types this process's vLLM has, by role (VLLM_FAILURES); an empty tuple
+    for a role whose type it lacks (an older vLLM, or none installed: a producer)."""
+
+    validation: tuple = ()
+    refused: tuple = ()
+    dead: tuple = ()
+    generate: tuple = ()
+    retryable: tuple = ()
+    generation: tuple = ()
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """(the names recognised, the names this vLLM lacks), in VLLM_FAILURES' order."""
+        have = [n for role, (_, n) in VLLM_FAILURES.items() if getattr(self, role)]
+        lack = [n for role, (_, n) in VLLM_FAILURES.items() if not getattr(self, role)]
+        return have, lack
+
+
+def _vllm_type(module: str, name: str) -> tuple:
+    """(the exception class `module.name`,), or () when the module or the name is missing."""
     try:
-        from vllm.exceptions import VLLMClientError, VLLMValidationError
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+        found = getattr(importlib.import_module(module), name, None)
     except ImportError:  # a producer-only install: no engine errors can occur there
-        return (), (), (), ()
-    return (VLLMValidationError,), (VLLMClientError,), (EngineDeadError,), (EngineGenerateError,)
+        return ()
+    return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_failure_types() -> VllmFailures:
+    """The vLLM failure types this process recognises, each imported on its own; read once (a
+    test that installs a stand-in vLLM calls `vllm_failure_types.cache_clear()`)."""
+    return VllmFailures(**{role: _vllm_type(*where) for role, where in VLLM_FAILURES.items()})
+
+
+def describe_recognised() -> str:
+    """One line naming vLLM's version and the failure types recognised and lacking."""
+    have, lack = vllm_failure_types().names()
+    ver = getattr(sys.modules.get("vllm"), "__version__", None) or "unknown"
+    return (f"vLLM {ver}: recognised failure types {', '.join(have) or 'none'}"
+            + (f"; not in this vLLM: {', '.join(lack)}" if lack else ""))
+
+
+@functools.lru_cache(maxsize=1)
+def log_recognised() -> str:
+    """Log `describe_recognised()` once per process (at its first engine start: vLLM is
+    imported then anyway); returns the line."""
+    line = describe_recognised()
+    log.info("%s", line)
+    return line
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:
@@ -54,30 +125,38 @@ def classify(exc: BaseException) -> VigilError:
     """Map an engine-side exception to Vigil's taxonomy. Pure: no side effects."""
     if isinstance(exc, VigilError):
         return exc
-    validation, client, dead, generate = _vllm_types()
+    vt = vllm_failure_types()
     msg = _short(exc)
     low = msg.lower()
-    if validation and isinstance(exc, validation):
+    if vt.validation and isinstance(exc, vt.validation):
         if ("maximum context length" in low or "maximum model length" in low
                 or "max_model_len" in low):
             return RequestError.of(PROMPT_TOO_LONG, msg)
         if "out of vocabulary" in low:
             return RequestError.of(TOKEN_OUT_OF_VOCAB, msg)
         return RequestError.of(INVALID_REQUEST, msg)
-    if client and isinstance(exc, client):
+    if vt.refused and isinstance(exc, vt.refused):
         return RequestError.of(INVALID_REQUEST, msg)
     if any(s in low for s in _CUDA_OOM):
         return TransientError.of(ALLOCATION_FAILED, msg)
     if any(s in low for s in _CUDA_FATAL):
         return WorkerFatalError.of(CUDA_CONTEXT_LOST, msg)
-    if dead and isinstance(exc, dead):
+    if vt.dead and isinstance(exc, vt.dead):
         return TransientError.of(ENGINE_RESTARTING, "the engine died while serving this request; "
                                  "it is being restarted")
+    # vLLM 0.33: a request vLLM ended with an error of its own, its engine healthy. Retryable
+    # (a paused engine, a cache miss): this engine takes it again shortly (app/retry_policy.py
+    # `retry_here`); any other: another worker may serve it (at once, through the queue).
+    if vt.retryable and isinstance(exc, vt.retryable):
+        return TransientError.of(RETRY_REQUESTED, f"vLLM asked for a retry: {msg}")
+    if vt.generation and isinstance(exc, vt.generation):
+        return TransientError.of(GENERATION_FAILED, f"vLLM ended the request with an error: "
+                                 f"{msg}")
     if isinstance(exc, (asyncio.TimeoutError, concurrent.futures.TimeoutError, TimeoutError)):
         return TransientError.of(WEDGED, "no answer from the engine within the request timeout")
     if isinstance(exc, MemoryError) or "out of memory" in low:
         return TransientError.of(ALLOCATION_FAILED, msg)
-    if generate and isinstance(exc, generate):
+    if vt.generate and isinstance(exc, vt.generate):
         cause = exc.__cause__ or exc
         return TransientError.of(ENGINE_ERROR, _short(cause))
     return TransientError.of(ENGINE_ERROR, f"{type(exc).__name__}: {msg}")
@@ -143,7 +222,7 @@ def death_cause(engine) -> VigilError | None:
 
 def is_engine_dead(exc: BaseException) -> bool:
     """True when `exc` means the engine can serve nothing more and must be rebuilt."""
-    _, _, dead, _ = _vllm_types()
+    dead = vllm_failure_types().dead
     return bool(dead) and isinstance(exc, dead)
 
 

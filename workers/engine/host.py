@@ -304,8 +304,8 @@ class EngineHost:
 
     # -- one request, on the loop ---------------------------------------------------------------
     async def _generate(self, t: Ticket, spec: ModelSpec, arrived: float) -> EngineOutput:
-        engine = await self._admission.acquire(spec, arrived,
-                                               lane_of(spec, t.adapter, t.req, t.rid))
+        lane = lane_of(spec, t.adapter, t.req, t.rid)
+        engine = await self._admission.acquire(spec, arrived, lane)
         self._tiers.join(t)
         if t.urgent:
             self._tiers.preempt_for(t, engine)
@@ -322,6 +322,9 @@ class EngineHost:
                 if outcome == "error":
                     if isinstance(value, WorkerFatalError):
                         self._recovery.go_fatal(value)
+                    elif await self._recovery.rerun_here(t, value):  # vLLM asked for a retry
+                        engine = await self._admission.acquire(spec, self._st.clock(), lane)
+                        continue
                     raise value
                 engine = await self._recovery.await_turn(t)  # died: the recovery's verdict
         finally:

@@ -8,6 +8,7 @@ from typing import Callable
 
 from app.core_log import CoreLog
 from app.drills import Drill
+from workers.engine.classify import log_recognised
 from workers.engine.drill import DrillEngine
 from workers.engine.instant import InstantEngine
 from workers.engine.vllm import VllmEngine
@@ -57,6 +58,7 @@ def with_core_log(build: Callable) -> Callable:
             raise
         if log is not None:
             engine.core_log = (log, mark)
+        log_recognised()  # once per process: which of vLLM's failure types this worker reads
         return engine
 
     return start

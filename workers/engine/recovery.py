@@ -17,6 +17,7 @@ import logging
 from app.errors import REPEATED_ENGINE_DEATH, VigilError, WorkerFatalError
 from app.request_ids import canary_id
 from app.requests.models import ModelSpec
+from app.retry_policy import retry_here, rule_for
 from workers.engine.host_state import HostState
 from workers.engine.slot import EngineSlot
 from workers.engine.suspects import (CANARY_TIMEOUT_S, canary_request, death_signature, judge,
@@ -78,6 +79,20 @@ class Recovery:
             if t.granted is None:
                 raise self.fresh_fatal()
             return t.granted
+
+    # -- an error the engine asked to retry -------------------------------------------------------
+    async def rerun_here(self, t: Ticket, error: VigilError) -> bool:
+        """Whether `t` runs again on this worker's engine after `error` (the retry decision's
+        `retry_here`: vLLM asked for a retry), once its pause has passed; False when the error
+        leaves the worker (or the worker is leaving). `t` holds no engine slot meanwhile."""
+        pause = retry_here(error, t.reruns_here)
+        if pause is None or self._st.fatal is not None or t.gone:
+            return False
+        t.reruns_here += 1
+        log.info("request %s: %s; running it again on this engine in %.1f s (re-run %d of "
+                 "%d)", t.rid, error, pause, t.reruns_here, rule_for(error).here)
+        await asyncio.sleep(pause)
+        return True
 
     # -- the worker's end ---------------------------------------------------------------------------
     def fresh_fatal(self) -> WorkerFatalError:

@@ -9,7 +9,10 @@ Rules kept here, on the host's loop under its condition (workers/engine/host_sta
   fails with that error, instead of each one retrying an 18 s engine start in turn;
 - **a start that fails for a model another worker serves** is this worker's fault
   (`engine_start_failed`: it leaves), not the model's;
-- **an engine idle** for `idle_cleanup` seconds is shut down (0 keeps it forever).
+- **an engine idle** for `idle_cleanup` seconds is shut down (0 keeps it forever);
+- **a fresh engine that serves adapters on CUDA** runs its LoRA lane once before it admits
+  anything (`warm_up`, workers/engine/warm_up.py): no user's first adapter request compiles the
+  kernels.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
 from workers.engine.host_state import HostState
 from workers.engine.memory import MemoryPlan
+from workers.engine.warm_up import warm_lanes, warms_lora
 
 log = logging.getLogger("vigil.engine")
 
@@ -39,6 +43,7 @@ class EngineSlot:
         self.shutdown_timeout = shutdown_timeout
         self._engine_start_timeout = engine_start_timeout
         self._start_took: dict[str, float] = {}  # model -> seconds its last start took
+        self._platform = "cpu"  # where the last load ran (its memory plan's device)
 
     def start_bound(self, spec: ModelSpec) -> float:
         """How long an engine start of `spec` may take: the engine start timeout, or twice the
@@ -68,6 +73,7 @@ class EngineSlot:
                 log.info("loading engine for model %s (%s)", spec.name, plan.describe())
             else:
                 log.info("loading engine for model %s", spec.name)
+            self._platform = plan.probe.device if plan is not None else "cpu"
             st.engine = self.factory(spec, plan)
         except BaseException as e:
             err = classify_load_failure(e, plan,
@@ -92,6 +98,17 @@ class EngineSlot:
         log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
                  self._start_took[spec.name], st.stats.loads)
         st.events.changed()
+
+    async def warm_up(self, spec: ModelSpec) -> dict:
+        """Warm the engine just loaded for `spec` (its LoRA lane, where the kernels compile at
+        first use: workers/engine/warm_up.py) before it admits anything; its parts' seconds, or
+        {} when it has nothing to warm. Called on the loop under the condition, so that no
+        request enters the engine meanwhile."""
+        eng = self._st.engine
+        if eng is None or getattr(eng, "dead", False) or not warms_lora(spec, self._platform) \
+                or not hasattr(eng, "add_adapter"):
+            return {}
+        return await warm_lanes(eng, spec)
 
     def shutdown_engine(self, reason: str) -> None:
         """Shut the engine down now (its processes exit); with a `reason` it counts as an

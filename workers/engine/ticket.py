@@ -16,6 +16,7 @@ class Ticket:
     rid: str
     runs: int = 0
     solo_deaths: int = 0
+    reruns_here: int = 0  # runs again on this engine because vLLM asked (retry_policy.retry_here)
     last: str = ""  # outcome of the last run: ok / error / died / cancelled
     in_recovery: bool = False  # owned by the recovery plan (not a fresh suspect)
     granted: object = None  # the engine the recovery handed this ticket for its next run

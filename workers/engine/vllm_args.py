@@ -8,16 +8,19 @@ from __future__ import annotations
 import os
 
 from app.errors import INVALID_MODEL_CONFIG, RequestError
-from app.requests.engine_defaults import batch_defaults
+from app.requests.engine_defaults import batch_defaults, compile_defaults
 from app.requests.models import ModelSpec
 from workers.engine.memory import MemoryPlan
 
 # The scheduling policy of every engine whose registry entry names none.
 SCHEDULING_POLICY = "priority"
+# Where an engine's processes meet (torch's distributed rendezvous): this host.
+LOOPBACK = "127.0.0.1"
 
 
 def engine_env_defaults() -> None:
-    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size.
+    """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size,
+    distributed init on loopback.
 
     Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
     """
@@ -31,6 +34,14 @@ def engine_env_defaults() -> None:
     # shared-memory queue behind (docs/failure-modes.md, "Kills under load"). 20 s stays inside
     # the engine host's 30 s shutdown budget (workers/engine/host.py).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")
+    # Torch's distributed init on loopback: a Vigil engine never spans hosts (a worker's cards,
+    # tensor-parallel ones too, are all on its host), and vLLM otherwise rendezvous on the
+    # address of its default route (`get_ip()`), whose reverse lookup c10d makes at every start
+    # ("The hostname of the client socket cannot be retrieved"): 21-25 s of each engine start on
+    # the H200 host, where that lookup waited for a DNS timeout (docs/field-notes.md, "vLLM on
+    # a GPU"). vLLM reads VLLM_HOST_IP first; VLLM_LOOPBACK_IP is its loopback choice.
+    os.environ.setdefault("VLLM_HOST_IP", LOOPBACK)
+    os.environ.setdefault("VLLM_LOOPBACK_IP", LOOPBACK)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -47,8 +58,9 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     `structured_outputs_config` (a JSON object there) becomes vLLM's config object.
 
     Per platform (`platform`: the plan's device, else vLLM's current platform): the model's
-    dtype there (`ModelSpec.dtype_on`) and the batch defaults of app/requests/engine_defaults.py
-    under what the registry says; on CUDA, one tensor-parallel rank per card of the worker (the
+    dtype there (`ModelSpec.dtype_on`), and the batch and compilation defaults of
+    app/requests/engine_defaults.py under what the registry says (eager on the CPU, CUDA graphs
+    on CUDA); on CUDA, one tensor-parallel rank per card of the worker (the
     plan's probe). vLLM's "priority" scheduling policy, so its waiting requests go by tier.
     Refuses, as `invalid_model_config`, an entry that cannot run here (float32
     with LoRA on CUDA) and a `tensor_parallel_size` other than the worker's number of cards."""
@@ -65,8 +77,9 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
         raise RequestError.of(INVALID_MODEL_CONFIG, problem)
     cards = plan.probe.cards if plan is not None else ()
     small = min(cards, key=lambda c: c.total) if cards else None
-    defaults = batch_defaults(platform, small.total if small else None,
-                              small.name if small else "")
+    defaults = {**compile_defaults(platform),
+                **batch_defaults(platform, small.total if small else None,
+                                 small.name if small else "")}
     if cards:
         # The last guard: a GPU worker leaves such pools out at start and the reconcile never
         # lends them to it (ModelRegistry.split_by_cards, app/fleet/reconcile.py `fits`).
