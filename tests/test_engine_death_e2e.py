@@ -29,8 +29,13 @@ DRILL_QUEUE = pool_queue(DRILL_MODEL)
 def drill_worker(redis_server, tmp_path_factory):
     """A worker serving tiny-llama-drill on the drill engine: the real engine, where a prompt
     holding POISON-PILL kills EngineCore once it is in the batch."""
+    # Steps slowed (10 ms each, inside EngineCore: logits untouched): the poison test's 200-token
+    # innocents must still be generating when its check sees them all running; unslowed, on
+    # a quiet moment, all 32 ran to their end first and the check waited in vain (1 run in 3
+    # since the batch gate, which lets no request wait in vLLM's queue).
     w = RunningWorker(redis_server, "drill@testhost", tmp_path_factory.mktemp("drill"),
-                      pools=DRILL_MODEL, VIGIL_ENGINE="drill", VIGIL_DRILL=f"poison={POISON}")
+                      pools=DRILL_MODEL, VIGIL_ENGINE="drill",
+                      VIGIL_DRILL=f"poison={POISON},slow_step=0.01")
     try:
         w.wait_engine()
         yield w
