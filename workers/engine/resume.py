@@ -74,8 +74,12 @@ class Seam:
     """The text of a resumed run, decoded here token by token (module docstring)."""
 
     def __init__(self, cp: Checkpoint, stops: list[str] | None, decoder: DecoderFactory,
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         self._step = decoder(list(cp.prompt_ids or ()))
+        # vLLM checks stop strings only in the text of the tokens past `min_tokens`, counted
+        # over the whole generation: the checkpoint's tokens count.
+        self._made = cp.tokens
+        self._min_tokens = min_tokens
         self.text = "".join(self._step(t) or "" for t in cp.token_ids)  # all generated text
         if not self.text.startswith(cp.text):
             raise ValueError("the stream's text is not the decoding of its tokens")
@@ -86,15 +90,20 @@ class Seam:
         self._hold = 0 if include_stop else max((len(s) for s in self._stops), default=1) - 1
         self.new_tokens = 0
 
-    def feed(self, token_ids: list[int]) -> tuple[str, Cut | None]:
+    def feed(self, token_ids: list[int], stop_terminated: bool = False) -> tuple[str, Cut | None]:
         """The next generated tokens: returns the text to release with them ('' while it is
-        held back) and, when a stop string ends within them, where the run ends."""
-        for t in token_ids:
-            piece = self._step(t) or ""
+        held back) and, when a stop string ends within them, where the run ends.
+        `stop_terminated`: the last of them is the stop token (EOS or one of `stop_token_ids`)
+        that ended the run; as vLLM's detokenizer, its text is left out unless the request
+        includes the stop in its output."""
+        last = len(token_ids) - 1
+        for i, t in enumerate(token_ids):
+            skip = stop_terminated and i == last and not self._include
+            piece = "" if skip else (self._step(t) or "")
             old = len(self.text)
             self.text += piece
             self.new_tokens += 1
-            if piece and self._stops:
+            if piece and self._stops and self._made + self.new_tokens > self._min_tokens:
                 stop = self._stop_in(old)
                 if stop is not None:
                     end = stop[0] + (len(stop[1]) if self._include else 0)

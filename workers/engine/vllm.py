@@ -180,8 +180,8 @@ class VllmEngine:
         if not why:
             try:
                 dec = fast_decoder(self._llm.tokenizer, req.skip_special_tokens)
-                return cp, [Seam(cp.sample(i), req.stop, dec, req.include_stop_str_in_output)
-                            for i in range(req.n)]
+                return cp, [Seam(cp.sample(i), req.stop, dec, req.include_stop_str_in_output,
+                                 req.min_tokens) for i in range(req.n)]
             except ValueError as e:
                 why = str(e)
             except Exception as e:  # a tokenizer `tokenizers` cannot step (not a fast one)
@@ -269,8 +269,8 @@ class VllmEngine:
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]
             ids, finish = list(comp.token_ids), comp.finish_reason
-            if run.cut is None:
-                run.cut = run.seam.feed(ids[run.fed:])[1]
+            if run.cut is None:  # "stop" here is a stop token: the engine has no stop strings
+                run.cut = run.seam.feed(ids[run.fed:], stop_terminated=finish == "stop")[1]
             if wants and comp.logprobs is not None:
                 lps_new = run.convert(index, ids, list(comp.logprobs), [])
         else:
