@@ -13,7 +13,8 @@ the whole generated text (a stop string may begin in text the first engine still
 end in the new tokens), the text released to readers held back by the longest stop string less
 one character, as vLLM holds it back.
 
-`refusal` says when a checkpoint must not be continued (the run restarts from the prompt).
+`refusal` says when a checkpoint must not be continued (the run restarts from the prompt);
+`resumable` which requests a cut and a resume leave as they would have been unbroken.
 """
 from __future__ import annotations
 
@@ -27,22 +28,50 @@ from app.state.streams import Checkpoint
 # token adds (None or "" while a character is incomplete), as vLLM's incremental detokenizer.
 Decoder = Callable[[int], "str | None"]
 DecoderFactory = Callable[[list[int]], Decoder]
+# A temperature below this samples greedily (vLLM's sampler: _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
-def unsound(req: GenerateRequest) -> str:
-    """Why no checkpoint of `req` may be continued, whatever it holds ('' when one may): what
-    the engine would do differently with the tokens so far given as prompt (docs/api.md,
-    "Resume", has the table of every field)."""
-    if req.structured is not None:
-        return ("structured outputs: the grammar's state at the cut cannot be given back "
-                "through a prompt")
-    if req.presence_penalty or req.frequency_penalty:
-        return ("presence/frequency penalties count the generated tokens only, and a resumed "
-                "run's are its prompt")
-    if req.bad_words:
-        return ("bad_words look back at the generated tokens only: a word split across the "
-                "seam would be missed")
+def unsound(req: GenerateRequest, grammar_resumes: bool = True) -> str:
+    """Why no checkpoint of `req` may be continued on an engine, whatever it holds ('' when
+    one may). Every request kind continues (docs/api.md, "Resume", has the table of every
+    field): structured outputs with their grammar advanced over the prefix in EngineCore
+    (workers/engine/resume_grammar.py), which needs an engine whose EngineCore builds Vigil's
+    logits processors (`grammar_resumes`); penalties and bad words over the whole generation
+    (workers/engine/resume_steps.py)."""
+    if req.structured is not None and not grammar_resumes:
+        return ("structured outputs: this engine's model runs in processes of its own, and "
+                "its EngineCore, where the grammar is, does not advance it over the prefix")
     return ""
+
+
+def grammar_resumes(vllm_config) -> bool:
+    """Whether an engine of `vllm_config` advances a continuing run's grammar over its prefix:
+    its model runs in EngineCore (vLLM's in-process executor: the layout Vigil asks for on the
+    CPU, vLLM's own with one GPU), so EngineCore builds the logits processor that installs
+    the hook (workers/engine/resume_steps.py, resume_grammar.py)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    return backend == "uni" or (isinstance(backend, type) and issubclass(backend, UniProcExecutor))
+
+
+def inexact(req: GenerateRequest) -> str:
+    """Why a resumed `req` may not equal the run it would have been unbroken ('' when it
+    does): a seeded sampled request is reproducible unbroken, but its continuation is seeded
+    again (vLLM's per-request random generator cannot be restored to where the cut left it),
+    so its output would depend on where it was cut. Greedy requests (and top_k=1) resume
+    exactly; unseeded sampled ones have no reproducible twin to equal, and continue validly."""
+    if req.temperature >= GREEDY_BELOW and req.seed is not None and req.top_k != 1:
+        return ("seeded sampling: the continuation is seeded again, so the output would depend "
+                "on where the run was cut")
+    return ""
+
+
+def resumable(req: GenerateRequest) -> bool:
+    """True when `req` may be cut and resumed without changing its result (`inexact` is ''):
+    what preemption and drain victim selection asks before choosing a run to stop."""
+    return not inexact(req)
 
 
 def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,

@@ -20,7 +20,8 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
-from workers.engine.resume import Seam, fast_decoder, logprob_decoder, refusal, unsound
+from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
+                                   unsound)
 from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
@@ -79,13 +80,19 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = {**engine_args(spec, plan), **(extra_args or {})}
+        args = engine_args(spec, plan)
+        extra = dict(extra_args or {})
+        if "logits_processors" in extra:  # the recipe's processors stay, the extra ones after
+            extra["logits_processors"] = [*args.get("logits_processors", ()),
+                                          *extra["logits_processors"]]
+        args = {**args, **extra}
         self.spec = spec
         self._llm = None
         self._watch: StreamWatch | None = None  # made by the first streamed run
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
 
     @property
@@ -172,7 +179,7 @@ class VllmEngine:
         cp = tap.resume_point()
         if cp is None:
             return None, None
-        why = unsound(req)
+        why = unsound(req, self.grammar_resumes)
         for i in range(req.n):
             why = why or refusal(cp.sample(i), max_tokens=req.max_tokens,
                                  max_model_len=self.max_model_len,
@@ -269,6 +276,9 @@ class VllmEngine:
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]
             ids, finish = list(comp.token_ids), comp.finish_reason
+            if finish == "error":  # e.g. its grammar refused the prefix (resume_grammar.py)
+                raise RuntimeError(f"the engine failed the run continuing sample {index} "
+                                   f"from its {c.tokens} tokens")
             if run.cut is None:  # "stop" here is a stop token: the engine has no stop strings
                 run.cut = run.seam.feed(ids[run.fed:], stop_terminated=finish == "stop")[1]
             if wants and comp.logprobs is not None:
