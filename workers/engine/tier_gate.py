@@ -58,7 +58,8 @@ class TierGate:
         (workers/engine/vllm_args.py) gives the freed slot to the interactive request, not to
         an older default one waiting there. Its tokens so far are read into its tap first
         (nothing is lost), then its run is cancelled with reason PREEMPTED: its caller hands it
-        back to resume from them."""
+        back to resume from them. An engine that can (`yield_run`: vllm.py) pauses first, so
+        nothing is made between the read and the abort."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
         if not seqs or self.batch_used(but=urgent) < seqs:
@@ -69,9 +70,18 @@ class TierGate:
             return
         victim = max(pick, key=lambda x: st.running[x])
         victim.preempting = True
+
+        def cancel() -> None:
+            if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
+                st.stats.preemptions += 1
+                log.info("request %s yields its slot to interactive %s", victim.rid,
+                         urgent.rid)
+
+        yield_run = getattr(engine, "yield_run", None)
+        if yield_run is not None:  # paused, read, aborted in EngineCore, then cancelled
+            yield_run(victim.engine_request_id(), cancel)
+            return
         read_now = getattr(engine, "read_now", None)
         if read_now is not None:
             read_now(victim.engine_request_id())
-        if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
-            st.stats.preemptions += 1
-            log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
+        cancel()

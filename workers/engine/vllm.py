@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
+from typing import Callable
 
 import psutil
 
@@ -27,6 +29,10 @@ from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.witness import Witness
+
+log = logging.getLogger("vigil.engine")
+# A preempted run's pause (`yield_run`): about one engine step, bounded.
+YIELD_PAUSE_S = 2.0
 
 
 class StepCounter:
@@ -93,6 +99,8 @@ class VllmEngine:
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
+        self._pause_lock = asyncio.Lock()  # one pause at a time: yields, a freeze
+        self._frozen = False
         self.steps = StepCounter(self._llm)
 
     @property
@@ -106,17 +114,47 @@ class VllmEngine:
         if self._watch is not None:
             self._watch.read_one(request_id)
 
-    async def freeze(self, timeout: float) -> int:
-        """Stop this engine making tokens and read every streamed request's tokens into its tap
-        (a drain: workers/held.py). vLLM's own pause (`pause_generation(mode="keep")`: EngineCore
-        finishes the step it is in, then schedules nothing; the requests stay in it, to be
-        aborted) and then every output it sent processed by the front end (its output handler
-        back waiting for the next batch, its queue empty), all within `timeout` seconds; then
-        the stream watch reads every run once more. Returns how many runs it read. Raises
-        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
-        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
-        group, answers no pause); the runs are read anyway (what the engine makes after that
-        counts as discarded when their taps close)."""
+    def yield_run(self, request_id: str, cancel: Callable[[], object],
+                  timeout: float = YIELD_PAUSE_S) -> None:
+        """Make `request_id`'s run yield its slot (a preemption: workers/engine/tier_gate.py)
+        with every token EngineCore made for it in its tap, then call `cancel()` (its caller
+        hands it back). Reading first and aborting after let EngineCore make a token or two
+        in between that nobody read (counted from EngineCore's own log: tests/test_tiers_e2e.py).
+        So, on the loop, in a task: vLLM's pause (the step in progress ends, none begins), every
+        output processed, the run read (`read_now`), aborted in EngineCore, `cancel()`, then
+        vLLM resumes. An engine that does not pause in time (or died) is read and cancelled as
+        it is. Calls on the loop; returns at once."""
+        asyncio.get_running_loop().create_task(self._yield_run(request_id, cancel, timeout))
+
+    async def _yield_run(self, request_id: str, cancel, timeout: float) -> None:
+        async with self._pause_lock:
+            paused = False
+            try:
+                paused = await self._pause_drained(timeout)
+                self.read_now(request_id)
+                if paused:
+                    op = self._llm.output_processor
+                    ids = [i for key, ids in list(op.external_req_ids.items())
+                           if key == request_id or key.startswith(request_id + "~")
+                           for i in ids]
+                    if ids:
+                        await self._llm.engine_core.abort_requests_async(ids)
+            except Exception as e:  # the engine died or did not pause: read it as it is
+                log.warning("request %s: yielding without a pause (%s: %s)", request_id,
+                            type(e).__name__, e)
+                self.read_now(request_id)
+            finally:
+                cancel()
+                if paused and not self._frozen:
+                    try:
+                        await self._llm.resume_generation()
+                    except Exception as e:
+                        log.warning("the engine did not resume after a yield: %s", e)
+
+    async def _pause_drained(self, timeout: float) -> bool:
+        """vLLM's pause, and every output EngineCore sent processed by the front end, within
+        `timeout` seconds: True. Raises TimeoutError, or RuntimeError for an engine found dead
+        meanwhile."""
         llm = self._llm
         pause = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
         try:
@@ -132,6 +170,25 @@ class VllmEngine:
         finally:
             if not pause.done():
                 pause.cancel()
+        return True
+
+    async def freeze(self, timeout: float) -> int:
+        """Stop this engine making tokens and read every streamed request's tokens into its tap
+        (a drain: workers/held.py). vLLM's own pause (`pause_generation(mode="keep")`: EngineCore
+        finishes the step it is in, then schedules nothing; the requests stay in it, to be
+        aborted) and then every output it sent processed by the front end (its output handler
+        back waiting for the next batch, its queue empty), all within `timeout` seconds; then
+        the stream watch reads every run once more. Returns how many runs it read. Raises
+        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
+        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
+        group, answers no pause); the runs are read anyway (what the engine makes after that
+        counts as discarded when their taps close)."""
+        self._frozen = True  # a yield in progress does not resume it
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._pause_lock:
+                    await self._pause_drained(timeout)
+        finally:
             read = self._watch.read_all() if self._watch is not None else 0
         return read
 
