@@ -76,6 +76,9 @@ class VllmEngine:
     # (workers/engine/kinds.py), read by `death_cause`.
     core_log = None
     _death_cause: object = False  # not read yet
+    grammar_resumes = True  # a continuing run's grammar is advanced in EngineCore (resume.py)
+    _frozen = False  # frozen for a drain: a yield does not resume it
+    _pause_lock_: asyncio.Lock | None = None
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None, extra_args: dict | None = None):
@@ -99,8 +102,6 @@ class VllmEngine:
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
-        self._pause_lock = asyncio.Lock()  # one pause at a time: yields, a freeze
-        self._frozen = False
         self.steps = StepCounter(self._llm)
 
     @property
@@ -125,6 +126,13 @@ class VllmEngine:
         vLLM resumes. An engine that does not pause in time (or died) is read and cancelled as
         it is. Calls on the loop; returns at once."""
         asyncio.get_running_loop().create_task(self._yield_run(request_id, cancel, timeout))
+
+    @property
+    def _pause_lock(self) -> asyncio.Lock:
+        """One pause at a time: yields, a freeze (made on the loop, at first use)."""
+        if self._pause_lock_ is None:
+            self._pause_lock_ = asyncio.Lock()
+        return self._pause_lock_
 
     async def _yield_run(self, request_id: str, cancel, timeout: float) -> None:
         async with self._pause_lock:
