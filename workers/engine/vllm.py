@@ -153,7 +153,9 @@ class VllmEngine:
                 self.read_now(request_id)
             finally:
                 cancel()
-                if paused and not self._frozen:
+                # Even when the pause timed out: its request may still reach EngineCore, and
+                # the resume, sent after it, undoes it (vLLM ignores a resume of no pause).
+                if not self._frozen and not self.dead:
                     try:
                         await self._llm.resume_generation()
                     except Exception as e:
