@@ -3,6 +3,7 @@
     python -m bench.soak                                    # 10,000 requests, kills every 20/30 s
     python -m bench.soak --requests 2000 --json             # the report as JSON on stdout
     python -m bench.soak --worker-signal term --greedy --engine-kill-every 0   # a drain soak
+    python -m bench.soak --mix --greedy               # every request kind, tiers, preemption
 
 Self-contained (bench/README.md says what it runs and reports): a private Redis, a steady and a
 victim `vigil worker --cpu`, `--beats` celery beats and the housekeeper (bench/soak_fleet.py;
@@ -16,7 +17,10 @@ With `--worker-signal term` the victim gets SIGTERM instead (a scale-in: its dra
 request back with its tokens), and the report adds each drain's exit time and the tokens every
 worker incarnation discarded (its own counter, logged as it exits; the goal is 0); with
 `--greedy` the requests are greedy and `--twins` of the resumed ones are run again
-uninterrupted at the end: each must be token-identical.
+uninterrupted at the end: each must be token-identical. With `--mix` (bench/soak_mix.py) each
+request is of one kind (plain, structured, penalized, bad words, n = 2 sampled) and one tier,
+on workers whose engine batch is small enough for bulk work to fill it, so interactive requests
+preempt bulk runs; the report counts the kinds, their resumes and the preemptions.
 
 Kills land at any moment: the producer never pauses for them. A message a dying consumer takes
 with it (a BRPOP Redis answers on the dead socket) is published again by the reaper's audit
@@ -43,6 +47,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench import soak_findings as findings
+from bench import soak_mix
 from bench.soak_fleet import MODEL, STEADY, VICTIM, Fleet, fleet_env
 from bench.soak_report import Kill, SoakReport
 
@@ -62,8 +67,9 @@ class Soak:
                  kill_engine_at: list[int], reap_timeout: float, request_timeout: float,
                  drain_timeout: float | None, logdir: Path, cache_dir: str, seed: int, say,
                  housekeeper: bool = True, worker_signal: str = "kill", greedy: bool = False,
-                 twins: int = 24):
+                 twins: int = 24, mix: bool = False):
         self.n = requests
+        self.mix = mix
         self.worker_signal, self.greedy, self.twins_n = worker_signal, greedy, twins
         self.housekeeper = housekeeper
         self.worker_every, self.engine_every = worker_kill_every, engine_kill_every
@@ -79,12 +85,16 @@ class Soak:
         # The engines' witness of every generation they finished (workers/engine/witness.py).
         self.witness_dir = logdir / "witness"
         self.env["VIGIL_WITNESS_DIR"] = str(self.witness_dir)
+        if mix:  # a batch bulk work fills: interactive requests preempt it
+            self.env["VIGIL_MODELS_FILE"] = str(soak_mix.batch_models_file(
+                logdir / "models.json", MODEL, soak_mix.MIX_BATCH, cache_dir))
         self.fleet = Fleet(logdir, self.env)
         self.stop = threading.Event()
         self.producer_done = threading.Event()
         self.ids: list[str] = []
         self.asked_tokens: dict[str, int] = {}
         self.runs: dict[str, dict] = {}  # request id -> its kwargs (greedy twins)
+        self.kinds: dict[str, str] = {}  # request id -> its kind (--mix)
         self.submit_retries: Counter = Counter()
         self.kills: list[Kill] = []
         self.rss: list[dict] = []  # the steady worker's memory every RSS_EVERY_S (`_sample`)
@@ -115,6 +125,7 @@ class Soak:
             for i in range(self.n):
                 words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
                 tokens = rng.randint(max(1, self.max_tokens // 4), self.max_tokens)
+                kind, extra = soak_mix.pick(rng) if self.mix else ("plain", {})
                 while True:
                     due = self.t0 + i / self.rate if self.rate else 0
                     while (time.monotonic() < due or self.open_requests() >= self.window) \
@@ -122,8 +133,9 @@ class Soak:
                         time.sleep(0.02)
                     if self.stop.is_set():
                         return
-                    kw = dict(model=MODEL, prompt=f"soak {i}: {words}", max_tokens=tokens,
-                              ignore_eos=True, **({"temperature": 0.0} if self.greedy else {}))
+                    kw = {**dict(model=MODEL, prompt=f"soak {i}: {words}", max_tokens=tokens,
+                                 ignore_eos=True, **({"temperature": 0.0} if self.greedy else {})),
+                          **extra}
                     try:
                         r = generate.delay(**kw)
                         break
@@ -133,6 +145,7 @@ class Soak:
                 self.ids.append(r.id)
                 self.asked_tokens[r.id] = tokens
                 self.runs[r.id] = kw
+                self.kinds[r.id] = kind
         except BaseException as e:
             self.errors.append(e)
             raise
@@ -306,7 +319,8 @@ class Soak:
                             "max_tokens": self.max_tokens, "rate": self.rate,
                             "worker_kill_every": self.worker_every,
                             "engine_kill_every": self.engine_every,
-                            "worker_signal": self.worker_signal, "greedy": self.greedy})
+                            "worker_signal": self.worker_signal, "greedy": self.greedy,
+                            "mix": self.mix})
         client = self.fleet.client
         recs = findings.read_records(client, self.ids)
         findings.tally_records(rep, recs, self.asked_tokens)
@@ -320,6 +334,7 @@ class Soak:
         findings.check_backend(rep, recs, self.seed)
         findings.tally_witness(rep, recs, self.witness_dir)
         findings.read_logs(rep, self.logdir)
+        findings.tally_kinds(rep, recs, self.kinds)
         if self.greedy:
             findings.check_twins(rep, recs, self.runs, self.twins_n, self._twin)
         return rep
@@ -343,7 +358,7 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
              request_timeout: float = 120, drain_timeout: float | None = None,
              logdir: str | Path | None = None, cache_dir: str | None = None, seed: int = 0,
              say=print, housekeeper: bool = True, worker_signal: str = "kill",
-             greedy: bool = False, twins: int = 24) -> SoakReport:
+             greedy: bool = False, twins: int = 24, mix: bool = False) -> SoakReport:
     """Run one soak (module docstring) and return its report. Starts and stops everything it
     needs (Redis, workers, beats), even on an exception or Ctrl-C; must run in a process whose
     Celery app is not built yet. Kills go by progress when `kill_worker_at` / `kill_engine_at`
@@ -360,7 +375,7 @@ def run_soak(requests: int = 10_000, *, worker_kill_every: float = 20,
                 kill_engine_at=list(kill_engine_at or []), reap_timeout=reap_timeout,
                 request_timeout=request_timeout, drain_timeout=drain_timeout, logdir=logdir,
                 cache_dir=cache, seed=seed, say=say, housekeeper=housekeeper,
-                worker_signal=worker_signal, greedy=greedy, twins=twins)
+                worker_signal=worker_signal, greedy=greedy, twins=twins, mix=mix)
     report = None
     try:
         report = soak.run()
@@ -394,6 +409,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--greedy", action="store_true",
                    help="greedy requests (temperature 0), and --twins of the resumed ones run "
                         "again at the end: each must be token-identical")
+    p.add_argument("--mix", action="store_true",
+                   help="every request kind (plain, structured, penalized, bad words, n = 2) "
+                        "in every tier, on an engine batch bulk work fills: preemptions too "
+                        "(bench/soak_mix.py)")
     p.add_argument("--twins", type=int, default=24, metavar="N",
                    help="with --greedy, resumed requests run again uninterrupted (at most N)")
     p.add_argument("--beats", type=int, default=2, help="celery beats running at once")
@@ -437,7 +456,7 @@ def main(argv=None) -> int:
                    reap_timeout=a.reap_timeout, request_timeout=a.request_timeout,
                    drain_timeout=a.drain_timeout, logdir=a.logdir, seed=a.seed, say=say,
                    housekeeper=not a.no_housekeeper, worker_signal=a.worker_signal,
-                   greedy=a.greedy, twins=a.twins)
+                   greedy=a.greedy, twins=a.twins, mix=a.mix)
     data = rep.to_dict()
     if a.report:
         Path(a.report).write_text(json.dumps(data, indent=1))

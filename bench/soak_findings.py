@@ -15,12 +15,13 @@ from collections import Counter
 from pathlib import Path
 
 from bench.soak_fleet import QUEUE
+from bench.soak_mix import is_twin_checked
 from bench.soak_report import Kill, SoakReport
 
 # Records are read back this many at a time (one pipeline each).
 READ_CHUNK = 500
 RECORD_FIELDS = ("status", "created_at", "finished_at", "error", "result", "attempts",
-                 "dispatch", "history", "last_error")
+                 "dispatch", "history", "last_error", "preemptions")
 REAPED = re.compile(r"reaped worker \S+ \(instance (\d+)\)")
 # workers/lifecycle.py, logged by a worker as it exits (SIGTERM): its own token counters.
 EXIT_TOTALS = re.compile(r"in this process (\d+) generated token\(s\) were resumed from and "
@@ -249,7 +250,7 @@ def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Pa
     that ran to completion more often than it may (once; twice for a request a killed worker
     held, whose engine may have finished it just before the kill lost its finish), each
     succeeded record that no finished generation of its attempt, with its token count, backs;
-    and the token figures (SoakReport)."""
+    and the token figures (SoakReport), every sample's."""
     from workers.engine.witness import finished_generations, read_canaries, read_witness
 
     seen = read_witness(witness_dir) if witness_dir.is_dir() else {}
@@ -262,17 +263,23 @@ def tally_witness(rep: SoakReport, recs: dict[str, dict | None], witness_dir: Pa
         if n > (2 if rid in held_at_a_kill else 1):
             rep.ran_too_often += 1
             rep.ran_too_often_ids.append(rid)
-    rep.tokens_generated = sum(g["tokens"] for gs in seen.values() for g in gs)
+    # Every sample's tokens: a run from the prompt writes all its samples on one line, a run
+    # that continued one sample of n > 1 a line of its own (workers/engine/witness.py).
+    rep.tokens_generated = sum(sum(g["samples"]) if g["samples"] else g["tokens"]
+                               for gs in seen.values() for g in gs)
     made_by_winners = 0
     for rid, rec in recs.items():
         if rec is None or rec["status"] != "SUCCEEDED" or not rec["result"]:
             continue
         res = json.loads(rec["result"])
-        resumed = res.get("resumed_at") or []
-        rep.tokens_in_results += res["completion_tokens"]
-        rep.tokens_reused += sum(resumed)
-        rep.requests_resumed += bool(resumed)
-        made_by_winners += res["completion_tokens"] - (resumed[-1] if resumed else 0)
+        any_resumed = False
+        for c in res.get("choices") or [res]:
+            resumed = c.get("resumed_at") or []
+            rep.tokens_in_results += c["completion_tokens"]
+            rep.tokens_reused += sum(resumed)
+            any_resumed = any_resumed or bool(resumed)
+            made_by_winners += c["completion_tokens"] - (resumed[-1] if resumed else 0)
+        rep.requests_resumed += any_resumed
         if not any(g["attempt"] == res["attempts"] and g["total"] == res["completion_tokens"]
                    and g["sample"] == 0 for g in seen.get(rid, [])):
             rep.witness_mismatches += 1
@@ -322,13 +329,30 @@ def check_twins(rep: SoakReport, recs: dict[str, dict | None], runs: dict[str, d
     most, run again uninterrupted through `run_twin(kwargs)` (-> the twin's result): each must
     end with the same tokens."""
     resumed = [rid for rid, rec in recs.items() if rec and rec["status"] == "SUCCEEDED"
-               and rec["result"] and json.loads(rec["result"]).get("resumed_at")]
+               and rec["result"] and json.loads(rec["result"]).get("resumed_at")
+               and is_twin_checked(runs[rid])]
     for rid in resumed[:sample]:
         twin = run_twin(runs[rid])
         rep.twins_checked += 1
         if twin["token_ids"] != json.loads(recs[rid]["result"])["token_ids"]:
             rep.twin_mismatches += 1
             rep.twin_mismatch_ids.append(rid)
+
+
+def tally_kinds(rep: SoakReport, recs: dict[str, dict | None], kinds: dict[str, str]) -> None:
+    """The mix (bench/soak_mix.py): requests by kind, the resumed ones by kind (a takeover in
+    any sample's result), and the preemptions every record counts."""
+    rep.kinds = dict(sorted(Counter(kinds.values()).items()))
+    resumed: Counter = Counter()
+    for rid, rec in recs.items():
+        if rec is None:
+            continue
+        rep.preemptions += int(rec.get("preemptions") or 0)
+        if rec["status"] == "SUCCEEDED" and rec["result"]:
+            res = json.loads(rec["result"])
+            if any(c.get("resumed_at") for c in res.get("choices") or [res]):
+                resumed[kinds.get(rid, "plain")] += 1
+    rep.resumed_by_kind = dict(sorted(resumed.items()))
 
 
 def _history(rec: dict) -> list[tuple]:

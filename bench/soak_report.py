@@ -91,6 +91,11 @@ class SoakReport:
     twins_checked: int = 0
     twin_mismatches: int = 0
     twin_mismatch_ids: list[str] = field(default_factory=list)
+    # The mix (--mix, bench/soak_mix.py): requests by kind, resumed requests by kind, and the
+    # times a bulk run yielded its slot to an interactive request (the records' count).
+    kinds: dict[str, int] = field(default_factory=dict)
+    resumed_by_kind: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
     wall_s: float = 0.0
     settings: dict = field(default_factory=dict)
     logdir: str = ""
@@ -189,6 +194,8 @@ class SoakReport:
              f"SIGKILLed one logs none)"),
             ("greedy twins", f"{self.twins_checked} resumed requests run again, "
              f"{self.twin_mismatches} differ"),
+            ("mix (kinds / resumed)", f"{fmt_counts(self.kinds) or '-'} / "
+             f"{fmt_counts(self.resumed_by_kind) or '-'}; preemptions {self.preemptions}"),
             ("recovery worst / median", f"{_secs(self.recovery_worst_s)} / "
              f"{_secs(self.recovery_median_s)}"
              + (f"; {self.unrecovered_kills} kill(s) never recovered" if self.unrecovered_kills

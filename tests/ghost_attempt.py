@@ -34,11 +34,12 @@ def pieces(prompt: list[int], token_ids: list[int], model: str = "tiny-llama") -
 
 
 def resubmit_after_a_ghost_attempt(rid: str, kw: dict, prompt: list[int],
-                                   samples: list[tuple[list[int], str]], fingerprint: str = ""):
+                                   samples: list[tuple[list[int], str]], fingerprint: str = "",
+                                   logprobs: list[dict] | None = None):
     """Record `rid` as if a worker ran attempt 1 of request `kw`, streamed `samples[i]`'s token
-    ids for sample i (one sample, or one per sample of an n > 1 request), releasing its text,
-    and was reaped: the reaper's requeue and republish send it to the live worker as attempt 2.
-    Returns its AsyncResult."""
+    ids for sample i (one sample, or one per sample of an n > 1 request), releasing its text
+    (and, for one sample, the `logprobs` entries of its tokens), and was reaped: the reaper's
+    requeue and republish send it to the live worker as attempt 2. Returns its AsyncResult."""
     store = RequestStore(app.vigil_store.raw, get_settings().result_ttl)
     assert store.create(rid, record_fields(parse_request(kw), time.time(), 600))
     b = store.begin(rid, 0, "ghost@nowhere", GHOST, time.time(), 3)
@@ -50,7 +51,7 @@ def resubmit_after_a_ghost_attempt(rid: str, kw: dict, prompt: list[int],
     if len(samples) == 1:
         (ids, text), = samples
         chunk = Chunk(rid, b.token, 1, 0, ids, text, counts(ids, text), prompt_ids=prompt,
-                      adapter_fingerprint=fingerprint)
+                      adapter_fingerprint=fingerprint, logprobs=logprobs)
     else:
         chunk = Chunk(rid, b.token, 1, 0, [], "", [], prompt_ids=prompt,
                       adapter_fingerprint=fingerprint,

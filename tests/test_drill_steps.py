@@ -43,9 +43,55 @@ def test_each_request_leaving_the_batch_is_logged_with_the_tokens_it_made(caplog
     p.update_state(update(removed=[1]))
     p.update_state(update(removed=[0]))
     assert [r.getMessage() for r in caplog.records] == [
-        "DRILL: a request left the engine's batch after 3 of 10 tokens",
-        "DRILL: a request left the engine's batch after 30 of 30 tokens",
-        "DRILL: a request left the engine's batch after 7 of 20 tokens"]
+        "DRILL: a request left the engine's batch after 3 of 10 tokens (3 made while in it)",
+        "DRILL: a request left the engine's batch after 30 of 30 tokens (30 made while in it)",
+        "DRILL: a request left the engine's batch after 7 of 20 tokens (7 made while in it)"]
+
+
+def test_a_request_whose_slot_is_reused_in_the_same_step_is_logged_too(caplog):
+    """vLLM reuses a leaving request's slot for a request added in the same step, or moves the
+    last request into it to condense the batch, and then does not list it as removed (its
+    BatchUpdateBuilder pops the index): the departure is still logged, with its tokens (EngineCore's count must miss no run: tests/test_tiers_e2e.py
+    adds these up)."""
+    caplog.set_level(logging.WARNING, logger="vllm.vigil_drill")
+    p = processor()
+    first, second = [], []
+    p.update_state(update(added=[(0, SamplingParams(max_tokens=40), [1], first)]))
+    first += [5] * 12
+    p.update_state(update(added=[(0, SamplingParams(max_tokens=8), [1], second)]))
+    second += [5] * 8
+    p.update_state(update(removed=[0]))
+    # Condensed: the last request moved into a leaving one's slot, which is not listed.
+    third, fourth = [], []
+    p.update_state(update(added=[(0, SamplingParams(max_tokens=9), [1], third),
+                                 (1, SamplingParams(max_tokens=9), [1], fourth)]))
+    third += [5] * 3
+    fourth += [5] * 4
+    p.update_state(update(moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    p.update_state(update(removed=[0]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "DRILL: a request left the engine's batch after 12 of 40 tokens (12 made while in it)",
+        "DRILL: a request left the engine's batch after 8 of 8 tokens (8 made while in it)",
+        "DRILL: a request left the engine's batch after 3 of 9 tokens (3 made while in it)",
+        "DRILL: a request left the engine's batch after 4 of 9 tokens (4 made while in it)"]
+
+
+def test_a_request_back_in_the_batch_counts_only_the_tokens_of_each_stay(caplog):
+    """A request vLLM takes out of the batch and puts back (a pause takes every one out) is
+    logged at each departure with its tokens so far, and the tokens of that stay: the stays
+    add up to what it made."""
+    caplog.set_level(logging.WARNING, logger="vllm.vigil_drill")
+    p = processor()
+    out: list[int] = []
+    p.update_state(update(added=[(0, SamplingParams(max_tokens=50), [1], out)]))
+    out += [5] * 20
+    p.update_state(update(removed=[0]))
+    p.update_state(update(added=[(2, SamplingParams(max_tokens=50), [1], out)]))
+    out += [5] * 30
+    p.update_state(update(removed=[2]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "DRILL: a request left the engine's batch after 20 of 50 tokens (20 made while in it)",
+        "DRILL: a request left the engine's batch after 50 of 50 tokens (30 made while in it)"]
 
 
 def test_every_step_takes_its_seconds_longer_and_keeps_the_logits():

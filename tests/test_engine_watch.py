@@ -265,10 +265,11 @@ def test_a_resumed_request_of_two_samples_is_aborted_whole_by_the_stall_watchdog
 def test_a_structured_request_of_two_samples_refuses_resume_counts_it_and_is_aborted_whole(
         make_host):
     """Given a structured request of n=2 whose earlier attempt streamed 5 tokens, when the real
-    VllmEngine runs it, then its resume is refused (the grammar's state cannot be given back):
-    the 5 tokens are counted in vigil_tokens_discarded_total and it runs from its prompt as one
-    engine request of 2 samples; when that engine makes no step, the watchdog aborts it and
-    the caller gets TransientError(wedged)."""
+    VllmEngine of an engine whose model runs outside EngineCore (so its grammar cannot be
+    advanced over the tokens: workers/engine/resume.py `grammar_resumes`) runs it, then its
+    resume is refused: the 5 tokens are counted in vigil_tokens_discarded_total and it runs
+    from its prompt as one engine request of 2 samples; when that engine makes no step, the
+    watchdog aborts it and the caller gets TransientError(wedged)."""
     from app import metrics
 
     tok = byte_tokenizer()
@@ -276,7 +277,9 @@ def test_a_structured_request_of_two_samples_refuses_resume_counts_it_and_is_abo
     prompt = tok.encode("the ").ids
     tap = resumable_tap(tok, "st", [tok.encode("fox").ids, tok.encode("dog").ids], prompt)
     held = sum(len(tap.resume_point().sample(i).token_ids) for i in (0, 1))
-    host = make_host(lambda spec, plan=None: StoppedVllm(llm), stall_timeout=0.3)
+    engine = StoppedVllm(llm)
+    engine.grammar_resumes = False
+    host = make_host(lambda spec, plan=None: engine, stall_timeout=0.3)
     r = GenerateRequest(model="model-a", prompt="the ", max_tokens=40, n=2, temperature=1.0,
                         structured={"regex": "[a-z]+"})
 

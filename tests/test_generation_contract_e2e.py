@@ -4,9 +4,9 @@ directly from the worker's engine_args), detokenize=False, n samples as one engi
 structured outputs checked by an independent validator, an uncompilable schema refused before
 publish, resumes on the shared warm worker provoked without a kill (tests/ghost_attempt.py: a
 repetition_penalty request equal to its uninterrupted twin, two samples each stopping across
-its own seam), a SIGKILL mid-generation resumed with its logprobs (and a structured request
-refused resume), hostile version 2 fields, and a message of a newer schema version handed back,
-never failed."""
+its own seam), a SIGKILL mid-generation resumed with its logprobs (a structured request
+resumed too, its grammar where the cut left it), hostile version 2 fields, and a message of a
+newer schema version handed back, never failed."""
 from __future__ import annotations
 
 import json
@@ -402,7 +402,7 @@ def test_a_message_of_a_newer_version_is_handed_back_by_a_real_worker(warm_worke
         r.get(timeout=120)
 
 
-def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structured(
+def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_structured_outputs(
         warm_worker, redis_server, tmp_path):
     """Given a worker of its own pool running a greedy logprobs=5 request and a structured
     (regex) request, both past their first stream write, when its main process is SIGKILLed
@@ -410,10 +410,10 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
     streamed tokens and its result (tokens, every logprob entry, cumulative logprob, prompt
     logprobs) equals an uninterrupted run's within the tolerance; a request of 2 samples resumes
     each sample from its own streamed tokens and logprobs, as an engine run of its own; the
-    structured one is refused resume (logged, its stream restarted) and still ends valid; each
-    ran to its result once by the witness. Then the second worker's EngineCore is SIGKILLed
-    under the same kinds of request: both are re-run in the same attempt, the samples
-    continued, the structured one from its prompt."""
+    structured one resumes too (its grammar advanced over the streamed tokens in EngineCore)
+    and equals its uninterrupted twin; each ran to its result once by the witness. Then the
+    second worker's EngineCore is SIGKILLed under the same kinds of request: both are re-run
+    in the same attempt, each continued from the tokens the worker had read."""
     st = store()
     greedy = dict(model=DRILL_MODEL, prompt_token_ids=PROMPT, max_tokens=480, temperature=0.0,
                   ignore_eos=True, logprobs=5, prompt_logprobs=1)
@@ -469,12 +469,14 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
         print(f"\nresumed at token {streamed[r1.id]} of 480 after a SIGKILL: tokens identical, "
               f"worst |delta| logprob {gap:.2e}, prompt {pgap:.2e}, cumulative {cgap:.2e}")
         assert max(gap, pgap) <= TOLERANCE and cgap <= TOLERANCE * 480
-        # The structured request started over from its prompt, and says nothing of a resume.
-        assert re.fullmatch("[a-z]+", out2["text"]) and "resumed_at" not in out2
-        assert out2["finish_reason"] == "length"
-        assert "not resuming" in rescuer.log.read_text() and "structured outputs" in \
-            rescuer.log.read_text()
-        assert any(e.reset for e in TokenStreams(st.raw).entries(r2.id))
+        # The structured request continued its streamed tokens under its grammar, as unbroken.
+        assert out2["resumed_at"] == [streamed[r2.id]] and streamed[r2.id] < 480
+        shaped_twin = generate.delay(**shaped).get(timeout=300)
+        assert (out2["token_ids"], out2["text"]) == (shaped_twin["token_ids"],
+                                                     shaped_twin["text"])
+        assert re.fullmatch("[a-z]+", out2["text"]) and out2["finish_reason"] == "length"
+        assert "not resuming" not in rescuer.log.read_text()
+        assert not any(e.reset for e in TokenStreams(st.raw).entries(r2.id))
         # Each of the n samples continued its own tokens, logprobs kept, as runs of their own.
         out3 = r3.get(timeout=300)
         for c in out3["choices"]:
@@ -488,9 +490,9 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
         assert_witnessed(st, [r1.id, r2.id, r3.id])
         assert st.raw.zscore(keys.WORKERS, inst) is None  # reaped
 
-        # An engine death inside one attempt: the worker re-runs both on a fresh engine, the
-        # 2-sample request continuing each sample from what the worker read (its attempt stays
-        # 1), the structured one from its prompt.
+        # An engine death inside one attempt: the worker re-runs both on a fresh engine, each
+        # continued from what the worker read (its attempt stays 1), the structured one under
+        # its grammar.
         log_before = len(rescuer.log.read_text())
         r4, r5 = generate.delay(**samples), generate.delay(**{**shaped, "prompt": "again:"})
         wait_for(lambda: first_chunk(r4, r5), 120, 0.02, "both requests' first chunks")
@@ -503,8 +505,9 @@ def test_a_sigkill_mid_generation_resumes_with_its_logprobs_and_refuses_structur
         assert all(c["completion_tokens"] == 480 and len(c["logprobs"]) == 480
                    for c in out4["choices"])
         assert any(c.get("resumed_at") for c in out4["choices"])
-        assert re.fullmatch("[a-z]+", out5["text"]) and "resumed_at" not in out5
-        assert "structured outputs" in rescuer.log.read_text()[log_before:]
+        assert re.fullmatch("[a-z]+", out5["text"]) and out5.get("resumed_at")
+        assert out5["completion_tokens"] == 480
+        assert "not resuming" not in rescuer.log.read_text()[log_before:]
         assert_witnessed(st, [r4.id, r5.id])
     finally:
         victim.stop()

@@ -228,7 +228,8 @@ def test_the_nesting_bound_is_vllms_to_the_level():
 def test_the_mapping_onto_sampling_params_carries_every_field():
     """workers/engine/sampling.py: a run from the prompt asks vLLM for what the request says;
     a continued sample asks for one sample, the rest of max_tokens and min_tokens, its own seed
-    (seed + index, as vLLM seeds sample i), token ids only."""
+    (seed + index, as vLLM seeds sample i), token ids only, the same constraint, and marks
+    for EngineCore (the generated prefix, the penalties it applies)."""
     from workers.engine.sampling import Continuation, sampling_params
 
     req = parse_request({**OK, "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
@@ -249,7 +250,12 @@ def test_the_mapping_onto_sampling_params_carries_every_field():
     assert p.structured_outputs.choice == ["a", "b"] and p.detokenize
     c = sampling_params(req, Continuation(index=2, made=5))
     assert (c.n, c.max_tokens, c.min_tokens, c.seed, c.detokenize) == (1, 7, 0, 13, False)
-    assert c.stop == [] and c.structured_outputs is None and c.logit_bias == {9: -5.0}
+    assert c.stop == [] and c.structured_outputs.choice == ["a", "b"]
+    assert c.logit_bias == {9: -5.0} and c.bad_words == ["zz"]
+    # The penalties are applied in EngineCore over the whole generation (resume_steps.py),
+    # which is told how many of the prompt's tokens were generated (resume_marks.py).
+    assert (c.presence_penalty, c.frequency_penalty, c.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert c.extra_args == {"vigil_resume": {"made": 5, "penalties": [0.5, -0.5, 1.2]}}
     named = sampling_params(parse_request({**OK, "logprob_token_ids": [4, 5]}))
     assert named.logprob_token_ids == [4, 5] and named.logprobs is None
 

@@ -39,6 +39,32 @@ def test_the_earliest_ending_stop_string_wins():
     assert cut.stop == "bc" and cut.tokens == 2 and cut.text == "a"
 
 
+def test_stop_strings_wait_for_min_tokens_across_the_seam():
+    """vLLM checks stop strings only in the text of tokens past `min_tokens` (counting every
+    generated token, the checkpoint's too): "abc" made (3 tokens), min_tokens 5, stop "d" and
+    "ef": the "d" of token 4 is inside min_tokens and does not stop the run; "ef", which begins
+    in token 5 and ends in token 6, the first past min_tokens, does (issue 38, item 2)."""
+    seam = Seam(Checkpoint([0], [1, 2, 3], "a", "", []), ["d", "ef"], char_decoder(TABLE),
+                min_tokens=5)
+    released, cut = seam.feed([4, 5])
+    assert cut is None
+    released, cut = seam.feed([6, 7])
+    assert cut is not None and (cut.tokens, cut.stop, cut.text) == (3, "ef", "abcd")
+
+
+def test_the_token_that_stopped_the_run_adds_no_text():
+    """A run that ends on a stop token (EOS or stop_token_ids) keeps the token but not its
+    text, as vLLM's detokenizer skips it, unless include_stop_str_in_output (issue 38, item
+    3)."""
+    seam = Seam(Checkpoint([0], [1, 2], "ab", "", []), None, char_decoder(TABLE))
+    assert seam.feed([3, 4], stop_terminated=True) == ("c", None)
+    assert seam.finish() == "" and seam.text == "abc" and seam.new_tokens == 2
+    kept = Seam(Checkpoint([0], [1, 2], "ab", "", []), None, char_decoder(TABLE),
+                include_stop=True)
+    kept.feed([3, 4], stop_terminated=True)
+    assert kept.finish() == "" and kept.text == "abcd"
+
+
 def test_a_character_split_at_the_checkpoint_comes_out_whole():
     """The checkpoint ends inside a character (token 9 decodes to nothing on its own): the next
     token completes it, and the text is the uninterrupted run's."""

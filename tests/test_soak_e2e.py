@@ -1,4 +1,5 @@
-"""Worker tier: the soak's short version (bench/soak.py; issue 8 parts 1 and 3).
+"""Worker tier: the soak's short version (bench/soak.py; issue 8 parts 1 and 3; its request
+mix, issue 38).
 
 Runs `python -m bench.soak` in a subprocess: the soak needs a Redis of its own and this test
 process's Celery app is already built for the suite's Redis (the app is built once per process).
@@ -35,11 +36,13 @@ def test_a_short_soak_with_two_beats_loses_nothing_and_runs_nothing_twice(tmp_pa
     finished generation each, at most two for a request the killed worker held), none is
     requeued twice for one dispatch or failed twice, no dead instance is reaped twice although
     both beats send every reap, nothing fails, and the results read back through Celery's
-    result backend agree with the records."""
+    result backend agree with the records. The requests are of every kind and tier (`--mix`,
+    bench/soak_mix.py: plain, structured, penalized, bad words, n = 2), on an engine batch bulk
+    work fills, so bulk runs yield their slots to interactive requests too."""
     report_path = tmp_path / "report.json"
     out = tmp_path / "soak.out"
     argv = [sys.executable, "-m", "bench.soak", "--requests", str(N), "--max-tokens", "24",
-            "--window", "96", "--rate", "0", "--beats", "2",
+            "--window", "96", "--rate", "0", "--beats", "2", "--mix",
             "--kill-worker-at", str(KILL_WORKER_AT), "--kill-engine-at", str(KILL_ENGINE_AT),
             "--drain-timeout", "240", "--logdir", str(tmp_path / "logs"),
             "--report", str(report_path)]
@@ -74,5 +77,8 @@ def test_a_short_soak_with_two_beats_loses_nothing_and_runs_nothing_twice(tmp_pa
     # The killed instance was reaped exactly once although two beats sent every reap.
     assert rep["reaps"] and all(n == 1 for n in rep["reaps"].values()), rep["reaps"]
     assert rep["unrecovered_kills"] == 0
+    # Every kind was asked, and interactive requests preempted bulk runs (each resumed).
+    assert set(rep["kinds"]) == {"plain", "structured", "penalized", "bad_words", "n2"}
+    assert rep["preemptions"] >= 1, rep["preemptions"]
     assert rep["backend_checked"] > 0 and not rep["backend_disagreements"]
     assert proc.returncode == 0, text[-3000:]

@@ -13,7 +13,8 @@ the whole generated text (a stop string may begin in text the first engine still
 end in the new tokens), the text released to readers held back by the longest stop string less
 one character, as vLLM holds it back.
 
-`refusal` says when a checkpoint must not be continued (the run restarts from the prompt).
+`refusal` says when a checkpoint must not be continued (the run restarts from the prompt);
+`resumable` which requests a cut and a resume leave as they would have been unbroken.
 """
 from __future__ import annotations
 
@@ -27,22 +28,50 @@ from app.state.streams import Checkpoint
 # token adds (None or "" while a character is incomplete), as vLLM's incremental detokenizer.
 Decoder = Callable[[int], "str | None"]
 DecoderFactory = Callable[[list[int]], Decoder]
+# A temperature below this samples greedily (vLLM's sampler: _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
-def unsound(req: GenerateRequest) -> str:
-    """Why no checkpoint of `req` may be continued, whatever it holds ('' when one may): what
-    the engine would do differently with the tokens so far given as prompt (docs/api.md,
-    "Resume", has the table of every field)."""
-    if req.structured is not None:
-        return ("structured outputs: the grammar's state at the cut cannot be given back "
-                "through a prompt")
-    if req.presence_penalty or req.frequency_penalty:
-        return ("presence/frequency penalties count the generated tokens only, and a resumed "
-                "run's are its prompt")
-    if req.bad_words:
-        return ("bad_words look back at the generated tokens only: a word split across the "
-                "seam would be missed")
+def unsound(req: GenerateRequest, grammar_resumes: bool = True) -> str:
+    """Why no checkpoint of `req` may be continued on an engine, whatever it holds ('' when
+    one may). Every request kind continues (docs/api.md, "Resume", has the table of every
+    field): structured outputs with their grammar advanced over the prefix in EngineCore
+    (workers/engine/resume_grammar.py), which needs an engine whose EngineCore builds Vigil's
+    logits processors (`grammar_resumes`); penalties and bad words over the whole generation
+    (workers/engine/resume_steps.py)."""
+    if req.structured is not None and not grammar_resumes:
+        return ("structured outputs: this engine's model runs in processes of its own, and "
+                "its EngineCore, where the grammar is, does not advance it over the prefix")
     return ""
+
+
+def grammar_resumes(vllm_config) -> bool:
+    """Whether an engine of `vllm_config` advances a continuing run's grammar over its prefix:
+    its model runs in EngineCore (vLLM's in-process executor: the layout Vigil asks for on the
+    CPU, vLLM's own with one GPU), so EngineCore builds the logits processor that installs
+    the hook (workers/engine/resume_steps.py, resume_grammar.py)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    return backend == "uni" or (isinstance(backend, type) and issubclass(backend, UniProcExecutor))
+
+
+def inexact(req: GenerateRequest) -> str:
+    """Why a resumed `req` may not equal the run it would have been unbroken ('' when it
+    does): a seeded sampled request is reproducible unbroken, but its continuation is seeded
+    again (vLLM's per-request random generator cannot be restored to where the cut left it),
+    so its output would depend on where it was cut. Greedy requests (and top_k=1) resume
+    exactly; unseeded sampled ones have no reproducible twin to equal, and continue validly."""
+    if req.temperature >= GREEDY_BELOW and req.seed is not None and req.top_k != 1:
+        return ("seeded sampling: the continuation is seeded again, so the output would depend "
+                "on where the run was cut")
+    return ""
+
+
+def resumable(req: GenerateRequest) -> bool:
+    """True when `req` may be cut and resumed without changing its result (`inexact` is ''):
+    what preemption and drain victim selection asks before choosing a run to stop."""
+    return not inexact(req)
 
 
 def refusal(cp: Checkpoint, *, max_tokens: int, max_model_len: int,
@@ -74,8 +103,12 @@ class Seam:
     """The text of a resumed run, decoded here token by token (module docstring)."""
 
     def __init__(self, cp: Checkpoint, stops: list[str] | None, decoder: DecoderFactory,
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         self._step = decoder(list(cp.prompt_ids or ()))
+        # vLLM checks stop strings only in the text of the tokens past `min_tokens`, counted
+        # over the whole generation: the checkpoint's tokens count.
+        self._made = cp.tokens
+        self._min_tokens = min_tokens
         self.text = "".join(self._step(t) or "" for t in cp.token_ids)  # all generated text
         if not self.text.startswith(cp.text):
             raise ValueError("the stream's text is not the decoding of its tokens")
@@ -86,15 +119,20 @@ class Seam:
         self._hold = 0 if include_stop else max((len(s) for s in self._stops), default=1) - 1
         self.new_tokens = 0
 
-    def feed(self, token_ids: list[int]) -> tuple[str, Cut | None]:
+    def feed(self, token_ids: list[int], stop_terminated: bool = False) -> tuple[str, Cut | None]:
         """The next generated tokens: returns the text to release with them ('' while it is
-        held back) and, when a stop string ends within them, where the run ends."""
-        for t in token_ids:
-            piece = self._step(t) or ""
+        held back) and, when a stop string ends within them, where the run ends.
+        `stop_terminated`: the last of them is the stop token (EOS or one of `stop_token_ids`)
+        that ended the run; as vLLM's detokenizer, its text is left out unless the request
+        includes the stop in its output."""
+        last = len(token_ids) - 1
+        for i, t in enumerate(token_ids):
+            skip = stop_terminated and i == last and not self._include
+            piece = "" if skip else (self._step(t) or "")
             old = len(self.text)
             self.text += piece
             self.new_tokens += 1
-            if piece and self._stops:
+            if piece and self._stops and self._made + self.new_tokens > self._min_tokens:
                 stop = self._stop_in(old)
                 if stop is not None:
                     end = stop[0] + (len(stop[1]) if self._include else 0)

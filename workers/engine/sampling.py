@@ -7,13 +7,17 @@ checkpoint (workers/engine/resume.py) continues one sample: its prompt is the re
 followed by that sample's tokens so far, so it asks for one sample, the tokens still to make,
 what is left of `min_tokens`, the sample's own seed (vLLM seeds sample i of a request with
 `seed + i`), and token ids only: its text and stop strings are Vigil's (the Seam); sample 0's
-run alone asks for the prompt's logprobs.
+run alone asks for the prompt's logprobs. It tells EngineCore how many of its prompt's tokens
+were generated (workers/engine/resume_marks.py): its structured-output grammar is advanced over
+them (workers/engine/resume_grammar.py), and its penalties and bad words count them as
+generated (workers/engine/resume_steps.py, which applies the penalties: vLLM is given none).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from app.requests.schemas import GenerateRequest
+from workers.engine.resume_marks import Marks, extra_args
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,22 @@ def sampling_params(req: GenerateRequest, cont: Continuation | None = None):
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
         skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
     )
+    structured = (StructuredOutputsParams(**req.structured.wire())
+                  if req.structured is not None else None)
     if cont is None:
         return SamplingParams(
             n=req.n, max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed,
             stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
-            detokenize=req.detokenize,
-            structured_outputs=(StructuredOutputsParams(**req.structured.wire())
-                                if req.structured is not None else None),
-            **common)
-    # Structured outputs are never continued (resume.refusal): the grammar's state at the cut
-    # cannot be given to the engine through a prompt.
+            detokenize=req.detokenize, structured_outputs=structured, **common)
     # The prompt's logprobs come from sample 0's run (cut at the prompt's end), once.
     common["prompt_logprobs"] = req.prompt_logprobs if cont.index == 0 else None
+    penalties = None
+    if req.presence_penalty or req.frequency_penalty or req.repetition_penalty != 1.0:
+        # Applied in EngineCore over the whole generation (workers/engine/resume_steps.py).
+        penalties = (req.presence_penalty, req.frequency_penalty, req.repetition_penalty)
+        common.update(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
     return SamplingParams(
         n=1, max_tokens=req.max_tokens - cont.made, min_tokens=max(0, req.min_tokens - cont.made),
-        seed=None if req.seed is None else req.seed + cont.index, detokenize=False, **common)
+        seed=None if req.seed is None else req.seed + cont.index, detokenize=False,
+        structured_outputs=structured, extra_args=extra_args(Marks(cont.made, penalties)),
+        **common)

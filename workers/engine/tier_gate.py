@@ -32,7 +32,7 @@ from app.request_ids import request_id_of
 from app.requests.tiers import engine_priority
 from workers.engine.bridge import PREEMPTED, LoopBridge
 from workers.engine.host_state import HostState
-from workers.engine.resume import refusal, unsound
+from workers.engine.resume import refusal, resumable, unsound
 from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
@@ -133,7 +133,8 @@ class TierGate:
         boundary. Never a run whose resume would be refused (its tokens would be thrown away:
         workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
         run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
-        The line keeps the freed slots for the interactive request."""
+        An engine that can (`yield_run`: vllm.py) pauses first, so nothing is made between the
+        read and the abort. The line keeps the freed slots for the interactive request."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
         if not seqs or urgent not in st.line:
@@ -158,13 +159,23 @@ class TierGate:
             self._preempt(victim, urgent, engine)
 
     def _preempt(self, victim: Ticket, urgent: Ticket, engine) -> None:
+        st = self._st
         victim.preempting = True
+
+        def cancel() -> None:
+            if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
+                st.stats.preemptions += 1
+                log.info("request %s yields its slot to interactive %s", victim.rid,
+                         urgent.rid)
+
+        yield_run = getattr(engine, "yield_run", None)
+        if yield_run is not None:  # paused, read, aborted in EngineCore, then cancelled
+            yield_run(victim.engine_request_id(), cancel)
+            return
         read_now = getattr(engine, "read_now", None)
         if read_now is not None:
             read_now(victim.engine_request_id())
-        if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
-            self._st.stats.preemptions += 1
-            log.info("request %s yields its slot to interactive %s", victim.rid, urgent.rid)
+        cancel()
 
 
 def rebuild_cost(t: Ticket, engine) -> int | None:
@@ -172,8 +183,9 @@ def rebuild_cost(t: Ticket, engine) -> int | None:
     prompt and the tokens it made (a run that made none restarts from its prompt, once); None
     when its resume would be refused (workers/engine/resume.py decides: `unsound`, `refusal`)
     and a preemption would throw its tokens away. Until the engine has read the prompt's token
-    ids into the tap, the prompt's length in characters stands in for them."""
-    if unsound(t.req):
+    ids into the tap, the prompt's length in characters stands in for them. None too for a
+    run whose resume would not equal its unbroken run (`resumable`: seeded sampling)."""
+    if unsound(t.req) or not resumable(t.req):
         return None
     tap = t.tap
     prompt_ids = getattr(tap, "prompt_ids", None)

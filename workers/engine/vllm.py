@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
+from typing import Callable
 
 import psutil
 
@@ -20,12 +22,17 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
-from workers.engine.resume import Seam, fast_decoder, logprob_decoder, refusal, unsound
+from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
+                                   unsound)
 from workers.engine.sampling import Continuation, sampling_params
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.witness import Witness
+
+log = logging.getLogger("vigil.engine")
+# A preempted run's pause (`yield_run`): about one engine step, bounded.
+YIELD_PAUSE_S = 2.0
 
 
 class StepCounter:
@@ -69,6 +76,9 @@ class VllmEngine:
     # (workers/engine/kinds.py), read by `death_cause`.
     core_log = None
     _death_cause: object = False  # not read yet
+    grammar_resumes = True  # a continuing run's grammar is advanced in EngineCore (resume.py)
+    _frozen = False  # frozen for a drain: a yield does not resume it
+    _pause_lock_: asyncio.Lock | None = None
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None, extra_args: dict | None = None):
@@ -79,13 +89,19 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = {**engine_args(spec, plan), **(extra_args or {})}
+        args = engine_args(spec, plan)
+        extra = dict(extra_args or {})
+        if "logits_processors" in extra:  # the recipe's processors stay, the extra ones after
+            extra["logits_processors"] = [*args.get("logits_processors", ()),
+                                          *extra["logits_processors"]]
+        args = {**args, **extra}
         self.spec = spec
         self._llm = None
         self._watch: StreamWatch | None = None  # made by the first streamed run
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
 
     @property
@@ -99,17 +115,56 @@ class VllmEngine:
         if self._watch is not None:
             self._watch.read_one(request_id)
 
-    async def freeze(self, timeout: float) -> int:
-        """Stop this engine making tokens and read every streamed request's tokens into its tap
-        (a drain: workers/held.py). vLLM's own pause (`pause_generation(mode="keep")`: EngineCore
-        finishes the step it is in, then schedules nothing; the requests stay in it, to be
-        aborted) and then every output it sent processed by the front end (its output handler
-        back waiting for the next batch, its queue empty), all within `timeout` seconds; then
-        the stream watch reads every run once more. Returns how many runs it read. Raises
-        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
-        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
-        group, answers no pause); the runs are read anyway (what the engine makes after that
-        counts as discarded when their taps close)."""
+    def yield_run(self, request_id: str, cancel: Callable[[], object],
+                  timeout: float = YIELD_PAUSE_S) -> None:
+        """Make `request_id`'s run yield its slot (a preemption: workers/engine/tier_gate.py)
+        with every token EngineCore made for it in its tap, then call `cancel()` (its caller
+        hands it back). Reading first and aborting after let EngineCore make a token or two
+        in between that nobody read (counted from EngineCore's own log: tests/test_tiers_e2e.py).
+        So, on the loop, in a task: vLLM's pause (the step in progress ends, none begins), every
+        output processed, the run read (`read_now`), aborted in EngineCore, `cancel()`, then
+        vLLM resumes. An engine that does not pause in time (or died) is read and cancelled as
+        it is. Calls on the loop; returns at once."""
+        asyncio.get_running_loop().create_task(self._yield_run(request_id, cancel, timeout))
+
+    @property
+    def _pause_lock(self) -> asyncio.Lock:
+        """One pause at a time: yields, a freeze (made on the loop, at first use)."""
+        if self._pause_lock_ is None:
+            self._pause_lock_ = asyncio.Lock()
+        return self._pause_lock_
+
+    async def _yield_run(self, request_id: str, cancel, timeout: float) -> None:
+        async with self._pause_lock:
+            paused = False
+            try:
+                paused = await self._pause_drained(timeout)
+                self.read_now(request_id)
+                if paused:
+                    op = self._llm.output_processor
+                    ids = [i for key, ids in list(op.external_req_ids.items())
+                           if key == request_id or key.startswith(request_id + "~")
+                           for i in ids]
+                    if ids:
+                        await self._llm.engine_core.abort_requests_async(ids)
+            except Exception as e:  # the engine died or did not pause: read it as it is
+                log.warning("request %s: yielding without a pause (%s: %s)", request_id,
+                            type(e).__name__, e)
+                self.read_now(request_id)
+            finally:
+                cancel()
+                # Even when the pause timed out: its request may still reach EngineCore, and
+                # the resume, sent after it, undoes it (vLLM ignores a resume of no pause).
+                if not self._frozen and not self.dead:
+                    try:
+                        await self._llm.resume_generation()
+                    except Exception as e:
+                        log.warning("the engine did not resume after a yield: %s", e)
+
+    async def _pause_drained(self, timeout: float) -> bool:
+        """vLLM's pause, and every output EngineCore sent processed by the front end, within
+        `timeout` seconds: True. Raises TimeoutError, or RuntimeError for an engine found dead
+        meanwhile."""
         llm = self._llm
         pause = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
         try:
@@ -125,6 +180,25 @@ class VllmEngine:
         finally:
             if not pause.done():
                 pause.cancel()
+        return True
+
+    async def freeze(self, timeout: float) -> int:
+        """Stop this engine making tokens and read every streamed request's tokens into its tap
+        (a drain: workers/held.py). vLLM's own pause (`pause_generation(mode="keep")`: EngineCore
+        finishes the step it is in, then schedules nothing; the requests stay in it, to be
+        aborted) and then every output it sent processed by the front end (its output handler
+        back waiting for the next batch, its queue empty), all within `timeout` seconds; then
+        the stream watch reads every run once more. Returns how many runs it read. Raises
+        TimeoutError when the engine did not pause in time, RuntimeError as soon as it is found
+        dead meanwhile (an EngineCore that got the SIGTERM too, from a signal to the process
+        group, answers no pause); the runs are read anyway (what the engine makes after that
+        counts as discarded when their taps close)."""
+        self._frozen = True  # a yield in progress does not resume it
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._pause_lock:
+                    await self._pause_drained(timeout)
+        finally:
             read = self._watch.read_all() if self._watch is not None else 0
         return read
 
@@ -172,7 +246,7 @@ class VllmEngine:
         cp = tap.resume_point()
         if cp is None:
             return None, None
-        why = unsound(req)
+        why = unsound(req, self.grammar_resumes)
         for i in range(req.n):
             why = why or refusal(cp.sample(i), max_tokens=req.max_tokens,
                                  max_model_len=self.max_model_len,
@@ -180,8 +254,8 @@ class VllmEngine:
         if not why:
             try:
                 dec = fast_decoder(self._llm.tokenizer, req.skip_special_tokens)
-                return cp, [Seam(cp.sample(i), req.stop, dec, req.include_stop_str_in_output)
-                            for i in range(req.n)]
+                return cp, [Seam(cp.sample(i), req.stop, dec, req.include_stop_str_in_output,
+                                 req.min_tokens) for i in range(req.n)]
             except ValueError as e:
                 why = str(e)
             except Exception as e:  # a tokenizer `tokenizers` cannot step (not a fast one)
@@ -269,8 +343,11 @@ class VllmEngine:
         if final is not None:  # the tokens after the last tick may hold a stop string too
             comp = final.outputs[0]
             ids, finish = list(comp.token_ids), comp.finish_reason
-            if run.cut is None:
-                run.cut = run.seam.feed(ids[run.fed:])[1]
+            if finish == "error":  # e.g. its grammar refused the prefix (resume_grammar.py)
+                raise RuntimeError(f"the engine failed the run continuing sample {index} "
+                                   f"from its {c.tokens} tokens")
+            if run.cut is None:  # "stop" here is a stop token: the engine has no stop strings
+                run.cut = run.seam.feed(ids[run.fed:], stop_terminated=finish == "stop")[1]
             if wants and comp.logprobs is not None:
                 lps_new = run.convert(index, ids, list(comp.logprobs), [])
         else:

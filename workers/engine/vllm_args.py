@@ -16,6 +16,8 @@ from workers.engine.memory import MemoryPlan
 SCHEDULING_POLICY = "priority"
 # Where an engine's processes meet (torch's distributed rendezvous): this host.
 LOOPBACK = "127.0.0.1"
+# The logits processor of every engine (vLLM imports it in EngineCore by this name).
+RESUME_STEPS = "workers.engine.resume_steps:ResumedRuns"
 
 
 def engine_env_defaults() -> None:
@@ -94,6 +96,9 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
     # request for a waiting one (the engine host's preemption does: workers/engine/host.py).
     args = {"disable_log_stats": True, "scheduling_policy": SCHEDULING_POLICY,
             **executor_args(spec, platform), **defaults, **spec.engine_args, **plan_args}
+    if "speculative_config" not in args:  # vLLM refuses custom processors with speculation
+        # A resumed run samples as the unbroken run would (workers/engine/resume_steps.py).
+        args["logits_processors"] = [RESUME_STEPS, *args.get("logits_processors", ())]
     dtype = spec.dtype_on(platform)
     if dtype is not None:
         args["dtype"] = dtype
