@@ -53,12 +53,7 @@ async def follow(hub: LiveHub, request_id: str, after: int = 0, *,
     last = "0-0"
     try:
         while True:
-            try:
-                entries = await hub.entries(request_id, last)
-                status, outcome = await hub.outcome(request_id)
-            except REDIS_ERRORS:  # Redis away (or its pool busy): the follower waits for it
-                await asyncio.sleep(poll_s)
-                continue
+            entries, status, outcome = await _read(hub, request_id, last, poll_s)
             for e in entries:
                 last = e.entry_id
                 for c in cursor.take_all(e):
@@ -68,15 +63,6 @@ async def follow(hub: LiveHub, request_id: str, after: int = 0, *,
                     REQUEST_LOST, f"Redis has no record of request {request_id}"))
                 return
             if outcome is not None:
-                try:
-                    tail = await hub.entries(request_id, last)  # written before the end
-                except REDIS_ERRORS:
-                    await asyncio.sleep(poll_s)
-                    continue
-                for e in tail:
-                    last = e.entry_id
-                    for c in cursor.take_all(e):
-                        yield c
                 async for x in _end(cursor, outcome):
                     yield x
                 return
@@ -98,6 +84,22 @@ async def follow(hub: LiveHub, request_id: str, after: int = 0, *,
                     yield c
     finally:
         await hub.unfollow(sub)
+
+
+async def _read(hub: LiveHub, request_id: str, last: str, poll_s: float):
+    """(the stream's entries after `last`, the record's status, its outcome), once Redis
+    answers: a Redis away (or the pool busy) is waited out, `poll_s` at a time. With an
+    outcome, the entries include every one written before the end."""
+    while True:
+        try:
+            entries = await hub.entries(request_id, last)
+            status, outcome = await hub.outcome(request_id)
+            if outcome is not None:
+                entries += await hub.entries(request_id,
+                                             entries[-1].entry_id if entries else last)
+            return entries, status, outcome
+        except REDIS_ERRORS:
+            await asyncio.sleep(poll_s)
 
 
 def _continues(cursor: StreamCursor, e: Entry) -> bool:

@@ -77,9 +77,23 @@ def completion_logprobs(entries: list, fmt: Format, decode: Decode, offset: int 
     logprobs, whose token id comes from `token_ids`), text offsets from `offset`."""
     from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
 
+    return CompletionLogProbs(**completion_logprobs_json(entries, fmt, decode, offset,
+                                                         token_ids))
+
+
+def chat_logprobs(entries: list, fmt: Format, decode: Decode):
+    """vLLM's ChatCompletionLogProbs for `entries`."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionLogProbs
+
+    return ChatCompletionLogProbs.model_validate(chat_logprobs_json(entries, fmt, decode))
+
+
+def completion_logprobs_json(entries: list, fmt: Format, decode: Decode, offset: int = 0,
+                             token_ids: list[int] | None = None) -> dict:
+    """`completion_logprobs` as the JSON its model dumps (what the stream's hot path sends)."""
     tokens, lps, tops, offsets = [], [], [], []
     for i, e in enumerate(entries):
-        if e is None:
+        if e is None:  # a prompt position nothing predicts: the token decoded alone
             tok = decode([token_ids[i]]) if token_ids is not None else ""
             tokens.append(tok)
             lps.append(None)
@@ -94,50 +108,12 @@ def completion_logprobs(entries: list, fmt: Format, decode: Decode, offset: int 
             tops.append({_text(c, decode): max(c["logprob"], -9999.0) for c in cands})
         offsets.append(offset)
         offset += len(tok)
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=lps, tokens=tokens,
-                              top_logprobs=tops)
-
-
-def chat_logprobs(entries: list, fmt: Format, decode: Decode):
-    """vLLM's ChatCompletionLogProbs for `entries`."""
-    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionLogProb,
-                                                                  ChatCompletionLogProbs,
-                                                                  ChatCompletionLogProbsContent)
-
-    content = []
-    for e in entries:
-        tok = _text(e, decode)
-        cands = _candidates(e)
-        if not fmt.named_logprobs:
-            cands = cands[:fmt.logprobs or 0]
-        content.append(ChatCompletionLogProbsContent(
-            token=tok, logprob=max(e["logprob"], -9999.0),
-            bytes=list(tok.encode("utf-8", errors="replace")),
-            top_logprobs=[ChatCompletionLogProb(
-                token=(t := _text(c, decode)), logprob=max(c["logprob"], -9999.0),
-                bytes=list(t.encode("utf-8", errors="replace"))) for c in cands]))
-    return ChatCompletionLogProbs(content=content)
-
-
-def _completion_logprobs_json(entries: list, fmt: Format, decode: Decode, offset: int) -> dict:
-    """`completion_logprobs` as the JSON dict its model dumps (the stream's hot path)."""
-    tokens, lps, tops, offsets = [], [], [], []
-    for e in entries:
-        tok = _text(e, decode)
-        tokens.append(tok)
-        lps.append(max(e["logprob"], -9999.0))
-        cands = _candidates(e)
-        if not fmt.named_logprobs:
-            cands = cands[:(fmt.logprobs or 0) + 1]
-        tops.append({_text(c, decode): max(c["logprob"], -9999.0) for c in cands})
-        offsets.append(offset)
-        offset += len(tok)
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
             "top_logprobs": tops}
 
 
-def _chat_logprobs_json(entries: list, fmt: Format, decode: Decode) -> dict:
-    """`chat_logprobs` as the JSON dict its model dumps (the stream's hot path)."""
+def chat_logprobs_json(entries: list, fmt: Format, decode: Decode) -> dict:
+    """`chat_logprobs` as the JSON its model dumps (what the stream's hot path sends)."""
     content = []
     for e in entries:
         tok = _text(e, decode)
@@ -313,12 +289,12 @@ class Chunks:
         wants = self.fmt.logprobs is not None and entries is not None
         if self.fmt.kind == CHAT:
             c = {"index": i, "delta": {"content": chunk["text"]},
-                 "logprobs": _chat_logprobs_json(entries, self.fmt, self.decode) if wants
+                 "logprobs": chat_logprobs_json(entries, self.fmt, self.decode) if wants
                  else None, "finish_reason": None}
         else:
             lp = None
             if wants:
-                lp = _completion_logprobs_json(entries, self.fmt, self.decode,
+                lp = completion_logprobs_json(entries, self.fmt, self.decode,
                                                self.offsets.get(i, 0))
                 if lp["tokens"]:
                     self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
