@@ -98,7 +98,7 @@ def test_the_procfile_runs_under_honcho_serves_a_request_and_stops_leaving_no_pr
     procfile.write_text(cpu_procfile((REPO / "Procfile").read_text()))
     procs = parse_procfile(procfile.read_text()).processes
     assert procs["cpu1"] == "vigil worker --cpu --name cpu1@%h"
-    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower", "api", "metrics"}
+    assert set(procs) == {"cpu1", "housekeeper", "beat", "flower", "web", "metrics"}
     (tmp_path / "empty.env").write_text("")
     url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
     redis.Redis.from_url(url).flushdb()
