@@ -29,7 +29,9 @@ class HostEvents:
     and `success` from its loop thread, `fatal` from an executor thread."""
 
     def changed(self) -> None:
-        """The engine, its state or the peak in flight changed (the heartbeat reports it)."""
+        """The engine or its state changed (the heartbeat reports it; the orphan guard learns
+        the engine's processes). Counters (the peak in flight, served) are not changes: the
+        heartbeat reads them at its interval."""
 
     def fatal(self, err: WorkerFatalError) -> None:
         """This worker cannot keep an engine: hand its requests back and leave. The host holds
