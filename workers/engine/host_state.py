@@ -102,7 +102,9 @@ class HostState:
         # get them
         self.running: dict[Ticket, float] = {}
         self.seated: set[Ticket] = set()
+        self.seated_seqs = 0  # the batch slots the seated tickets take (the gate keeps it)
         self.line: list[Ticket] = []
+        self.lined: set[Ticket] = set()  # the line's tickets (asked of thousands at once)
         self.recovery: asyncio.Task | None = None
         self.fatal: WorkerFatalError | None = None
         self.fatal_handled = False
