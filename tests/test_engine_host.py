@@ -98,6 +98,25 @@ def test_many_concurrent_requests_share_one_engine_load_and_are_in_flight_togeth
     assert host.stats.peak_in_flight == 32 and f.engines[0].peak == 32
 
 
+def test_admitting_many_requests_is_not_an_engine_change(make_host):
+    """A rise of the peak in flight is not news for the worker: each `changed` walks the
+    engine's processes for the orphan guard and pokes the heartbeat, whose beat then reads every
+    held request's record. Told once per admission, 4,096 short requests reaching a fresh worker
+    paid that 4,096 times on the engine's loop (docs/performance.md, "Where a short request's
+    time goes"). The heartbeat reads the peak at its interval."""
+    f, changes = Factory(), []
+    host = make_host(f, on_change=lambda: changes.append(host.stats.peak_in_flight))
+    host.preload(A, timeout=10)
+    loaded = len(changes)
+    with ThreadPoolExecutor(32) as pool:
+        futs = [pool.submit(host.generate, req(), A, f"r{i}", 10) for i in range(32)]
+        wait_until(lambda: f.engines[0].in_flight == 32)
+        f.gate.set()
+        [x.result() for x in futs]
+    assert host.stats.peak_in_flight == 32 and host.snapshot()["peak_in_flight"] == 32
+    assert len(changes) == loaded
+
+
 def test_a_model_switch_waits_for_in_flight_requests_then_evicts(make_host):
     f = Factory()
     host = make_host(f)

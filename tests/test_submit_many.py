@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from app.celery_app import create_app
 from app.errors import RequestError, TransientError
+from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
 from app.requests.submit_many import submit_many
 from app.state import broker
@@ -82,3 +84,29 @@ def test_the_same_ids_again_are_the_same_requests_and_publish_nothing_more(setti
     assert len(messages(app.vigil_store.raw, POOL)) == before
     with pytest.raises(RequestError, match="already used by a different request"):
         many(app, settings, [{"model": "tiny-llama", "prompt": "other"}], task_ids=["again-0"])
+
+
+def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_trip(settings):
+    """Collecting a generate_many's results in order costs a round trip per SIBLINGS_READ ended
+    results (app/requests/async_result.py `Siblings`), counted by Redis itself: no
+    subscription to any result's channel, one MGET per 64. Celery's own `get` subscribed, read
+    and unsubscribed for every result, a third of the producer's CPU in the short workload
+    (docs/performance.md, "Where a short request's time goes"). A result not stored yet is
+    left to the wait, and an error is an error."""
+    app = create_app(settings)
+    items = [{"model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 1} for i in range(70)]
+    results = many(app, settings, items)
+    ended, last = results[:-1], results[-1]
+    for i, r in enumerate(ended[:-1]):
+        app.backend.store_result(r.id, {"request_id": r.id, "text": f"t{i}"}, "SUCCESS")
+    app.backend.mark_as_failure(ended[-1].id, TransientError.of("overloaded", "too much"))
+    raw = app.vigil_store.raw
+    raw.config_resetstat()
+    got = [r.get(timeout=5, propagate=False) for r in ended]
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    assert [g["text"] for g in got[:-1]] == [f"t{i}" for i in range(len(ended) - 1)]
+    assert "too much" in str(got[-1])
+    assert calls.get("mget") == -(-len(ended) // SIBLINGS_READ) == 2
+    assert "subscribe" not in calls and "get" not in calls
+    with pytest.raises(CeleryTimeoutError):  # not stored: waited for, not taken from a read
+        last.get(timeout=0.3)

@@ -16,7 +16,9 @@ thousand:
    the records of what was not published are deleted and TransientError(redis_unavailable) is
    raised with `.submitted`, the handles of what was.
 
-Returns one AsyncResult per request, in order: `get()` works per request, from any process.
+Returns one AsyncResult per request, in order: `get()` works per request, from any process;
+reading one reads the finished siblings after it in the same round trip (app/requests/
+async_result.py `Siblings`).
 Why not Celery's `chunks`: a chunk is one task over many argument tuples, with one result and
 one retry for all; here each request keeps its own id, record, result and retry, and a request
 that must go back goes back alone (docs/api.md, "Many requests at once").
@@ -32,6 +34,7 @@ from kombu.exceptions import OperationalError
 
 from app.celery_ports import CeleryPorts
 from app.errors import INVALID_REQUEST, REDIS_UNAVAILABLE, RequestError, TransientError
+from app.requests.async_result import Siblings
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish_many
 from app.requests.submit import (admit, record_fields, refusal, same_request_again,
@@ -98,7 +101,7 @@ def submit_many(items: list, task_ids: list[str] | None = None, *, settings: Vig
         raise
     _publish(to_publish, store, ports, settings.requests_per_message,
              {rid for rid in created})
-    return [ports.result(rid) for rid in ids]
+    return Siblings.link([ports.result(rid) for rid in ids])
 
 
 def _publish(todo: list, store: RequestStore, ports: CeleryPorts, per_message: int,

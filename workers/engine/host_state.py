@@ -29,7 +29,9 @@ class HostEvents:
     and `success` from its loop thread, `fatal` from an executor thread."""
 
     def changed(self) -> None:
-        """The engine, its state or the peak in flight changed (the heartbeat reports it)."""
+        """The engine or its state changed (the heartbeat reports it; the orphan guard learns
+        the engine's processes). Counters (the peak in flight, served) are not changes: the
+        heartbeat reads them at its interval."""
 
     def fatal(self, err: WorkerFatalError) -> None:
         """This worker cannot keep an engine: hand its requests back and leave. The host holds
@@ -100,7 +102,9 @@ class HostState:
         # get them
         self.running: dict[Ticket, float] = {}
         self.seated: set[Ticket] = set()
+        self.seated_seqs = 0  # the batch slots the seated tickets take (the gate keeps it)
         self.line: list[Ticket] = []
+        self.lined: set[Ticket] = set()  # the line's tickets (asked of thousands at once)
         self.recovery: asyncio.Task | None = None
         self.fatal: WorkerFatalError | None = None
         self.fatal_handled = False

@@ -49,7 +49,8 @@ class TierGate:
 
     def batch_used(self, but: Ticket | None = None) -> int:
         """The engine batch slots the seated tickets take now (`but` left out)."""
-        return sum(x.seqs for x in self._st.seated if x is not but)
+        st = self._st
+        return st.seated_seqs - (but.seqs if but is not None and but in st.seated else 0)
 
     @property
     def waiting(self) -> int:
@@ -59,11 +60,16 @@ class TierGate:
     def join(self, t: Ticket) -> None:
         """`t` takes its place in the line, as it is admitted: before its adapter loads and
         before a preemption for it is decided, so the slots freed for it are its own."""
-        if t in self._st.line or t in self._st.seated:
+        st = self._st
+        if t in st.lined or t in st.seated:
             return
         if not t.place:
             t.place = (engine_priority(getattr(t.req, "priority", None)), next(self._arrivals))
-        bisect.insort(self._st.line, t, key=lambda x: x.place)
+        if not st.line or st.line[-1].place <= t.place:
+            st.line.append(t)  # the usual case: the last of its tier to arrive
+        else:
+            bisect.insort(st.line, t, key=lambda x: x.place)
+        st.lined.add(t)
 
     async def seat(self, t: Ticket) -> None:
         """Return once `t` holds its batch slots (module docstring). Cancelled while it waits
@@ -94,16 +100,25 @@ class TierGate:
     def hold(self, t: Ticket) -> None:
         """`t` runs now: it holds its slots (a re-run after an engine death comes here without
         waiting in the line)."""
-        self._st.seated.add(t)
+        self._sit(t)
 
     def leave(self, t: Ticket) -> None:
         """`t` gave up its place or its slots (its run ended, it was aborted while waiting, its
         adapter failed): they go to the line's head."""
         st = self._st
-        if t in st.line:
+        if t in st.lined:
+            st.lined.discard(t)
             st.line.remove(t)
-        st.seated.discard(t)
+        if t in st.seated:
+            st.seated.discard(t)
+            st.seated_seqs -= t.seqs
         self.fill()
+
+    def _sit(self, t: Ticket) -> None:
+        st = self._st
+        if t not in st.seated:
+            st.seated.add(t)
+            st.seated_seqs += t.seqs
 
     def fill(self) -> None:
         """Seat the line's head while its slots are free (every ticket in the line at once
@@ -119,7 +134,8 @@ class TierGate:
             if not open_all and used > 0 and used + head.seqs > seqs:
                 return
             del st.line[0]
-            st.seated.add(head)
+            st.lined.discard(head)
+            self._sit(head)
             used += head.seqs
             wake = self._seats.get(head)
             if wake is not None and not wake.done():
@@ -137,7 +153,7 @@ class TierGate:
         read and the abort. The line keeps the freed slots for the interactive request."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs or urgent not in st.line:
+        if not seqs or urgent not in st.lined:
             return
         need = sum(x.seqs for x in st.seated if not x.preempting) - seqs
         for x in st.line:
