@@ -37,7 +37,7 @@ class WarmEngine:
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.llm = None
-        self.counter = None  # workers.engine.vllm.StepCounter
+        self.counter = None  # workers.engine.step_counter.StepCounter
 
     def ready(self) -> "WarmEngine":
         """This engine, built on first use (later callers wait for the first build)."""
@@ -54,7 +54,7 @@ class WarmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from app.requests.models import get_registry
-        from workers.engine.vllm import StepCounter
+        from workers.engine.step_counter import StepCounter
         from workers.engine.vllm_args import engine_args
 
         spec = get_registry().get(MODEL)

@@ -69,7 +69,7 @@ def direct_server(lora: bool = True) -> int:
     sys.stdout = sys.stderr
     import asyncio
 
-    from workers.engine.vllm import StepCounter
+    from workers.engine.step_counter import StepCounter
     from workers.engine.vllm_args import engine_args, engine_env_defaults
 
     engine_env_defaults()

@@ -86,7 +86,7 @@ def main() -> int:
     from workers.engine.host import EngineHost, HostEvents
     from workers.engine.kinds import engine_factory
     from workers.engine.memory import plan_memory, probe_memory, worker_device
-    from workers.engine.vllm import engine_core_pids
+    from workers.engine.processes import engine_core_pids
     from workers.engine.vllm_args import engine_env_defaults
 
     engine_env_defaults()

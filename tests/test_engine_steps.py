@@ -1,5 +1,5 @@
-"""Unit tier: the engine's own count of its steps and how full they ran (workers/engine/vllm.py,
-`StepCounter`), and the engine host's sum of it over every engine it ran (a fake AsyncLLM and
+"""Unit tier: the engine's own count of its steps and how full they ran
+(workers/engine/step_counter.py, `StepCounter`), and the engine host's sum of it over every engine it ran (a fake AsyncLLM and
 fake engines: no vLLM). The real engine's count is checked against the tokens it made in
 tests/test_metrics_e2e.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 from tests.test_engine_host import A, B, Factory, req
-from workers.engine.vllm import StepCounter
+from workers.engine.step_counter import StepCounter
 
 
 class FakeCore:

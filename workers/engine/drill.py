@@ -19,7 +19,8 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput
-from workers.engine.vllm import VllmEngine, engine_core_pids
+from workers.engine.processes import engine_core_pids
+from workers.engine.vllm import VllmEngine
 from workers.engine.witness import Witness
 
 log = logging.getLogger("vigil.drill")

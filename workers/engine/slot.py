@@ -155,8 +155,8 @@ class EngineSlot:
 
 def steps_through(before: tuple[int, int], eng) -> tuple[int, int]:
     """`before` plus the (steps, request outputs) `eng` counted from what its EngineCore sent
-    (workers/engine/vllm.py, StepCounter); outputs / steps is the mean batch. Engines that do
-    not count (the instant engine) add 0."""
+    (workers/engine/step_counter.py, StepCounter); outputs / steps is the mean batch. Engines
+    that do not count (the instant engine) add 0."""
     counter = getattr(eng, "steps", None)
     steps, outputs = before
     if counter is not None:

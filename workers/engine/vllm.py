@@ -11,8 +11,6 @@ import logging
 import os
 from typing import Callable
 
-import psutil
-
 from app.requests.adapters import AdapterRef
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelSpec
@@ -22,9 +20,11 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
+from workers.engine.processes import descendants
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
                                    unsound)
 from workers.engine.sampling import Continuation, sampling_params
+from workers.engine.step_counter import StepCounter
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
@@ -33,39 +33,6 @@ from workers.engine.witness import Witness
 log = logging.getLogger("vigil.engine")
 # A preempted run's pause (`yield_run`): about one engine step, bounded.
 YIELD_PAUSE_S = 2.0
-
-
-class StepCounter:
-    """Counts what an AsyncLLM's EngineCore sends its front end: batches of outputs (`steps`:
-    about one per engine step; 3 requests of 4 tokens each, run together, arrived in 5) and the
-    request outputs in them (`outputs`: one per request that made a token in a step, so `outputs /
-    steps` is the engine's mean batch, how full it ran). Counted from vLLM's own messages, not
-    Vigil's records: the worker's engine and the benchmark's direct engine (bench/direct_engine.py)
-    count alike.
-
-    Wraps the method AsyncLLM's output handler calls for each batch; the handler looks it up on
-    every iteration."""
-
-    def __init__(self, llm):
-        self.steps = 0
-        self.outputs = 0
-        # True while the output handler waits for EngineCore's next batch: everything before it
-        # has been processed into vLLM's request states.
-        self.waiting = False
-        core = llm.engine_core
-        fetch = core.get_output_async
-
-        async def counted():
-            self.waiting = True
-            try:
-                out = await fetch()
-            finally:
-                self.waiting = False
-            self.steps += 1
-            self.outputs += len(out.outputs)
-            return out
-
-        core.get_output_async = counted
 
 
 class VllmEngine:
@@ -450,27 +417,3 @@ def _prompt(req: GenerateRequest) -> dict:
     """The engine's prompt for a request run from its start: its text or its token ids."""
     return ({"prompt": req.prompt} if req.prompt is not None
             else {"prompt_token_ids": list(req.prompt_token_ids)})
-
-
-def engine_core_pids() -> list[int]:
-    """PIDs of this process's vLLM EngineCore children (found by their process title)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            title = " ".join(p.cmdline()) + " " + p.name()
-        except psutil.Error:
-            continue
-        if "EngineCore" in title:
-            out.append(p.pid)
-    return out
-
-
-def descendants() -> list[tuple[int, float]]:
-    """(pid, create_time) of every live descendant of this process."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            out.append((p.pid, p.create_time()))
-        except psutil.Error:
-            continue
-    return out
