@@ -20,7 +20,7 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
-from workers.engine.processes import descendants
+from workers.engine.processes import descendants, engine_core_pids
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
                                    unsound)
 from workers.engine.sampling import Continuation, sampling_params
