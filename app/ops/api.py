@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from app.errors import RequestError, TransientError, VigilError
+from app.errors import VigilError
 from app.fleet import batches
 from app.online.serving import Caller
 from app.ops.api_online import add_online_routes, vigil_error_response
