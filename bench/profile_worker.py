@@ -1,8 +1,11 @@
 """Where a worker's CPU goes per request: py-spy samples of a real `vigil worker` (the instant
-engine: Vigil's whole path, no model) while a producer keeps it busy, summarised per thread and
-per function. The measure-first step of docs/performance.md, "Where the worker's time goes".
+engine: Vigil's whole path, no model; or `--engine vllm`, the real engine on tiny-llama, whose
+EngineCore runs in a process of its own) while a producer keeps it busy, summarised per thread
+and per function. The measure-first step of docs/performance.md, "Where the worker's time goes"
+and "Short requests".
 
-    python -m bench.profile_worker [--side many|single] [--seconds 20] [--rate 100]
+    python -m bench.profile_worker [--side many|single] [--engine instant|vllm] [--logprobs K]
+                                   [--seconds 20] [--rate 100]
 
 Samples are taken only while a thread holds the GIL (py-spy --gil): on this worker the GIL is
 the limit, so a thread's share of GIL samples is its share of the worker's Python time. Printed:
@@ -38,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--side", choices=("many", "single"), default="many",
                    help="submit through generate_many (32 a message) or .delay, one a message")
+    p.add_argument("--engine", choices=("instant", "vllm"), default="instant",
+                   help="the worker's engine: no model, or the real one on tiny-llama")
+    p.add_argument("--logprobs", type=int, default=0, help="top logprobs asked per token")
     p.add_argument("--seconds", type=float, default=20.0, help="sampling time")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--concurrency", type=int, default=64)
@@ -61,7 +67,7 @@ def _thread_group(name: str) -> str:
 AREAS = [("celery", "/celery/"), ("kombu", "/kombu/"), ("redis-py", "/redis/"),
          ("billiard", "/billiard/"), ("vine/amqp", "/vine/"), ("json", "/json/"),
          ("vigil workers/", "/workers/"), ("vigil tasks/", "/tasks/"), ("vigil app/", "/app/"),
-         ("asyncio", "/asyncio/"), ("threading/queue", "/threading.py"),
+         ("vllm", "/vllm/"), ("asyncio", "/asyncio/"), ("threading/queue", "/threading.py"),
          ("threading/queue", "/queue.py"), ("concurrent", "/concurrent/"),
          ("logging", "/logging/"), ("socket/selectors", "/selectors.py"),
          ("socket/selectors", "/socket.py"), ("pydantic", "/pydantic")]
@@ -137,11 +143,12 @@ def main(argv=None) -> int:
         redis_server.start()
         worker = embedded.start_worker(redis_server.url, "profile@%h", tmp / "worker.log",
                                        concurrency=a.concurrency, pools=MODEL,
-                                       VIGIL_ENGINE="instant", VIGIL_IDLE_CLEANUP="0")
+                                       VIGIL_ENGINE=a.engine, VIGIL_IDLE_CLEANUP="0")
         from tasks.inference import generate, generate_many
 
         def submit(base: int) -> list:
-            items = [{"model": MODEL, "prompt": f"hello there {base + i}", "max_tokens": 1}
+            items = [{"model": MODEL, "prompt": f"hello there {base + i}", "max_tokens": 1,
+                      **({"logprobs": a.logprobs} if a.logprobs else {})}
                      for i in range(SLICE)]
             if a.side == "many":
                 return generate_many(items)
@@ -179,8 +186,8 @@ def main(argv=None) -> int:
         stop.set()
         feeder.join(timeout=300)
         per = "VIGIL_REQUESTS_PER_MESSAGE a message" if a.side == "many" else "one a message"
-        print(f"side: {a.side} ({SLICE} requests a submit, {per}), {a.seconds:.0f} s sampled; "
-              f"commit {_commit()}")
+        print(f"side: {a.side} ({SLICE} requests a submit, {per}), engine {a.engine}, "
+              f"logprobs {a.logprobs}, {a.seconds:.0f} s sampled; commit {_commit()}")
         for line in summarise(raw, finished, a.rate, a.top):
             print(line)
         if a.keep:
