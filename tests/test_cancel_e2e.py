@@ -93,9 +93,15 @@ def test_terminate_true_aborts_the_request_and_the_worker_keeps_serving(warm_wor
     """`revoke(terminate=True)` cancels like a revoke (the threads pool cannot kill one task):
     the request ends `cancelled`, the worker process lives and the next request succeeds."""
     pid = warm_worker.proc.pid
-    r = long_request(f"terminate-{uuid.uuid4().hex[:8]}")
-    wait_for(lambda: streamed(r.id) >= 8, 120, 0.05, "the first tokens in the stream")
-    r.revoke(terminate=True)
+    for _ in range(3):
+        r = long_request(f"terminate-{uuid.uuid4().hex[:8]}")
+        wait_for(lambda: streamed(r.id) >= 8, 120, 0.05, "the first tokens in the stream")
+        answer = r.revoke(terminate=True)
+        # On a loaded machine the stream's first write can come late, and the 480 tokens end
+        # before the revoke: that run tests nothing (its answer says so); make another.
+        if answer != "already ended (SUCCEEDED)":
+            break
+    assert answer == "cancelled", answer
     with pytest.raises(TerminalError, match="^cancelled: "):
         r.get(timeout=30)
     assert warm_worker.proc.poll() is None and warm_worker.proc.pid == pid
