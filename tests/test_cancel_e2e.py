@@ -66,13 +66,18 @@ def test_a_running_request_revoked_stops_in_the_engine_and_ends_cancelled(warm_w
     stream keeps the tokens made before, vLLM stops making tokens for it well short of 480,
     the witness records no finished generation, and the abort was the cancel's broadcast
     (within a second, before the worker's heartbeat could have found it ended)."""
-    before = settled(warm_worker)
-    job = f"cancel-{uuid.uuid4().hex[:8]}"
-    r = long_request(job)
-    wait_for(lambda: streamed(r.id) >= 16, 120, 0.05, "the first tokens in the stream")
-    log_from = len(warm_worker.log.read_text())
-    t0 = time.time()
-    r.revoke()
+    for _ in range(3):
+        before = settled(warm_worker)
+        r = long_request(f"cancel-{uuid.uuid4().hex[:8]}")
+        wait_for(lambda: streamed(r.id) >= 16, 120, 0.05, "the first tokens in the stream")
+        log_from = len(warm_worker.log.read_text())
+        t0 = time.time()
+        answer = r.revoke()
+        # On a loaded machine the stream's first write can come late, and the 480 tokens end
+        # before the revoke: that run tests nothing (its answer says so); make another.
+        if answer != "already ended (SUCCEEDED)":
+            break
+    assert answer == "cancelled", answer
     with pytest.raises(TerminalError, match="^cancelled: "):
         r.get(timeout=30)
     made = settled(warm_worker) - before
