@@ -60,24 +60,31 @@ def long_request(job: str):
                           temperature=0.0, ignore_eos=True, job=job)
 
 
+def revoked_while_running(worker, job: str, tokens: int, tries: int = 3, **revoke_kw):
+    """A long request revoked (`revoke_kw`) once `tokens` of it are streamed; asserts the
+    revoke answered `cancelled`. Returns (its result handle, the engine's output count before
+    it, the worker log's length and the time at the revoke). On a loaded machine the stream's
+    first write can come late and the 480 tokens end before the revoke: that run tests nothing
+    (the revoke's answer says so), and another request is made (at most `tries`)."""
+    for _ in range(tries):
+        before = settled(worker)
+        r = long_request(f"{job}-{uuid.uuid4().hex[:8]}")
+        wait_for(lambda: streamed(r.id) >= tokens, 120, 0.05, "the first tokens in the stream")
+        log_from, t0 = len(worker.log.read_text()), time.time()
+        answer = r.revoke(**revoke_kw)
+        if answer != "already ended (SUCCEEDED)":
+            break
+    assert answer == "cancelled", answer
+    return r, before, log_from, t0
+
+
 def test_a_running_request_revoked_stops_in_the_engine_and_ends_cancelled(warm_worker):
     """Given a 480-token greedy generation running on the warm worker, when its submitter calls
     `r.revoke()` after its first tokens are streamed, then `r.get()` raises `cancelled`, the
     stream keeps the tokens made before, vLLM stops making tokens for it well short of 480,
     the witness records no finished generation, and the abort was the cancel's broadcast
     (within a second, before the worker's heartbeat could have found it ended)."""
-    for _ in range(3):
-        before = settled(warm_worker)
-        r = long_request(f"cancel-{uuid.uuid4().hex[:8]}")
-        wait_for(lambda: streamed(r.id) >= 16, 120, 0.05, "the first tokens in the stream")
-        log_from = len(warm_worker.log.read_text())
-        t0 = time.time()
-        answer = r.revoke()
-        # On a loaded machine the stream's first write can come late, and the 480 tokens end
-        # before the revoke: that run tests nothing (its answer says so); make another.
-        if answer != "already ended (SUCCEEDED)":
-            break
-    assert answer == "cancelled", answer
+    r, before, log_from, t0 = revoked_while_running(warm_worker, "cancel", 16)
     with pytest.raises(TerminalError, match="^cancelled: "):
         r.get(timeout=30)
     made = settled(warm_worker) - before
@@ -98,15 +105,7 @@ def test_terminate_true_aborts_the_request_and_the_worker_keeps_serving(warm_wor
     """`revoke(terminate=True)` cancels like a revoke (the threads pool cannot kill one task):
     the request ends `cancelled`, the worker process lives and the next request succeeds."""
     pid = warm_worker.proc.pid
-    for _ in range(3):
-        r = long_request(f"terminate-{uuid.uuid4().hex[:8]}")
-        wait_for(lambda: streamed(r.id) >= 8, 120, 0.05, "the first tokens in the stream")
-        answer = r.revoke(terminate=True)
-        # On a loaded machine the stream's first write can come late, and the 480 tokens end
-        # before the revoke: that run tests nothing (its answer says so); make another.
-        if answer != "already ended (SUCCEEDED)":
-            break
-    assert answer == "cancelled", answer
+    r, *_ = revoked_while_running(warm_worker, "terminate", 8, terminate=True)
     with pytest.raises(TerminalError, match="^cancelled: "):
         r.get(timeout=30)
     assert warm_worker.proc.poll() is None and warm_worker.proc.pid == pid
