@@ -22,7 +22,7 @@ from app.celery_app import create_app
 from app.fleet.deadlines import sweep_deadlines
 from app.local.embedded import EmbeddedRedis
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import load_settings
 from app.state.conn import connect
 from app.state.store import RequestStore

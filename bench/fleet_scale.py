@@ -31,7 +31,7 @@ from app.fleet.snapshot import collect
 from app.local.embedded import EmbeddedRedis
 from app.requests.models import ModelRegistry, ModelSpec
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import load_settings
 from app.state import keys
 from app.state.conn import connect

@@ -26,7 +26,7 @@ import redis
 
 from app.local.embedded import EmbeddedRedis
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import load_settings
 from app.state.conn import connect
 from app.state.store import RequestStore

@@ -16,7 +16,7 @@ from app import app
 from app.celery_ports import ports_of
 from app.fleet.outcomes import result_key_for, result_keys_for
 from app.requests.models import get_registry
-from app.requests.submit import with_delivery_priority
+from app.requests.admit import with_delivery_priority
 from app.requests.submit_many import submit_many
 from app.retry_policy import NEVER_RETRIED, RETRIED
 from app.settings import get_settings

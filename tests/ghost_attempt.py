@@ -13,7 +13,7 @@ from app import app
 from app.requests.models import get_registry
 from app.requests.publish import republisher
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import get_settings
 from app.state.store import RequestStore
 from app.state.streams import Chunk, Part, TokenStreams

@@ -11,7 +11,7 @@ import pytest
 from app import app
 from app.errors import TransientError
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import (CREATED, EXISTS, OVERLOADED_JOB, OVERLOADED_POOL, RequestStore,

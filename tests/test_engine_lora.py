@@ -245,7 +245,7 @@ def test_adapter_names_and_paths_are_resolved_or_refused(tmp_path):
 
 def test_a_model_without_adapters_refuses_lora_requests_at_submit():
     from app.requests.models import ModelRegistry
-    from app.requests.submit import admit
+    from app.requests.admit import admit
     from app.settings import load_settings
 
     reg = ModelRegistry([ModelSpec(name="plain")])

@@ -15,7 +15,8 @@ from app.requests.limits import logprob_entries
 from app.requests.models import get_registry
 from app.requests.schemas import needed_version, parse_request
 from app.requests.structured import backend_of, nesting
-from app.requests.submit import admit, wire_kwargs
+from app.requests.admit import admit
+from app.requests.record_fields import wire_kwargs
 from app.settings import load_settings
 
 OK = {"model": "tiny-llama", "prompt": "hello"}

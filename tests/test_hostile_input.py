@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from app.errors import RequestError, TerminalError, TransientError
 from app.requests.schemas import newer_version, parse_request
-from app.requests.submit import provisional_fields
+from app.requests.record_fields import provisional_fields
 from app.state import keys
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime

@@ -8,7 +8,7 @@ import pytest
 
 from app.fleet.deadlines import sweep_deadlines
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore

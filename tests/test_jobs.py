@@ -9,7 +9,7 @@ import redis
 from app.fleet.consumers import ensure_job_consumers
 from app.fleet.jobs import end_job, expire_jobs
 from app.requests.schemas import GenerateRequest
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.jobs import create_job, list_jobs
 from app.state.queues import DEFAULT_JOB

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields, wire_kwargs
+from app.requests.record_fields import record_fields, wire_kwargs
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore

@@ -8,7 +8,7 @@ import pytest
 
 from app.fleet.reaper import reap_workers
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import SettingsError, load_settings
 from app.state import keys
 from app.state.conn import connect

@@ -19,7 +19,7 @@ from app.local.embedded import vigil_env
 from app.ops.request_view import describe
 from app.requests.models import get_registry
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.broker import position as queue_position
 from app.state.conn import connect

@@ -12,7 +12,8 @@ import pytest
 from app.celery_ports import ports_of
 from app.requests.models import get_registry
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields, submit_request
+from app.requests.record_fields import record_fields
+from app.requests.submit import submit_request
 from app.state.broker import queue_lists
 from app.state.conn import connect
 from app.state.queues import job_queue

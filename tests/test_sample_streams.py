@@ -16,7 +16,7 @@ import pytest
 from app import metrics
 from app.requests.stream_cursor import StreamCursor
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state.conn import connect
 from app.state.store import RequestStore
 from app.state.streams import APPENDED, Checkpoint, TokenStreams

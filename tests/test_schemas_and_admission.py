@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from app.errors import RequestError
 from app.requests.models import get_registry
 from app.requests.schemas import parse_request
-from app.requests.submit import admit
+from app.requests.admit import admit
 from app.settings import load_settings
 
 OK = {"model": "tiny-llama", "prompt": "hello"}

@@ -35,7 +35,7 @@ def test_status_shows_health_states_and_why_a_pool_is_unserved(redis_db1_url):
     for i in range(3):
         ledger.failure(2, 1000.0 + i, "stall: no progress")
     from app.requests.schemas import GenerateRequest
-    from app.requests.submit import record_fields
+    from app.requests.record_fields import record_fields
     from app.state.store import RequestStore
 
     store = RequestStore(client, 3600)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.state.conn import connect
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, OVERLOADED_JOB, RequestStore
 

@@ -31,7 +31,7 @@ def test_a_messages_own_priority_picks_the_tier_of_a_request_sent_around_the_pro
     leaves the default tier."""
     from kombu.transport.virtual import Channel
 
-    from app.requests.submit import with_delivery_priority
+    from app.requests.admit import with_delivery_priority
 
     kw = {"model": "tiny-llama", "prompt": "p"}
     assert with_delivery_priority(kw, {"priority": 1})["priority"] == INTERACTIVE

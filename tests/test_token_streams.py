@@ -17,7 +17,7 @@ from app.errors import TerminalError
 from app.local.embedded import stop_process
 from app.requests.stream_cursor import StreamCursor
 from app.requests.schemas import parse_request
-from app.requests.submit import record_fields
+from app.requests.record_fields import record_fields
 from app.settings import load_settings
 from app.state import keys
 from app.state.conn import connect

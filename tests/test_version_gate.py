@@ -15,7 +15,8 @@ import pytest
 
 from app.errors import TransientError
 from app.requests.models import get_registry
-from app.requests.submit import admit, submit_request
+from app.requests.admit import admit
+from app.requests.submit import submit_request
 from app.requests.submit_many import submit_many
 from app.requests.version_gate import (ADVERTISED, VERDICT_CACHE_S, check_served, pool_reads,
                                        unadvertised_workers)

@@ -26,8 +26,8 @@ from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
 from app.request_ids import attempt_id
 from app.requests.schemas import newer_version, parse_request
-from app.requests.submit import (adapter_for, check_prompt_size, provisional_fields,
-                                 record_fields, wire_kwargs)
+from app.requests.admit import adapter_for, check_prompt_size
+from app.requests.record_fields import provisional_fields, record_fields, wire_kwargs
 from app.retry_policy import Attempted, End, decide, exhausted, may_preempt, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey

@@ -32,7 +32,7 @@ from app.errors import (INVALID_REQUEST, REDIS_UNAVAILABLE, WORKER_LOST, Request
 from app.fleet.outcomes import end_request, tell_backend
 from app.request_ids import attempt_id
 from app.requests.publish import publish
-from app.requests.submit import record_fields, wire_kwargs
+from app.requests.record_fields import record_fields, wire_kwargs
 from app.retry_policy import Attempted, Retry, decide
 from app.state.results import ResultKey
 from app.state.store import Outcome

@@ -25,9 +25,7 @@ and `vigil batch` call directly:
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 import uuid
 from typing import Any
@@ -35,20 +33,17 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from app.celery_ports import CeleryPorts
-from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, PROMPT_TOO_LONG,
-                        REDIS_UNAVAILABLE, TOKEN_OUT_OF_VOCAB, RequestError, TerminalError,
-                        TransientError)
-from app.requests.adapters import AdapterRef, resolve_adapter
-from app.requests.limits import check_limits
-from app.requests.models import ModelRegistry, ModelSpec
+from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, REDIS_UNAVAILABLE,
+                        RequestError, TerminalError, TransientError)
+from app.requests.admit import admit, with_celery_priority
+from app.requests.models import ModelRegistry
 from app.requests.publish import Send, announce_queue, publish
-from app.requests.schemas import JOB_PATTERN, MAX_DEADLINE_S, GenerateRequest, parse_request
-from app.requests.structured import backend_of, check_compiles
-from app.requests.tiers import tier_of_celery_priority
+from app.requests.record_fields import record_fields, wire_kwargs
+from app.requests.schemas import GenerateRequest
 from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.keys import PENDING
-from app.state.queues import DEFAULT_JOB, job_queue_name
+from app.state.queues import job_queue_name
 from app.state.store import CREATED_NEW_JOB_QUEUE, EXISTS
 from app.state.store import JOB_DELETED as JOB_REFUSED
 from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
@@ -133,34 +128,6 @@ def same_request_again(store: RequestStore, request_id: str, fields: dict, pool:
     return None
 
 
-def with_celery_priority(kwargs: object, priority: object) -> object:
-    """`kwargs` with the tier that Celery's `priority=` option picks (app/requests/tiers.py),
-    unless the request names its own `priority`; RequestError(invalid_request) for a priority
-    that is not an int 0-9."""
-    if priority is None or not isinstance(kwargs, dict) or "priority" in kwargs:
-        return kwargs
-    if type(priority) is not int or not 0 <= priority <= 9:
-        raise RequestError.of(INVALID_REQUEST, f"priority={priority!r}: Celery's priority is an "
-                              "int 0-9 (0 first), or name the tier: priority='interactive', "
-                              "'default' or 'bulk'")
-    return {**kwargs, "priority": tier_of_celery_priority(priority)}
-
-
-def with_delivery_priority(kwargs: object, delivery_info: dict | None) -> object:
-    """`kwargs` of a delivered message with the tier its Celery message priority picks
-    (`with_celery_priority`), unless the request names its own: a message sent around the
-    producer (`app.send_task("vigil.generate", kwargs=..., priority=9)`) is bulk as
-    `apply_async(priority=9)` would have made it. Priority 0 names no tier here: kombu's Redis
-    transport gives every message published without a priority 0, so a plain `send_task`
-    cannot be told from one that asked for 0 (it stays default; `priority=1` or 2, or the
-    `priority` field, makes it interactive). Vigil's own messages carry their tier in their
-    kwargs (app/requests/publish.py). Anything but an int 1-9 is left alone."""
-    prio = (delivery_info or {}).get("priority")
-    if type(prio) is not int or not 1 <= prio <= 9:
-        return kwargs
-    return with_celery_priority(kwargs, prio)
-
-
 def _never_published(store: RequestStore, request_id: str, record: dict, pool: str,
                      job: str) -> bool:
     """True for a record no attempt ever began and no message carries: PENDING at dispatch 0,
@@ -169,43 +136,6 @@ def _never_published(store: RequestStore, request_id: str, record: dict, pool: s
             PENDING, "0", "0"):
         return False
     return store.message_missing(request_id, job_queue_name(pool, job))
-
-
-def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
-          ) -> tuple[GenerateRequest, ModelSpec]:
-    """Validate a submission; returns the request and its pool's spec or raises RequestError."""
-    req = parse_request(kwargs)
-    spec = registry.get(req.model)
-    check_prompt_size(req, settings)
-    limit = min(settings.max_tokens_cap, spec.max_model_len or settings.max_tokens_cap)
-    if req.max_tokens > limit:
-        raise RequestError.of(INVALID_REQUEST, f"max_tokens={req.max_tokens} is above {limit}, "
-                              f"the most {spec.name} can generate")
-    ids = req.prompt_token_ids
-    if ids is not None:
-        if spec.max_model_len and len(ids) > spec.max_model_len:
-            raise RequestError.of(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; {spec.name} "
-                                  f"accepts at most {spec.max_model_len}")
-        if spec.vocab_size and max(ids) >= spec.vocab_size:
-            bad = next(t for t in ids if t >= spec.vocab_size)
-            raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"token id {bad} is out of vocabulary "
-                                  f"({spec.name} has {spec.vocab_size} tokens)")
-    check_limits(req, spec, settings)
-    if req.structured is not None:
-        check_compiles(req.structured, backend_of(spec.engine_args), spec.name)
-    if req.lora is not None:
-        adapter_for(req, spec, settings, registry)
-    return req, spec
-
-
-def check_prompt_size(req: GenerateRequest, settings: VigilSettings) -> None:
-    """RequestError(invalid_request) when the prompt is over `max_prompt_bytes`: checked at
-    submit and again in the worker, so an oversized prompt sent around the producer never
-    reaches the tokenizer."""
-    size = req.prompt_bytes()
-    if size > settings.max_prompt_bytes:
-        raise RequestError.of(INVALID_REQUEST, f"prompt is {size} bytes; the limit is "
-                              f"{settings.max_prompt_bytes} (VIGIL_MAX_PROMPT_BYTES)")
 
 
 def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
@@ -221,55 +151,3 @@ def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
     return TransientError.of(OVERLOADED, f"{what} has {cap} open requests, its cap "
                              f"(VIGIL_MAX_PENDING_PER_{var}); nothing was sent: retry in "
                              f"~{settings.retry_backoff_max:g} s")
-
-
-def adapter_for(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings,
-                registry: ModelRegistry) -> AdapterRef:
-    """The AdapterRef a LoRA request names; RequestError(invalid_request) if the model serves no
-    adapters or the name/path is not allowed (app/requests/adapters.py)."""
-    if spec.max_loras == 0:
-        raise RequestError.of(INVALID_REQUEST, f"model {spec.name} serves no LoRA adapters")
-    return resolve_adapter(req.lora, spec.name, registry.adapters, settings.adapter_roots)
-
-
-def effective_deadline(req: GenerateRequest, default: float) -> float:
-    """Seconds from submission until the request must have ended."""
-    return req.deadline_s if req.deadline_s is not None else default
-
-
-def record_fields(req: GenerateRequest, now: float, default_deadline: float) -> dict:
-    """The fields of a new PENDING request record (app/state/keys.py lists them)."""
-    return {
-        "status": PENDING, "model": req.model, "pool": req.pool, "job": req.job,
-        "priority": req.priority,
-        **({"lora": req.lora} if req.lora is not None else {}),
-        "request": json.dumps(wire_kwargs(req)), "created_at": now,
-        "deadline_at": now + effective_deadline(req, default_deadline),
-        "attempts": 0, "dispatch": 0,
-    }
-
-
-def provisional_fields(kwargs: dict, now: float, default_deadline: float) -> dict | None:
-    """The record of a message this code cannot read (a newer schema version, sent around the
-    producer), from the fields every version keeps: model, job, deadline_s; the request kept as
-    sent. None when its job or deadline cannot be read (the message is refused instead)."""
-    job = kwargs.get("job", DEFAULT_JOB)
-    deadline = kwargs.get("deadline_s", default_deadline)
-    if not isinstance(job, str) or re.match(JOB_PATTERN, job) is None:
-        return None
-    if type(deadline) not in (int, float) or not 0 < deadline <= MAX_DEADLINE_S:
-        return None
-    try:
-        request = json.dumps(kwargs)
-    except (TypeError, ValueError, RecursionError):
-        return None
-    model = kwargs["model"]
-    return {"status": PENDING, "model": model, "pool": model, "job": job, "request": request,
-            "created_at": now, "deadline_at": now + deadline, "attempts": 0, "dispatch": 0}
-
-
-def wire_kwargs(req: GenerateRequest) -> dict:
-    """The message kwargs for a validated request (JSON-safe, defaults omitted)."""
-    return req.model_dump(mode="json", by_alias=True, exclude_none=True,
-                          exclude_defaults=True) | {
-        "model": req.model, "schema_version": req.schema_version}

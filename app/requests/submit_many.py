@@ -37,8 +37,9 @@ from app.errors import INVALID_REQUEST, REDIS_UNAVAILABLE, RequestError, Transie
 from app.requests.async_result import Siblings
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish_many
-from app.requests.submit import (admit, record_fields, refusal, same_request_again,
-                                 with_celery_priority, wire_kwargs)
+from app.requests.admit import admit, with_celery_priority
+from app.requests.record_fields import record_fields, wire_kwargs
+from app.requests.submit import refusal, same_request_again
 from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, RequestStore
