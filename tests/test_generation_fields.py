@@ -138,7 +138,7 @@ def test_an_uncompilable_schema_is_refused_before_publish_naming_the_reason():
     assert "grammar" in refusal({**OK, "structured": {"grammar": "root ::= nothing_defined"}})
     for ok in ({"json": SCHEMA}, {"regex": "[a-c]{3}"}, {"choice": ["yes", "no"]},
                {"json_object": True}, {"grammar": 'root ::= "a" | "b"'}):
-        req, _ = admit({**OK, "structured": ok}, load_settings(), get_registry())
+        req, _, _ = admit({**OK, "structured": ok}, load_settings(), get_registry())
         assert req.structured.wire() == ok
 
 
@@ -219,7 +219,7 @@ def test_the_nesting_bound_is_vllms_to_the_level():
 
     at, past = json_deep(63), json_deep(64)
     assert (nesting(at), nesting(past), nesting({}), nesting({"a": []})) == (64, 65, 1, 2)
-    req, _ = admit({**OK, "structured": {"json": at}}, load_settings(), get_registry())
+    req, _, _ = admit({**OK, "structured": {"json": at}}, load_settings(), get_registry())
     check_json_nesting(req.structured.wire()["json"])
     assert "deeper than 64" in refusal({**OK, "structured": {"json": past}})
     with pytest.raises(VLLMValidationError):
@@ -367,7 +367,7 @@ def test_hostile_version_2_fields_end_in_a_request_or_a_typed_error(fields):
     from workers.engine.sampling import sampling_params
 
     try:
-        req, _ = admit({**OK, **fields}, load_settings(), get_registry())
+        req, _, _ = admit({**OK, **fields}, load_settings(), get_registry())
     except RequestError as e:
         assert e.code in {"invalid_request", "token_out_of_vocab"}, e
     else:
@@ -424,7 +424,7 @@ def test_what_submit_admits_vllm_accepts(fields):
     from workers.engine.sampling import sampling_params
 
     try:
-        req, _ = admit({**OK, **fields}, load_settings(), get_registry())
+        req, _, _ = admit({**OK, **fields}, load_settings(), get_registry())
     except RequestError as e:
         assert e.code in {"invalid_request", "token_out_of_vocab"}, e
         return

@@ -48,7 +48,7 @@ def test_malformed_requests_are_refused_with_the_field_named(bad, field):
 
 
 def test_a_valid_request_is_admitted_and_normalised():
-    req, spec = admit({**OK, "stop": "\n"}, load_settings(), get_registry())
+    req, spec, _ = admit({**OK, "stop": "\n"}, load_settings(), get_registry())
     assert req.stop == ["\n"] and spec.name == "tiny-llama" and spec.queue == "vigil.pool.tiny-llama"
 
 
@@ -94,7 +94,7 @@ fields = st.sampled_from(["model", "prompt", "prompt_token_ids", "max_tokens", "
 @given(st.dictionaries(fields, json_values, max_size=8))
 def test_any_json_kwargs_end_in_a_request_or_a_typed_error(kwargs):
     try:
-        req, _ = admit(kwargs, load_settings(), get_registry())
+        req, _, _ = admit(kwargs, load_settings(), get_registry())
     except RequestError as e:
         assert e.code in {"invalid_request", "model_not_found", "prompt_too_long",
                           "token_out_of_vocab"}

@@ -173,6 +173,21 @@ def test_bad_kwargs_in_the_worker_fail_the_request_with_a_typed_error(runtime):
     assert rt.store.get("bad")["status"] == "FAILED" and rt.engine.calls == 0
 
 
+@pytest.mark.parametrize("kwargs,code", [
+    ({"max_tokens": 10**6}, "invalid_request"),  # past the model's context
+    ({"prompt": None, "prompt_token_ids": [1] * 5000}, "prompt_too_long"),
+])
+def test_the_model_bounds_are_checked_in_the_worker_as_at_submit(runtime, kwargs, code):
+    """Given a message sent around the producer (no submit ran its admit) whose request breaks
+    a bound of its model, then the worker's admit (the same one: app/requests/admit.py) ends it
+    with the producer's typed error and the engine never sees it."""
+    rt = runtime()
+    kw = {k: v for k, v in {**KW, **kwargs}.items() if v is not None}
+    with pytest.raises(RequestError, match=f"^{code}: "):
+        serve(rt, "far", 0, kw)
+    assert rt.store.get("far")["status"] == "FAILED" and rt.engine.calls == 0
+
+
 def test_a_transient_failure_retries_then_exhausts_attempts(runtime):
     rt = runtime([MemoryError("KV blocks"), MemoryError("KV blocks")], max_attempts=2)
     create(rt.store, "t1")

@@ -153,7 +153,7 @@ def test_the_gate_reads_the_registry_at_most_every_few_seconds_per_pool(store, s
     assert unadvertised_workers(store.workers, POOL, window, now + 1) == []  # cached
     assert unadvertised_workers(store.workers, POOL, window,
                                 now + VERDICT_CACHE_S) == ["old@h"]
-    req_v1, _ = admit(V1, settings, get_registry())
+    req_v1, _, _ = admit(V1, settings, get_registry())
     check_served(req_v1, POOL, store.workers, settings)  # version 1: never gated
 
 

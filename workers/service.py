@@ -21,12 +21,11 @@ from app.errors import (DEADLINE_EXCEEDED, PREEMPTED, SCHEMA_TOO_NEW,
                         TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
 from app.requests.adapters import files_fingerprint
-from app.requests.limits import check_limits
 from app.requests.models import ModelRegistry
 from app.requests.publish import announce_queue, publish
 from app.request_ids import attempt_id
 from app.requests.schemas import newer_version, parse_request
-from app.requests.admit import adapter_for, check_prompt_size
+from app.requests.admit import admit, check_prompt_size
 from app.requests.record_fields import provisional_fields, record_fields, wire_kwargs
 from app.retry_policy import Attempted, End, decide, exhausted, may_preempt, rule_for
 from app.settings import VigilSettings
@@ -70,8 +69,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     """
     now = time.time()
     s = rt.settings
-    try:
-        req, spec, adapter = admitted(rt, kwargs)
+    try:  # the one admit again: a message can bypass the producer (send_task, a raw push)
+        req, spec, adapter = admit(kwargs, s, rt.registry)
     except RequestError as e:
         return _refused(rt, request_id, dispatch, kwargs, e)
     pool = req.pool
@@ -135,19 +134,6 @@ def record_here(rt: WorkerRuntime, request_id: str, fields: dict, pool: str, job
             announce_queue(rt.ports.bus, rt.store.workers, pool, job)
         except Exception as e:
             log.warning("could not announce job %s's queue: %s", job, e)
-
-
-def admitted(rt: WorkerRuntime, kwargs: object):
-    """(request, its pool's spec, its LoRA adapter or None) for a delivery's kwargs, validated
-    again here (a message can bypass the producer: send_task, a raw queue push); raises
-    RequestError."""
-    s = rt.settings
-    req = parse_request(kwargs)
-    spec = rt.registry.get(req.model)
-    check_prompt_size(req, s)
-    check_limits(req, spec, s)
-    adapter = adapter_for(req, spec, s, rt.registry) if req.lora is not None else None
-    return req, spec, adapter
 
 
 def _refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,

@@ -31,6 +31,7 @@ from app.errors import (INVALID_REQUEST, REDIS_UNAVAILABLE, WORKER_LOST, Request
                         TransientError, VigilError, WorkerFatalError)
 from app.fleet.outcomes import end_request, tell_backend
 from app.request_ids import attempt_id
+from app.requests.admit import admit
 from app.requests.publish import publish
 from app.requests.record_fields import record_fields, wire_kwargs
 from app.retry_policy import Attempted, Retry, decide
@@ -38,7 +39,7 @@ from app.state.results import ResultKey
 from app.state.store import Outcome
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
-from workers.service import (GiveBack, StaleDelivery, _not_run, _refused, admitted,
+from workers.service import (GiveBack, StaleDelivery, _not_run, _refused,
                              after_run_error, give_back, open_tap, preemptible, record_here)
 
 log = logging.getLogger("vigil.service")
@@ -79,7 +80,7 @@ def serve_many(rt: WorkerRuntime, items: object,
             continue
         tally["requests"] += 1
         try:
-            req, spec, adapter = admitted(rt, kwargs)
+            req, spec, adapter = admit(kwargs, rt.settings, rt.registry)
         except RequestError as e:
             _settle(rt, tally, rid, kwargs, 0, lambda e=e, rid=rid, kw=kwargs: _refused(
                 rt, rid, 0, kw, e))

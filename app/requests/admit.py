@@ -11,7 +11,9 @@ allowed. The tier a Celery `priority=` picks is read here too (`with_celery_prio
 """
 from __future__ import annotations
 
-from app.errors import INVALID_REQUEST, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, RequestError
+from typing import NamedTuple
+
+from app.errors import INVALID_REQUEST, RequestError
 from app.requests.adapters import AdapterRef, resolve_adapter
 from app.requests.limits import check_limits
 from app.requests.models import ModelRegistry, ModelSpec
@@ -21,36 +23,31 @@ from app.requests.tiers import tier_of_celery_priority
 from app.settings import VigilSettings
 
 
-def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry
-          ) -> tuple[GenerateRequest, ModelSpec]:
-    """Validate a submission; returns the request and its pool's spec or raises RequestError."""
+class Admitted(NamedTuple):
+    """A request that passed `admit`: the request, its pool's spec, its LoRA adapter (None
+    without one)."""
+
+    req: GenerateRequest
+    spec: ModelSpec
+    adapter: AdapterRef | None
+
+
+def admit(kwargs: object, settings: VigilSettings, registry: ModelRegistry) -> Admitted:
+    """Validate a request (module docstring): the same checks at submit and in the worker.
+    Returns the Admitted request or raises RequestError."""
     req = parse_request(kwargs)
     spec = registry.get(req.model)
     check_prompt_size(req, settings)
-    limit = min(settings.max_tokens_cap, spec.max_model_len or settings.max_tokens_cap)
-    if req.max_tokens > limit:
-        raise RequestError.of(INVALID_REQUEST, f"max_tokens={req.max_tokens} is above {limit}, "
-                              f"the most {spec.name} can generate")
-    ids = req.prompt_token_ids
-    if ids is not None:
-        if spec.max_model_len and len(ids) > spec.max_model_len:
-            raise RequestError.of(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; {spec.name} "
-                                  f"accepts at most {spec.max_model_len}")
-        if spec.vocab_size and max(ids) >= spec.vocab_size:
-            bad = next(t for t in ids if t >= spec.vocab_size)
-            raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"token id {bad} is out of vocabulary "
-                                  f"({spec.name} has {spec.vocab_size} tokens)")
     check_limits(req, spec, settings)
     if req.structured is not None:
         check_compiles(req.structured, backend_of(spec.engine_args), spec.name)
-    if req.lora is not None:
-        adapter_for(req, spec, settings, registry)
-    return req, spec
+    adapter = adapter_for(req, spec, settings, registry) if req.lora is not None else None
+    return Admitted(req, spec, adapter)
 
 
 def check_prompt_size(req: GenerateRequest, settings: VigilSettings) -> None:
-    """RequestError(invalid_request) when the prompt is over `max_prompt_bytes`: checked at
-    submit and again in the worker, so an oversized prompt sent around the producer never
+    """RequestError(invalid_request) when the prompt is over `max_prompt_bytes`: part of
+    `admit`, so an oversized prompt sent around the producer never
     reaches the tokenizer."""
     size = req.prompt_bytes()
     if size > settings.max_prompt_bytes:

@@ -1,21 +1,23 @@
-"""The request's bounds that depend on the model or the settings, checked at submit and again
-in the worker (a message can bypass the producer): `n` under VIGIL_MAX_N, token ids inside the
-model's vocabulary, `prompt_logprobs` with n > 1 refused on a model serving LoRA adapters, and
-the result's size (its logprob entries) under VIGIL_MAX_LOGPROB_ENTRIES. The schema
-(app/requests/schemas.py) checks everything else."""
+"""The request's bounds that depend on the model or the settings, part of the one admit
+(app/requests/admit.py: at submit and again in the worker): `max_tokens` within the model's
+context and VIGIL_MAX_TOKENS_CAP, a token prompt within `max_model_len`, `n` under VIGIL_MAX_N,
+token ids inside the model's vocabulary, `prompt_logprobs` with n > 1 refused on a model serving
+LoRA adapters, and the result's size (its logprob entries) under VIGIL_MAX_LOGPROB_ENTRIES. The
+schema (app/requests/schemas.py) checks everything else."""
 from __future__ import annotations
 
-from app.errors import INVALID_REQUEST, TOKEN_OUT_OF_VOCAB, RequestError
+from app.errors import INVALID_REQUEST, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB, RequestError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from app.settings import VigilSettings
 
 
 def check_limits(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings) -> None:
-    """RequestError naming the bound `req` breaks: invalid_request for `n`, for
+    """RequestError naming the bound `req` breaks: invalid_request for `max_tokens` or `n`, for
     `prompt_logprobs` with n > 1 on a model with LoRA adapters (max_loras > 0), or for the
     result's size; token_out_of_vocab for a token id the model does not have (when the registry
-    knows its vocabulary)."""
+    knows its vocabulary); prompt_too_long for a token prompt over the model's context."""
+    check_model_bounds(req, spec, settings)
     if req.n > settings.max_n:
         raise RequestError.of(INVALID_REQUEST, f"n={req.n} is above {settings.max_n}, the most "
                               "samples of one prompt a request may ask for (VIGIL_MAX_N)")
@@ -40,6 +42,27 @@ def check_limits(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings)
                               f"logprob entries (n x max_tokens x (1 + logprobs), plus the "
                               f"prompt's); the limit is {settings.max_logprob_entries:,} "
                               "(VIGIL_MAX_LOGPROB_ENTRIES)")
+
+
+def check_model_bounds(req: GenerateRequest, spec: ModelSpec, settings: VigilSettings) -> None:
+    """RequestError when `max_tokens` is over what the model can generate (its context, and
+    VIGIL_MAX_TOKENS_CAP), or a token prompt is longer than the model's context
+    (prompt_too_long) or names a token the model does not have (token_out_of_vocab). A text
+    prompt's length needs the tokenizer: the engine finds it too long, at once."""
+    limit = min(settings.max_tokens_cap, spec.max_model_len or settings.max_tokens_cap)
+    if req.max_tokens > limit:
+        raise RequestError.of(INVALID_REQUEST, f"max_tokens={req.max_tokens} is above {limit}, "
+                              f"the most {spec.name} can generate")
+    ids = req.prompt_token_ids
+    if ids is None:
+        return
+    if spec.max_model_len and len(ids) > spec.max_model_len:
+        raise RequestError.of(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; {spec.name} "
+                              f"accepts at most {spec.max_model_len}")
+    if spec.vocab_size and max(ids) >= spec.vocab_size:
+        bad = next(t for t in ids if t >= spec.vocab_size)
+        raise RequestError.of(TOKEN_OUT_OF_VOCAB, f"token id {bad} is out of vocabulary "
+                              f"({spec.name} has {spec.vocab_size} tokens)")
 
 
 def per_token(req: GenerateRequest) -> int:

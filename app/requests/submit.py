@@ -63,7 +63,7 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
     send = send or ports.send
     if "priority" in options:  # Celery's own priority= picks the tier the request does not name
         kwargs = with_celery_priority(kwargs, options.pop("priority"))
-    req, spec = admit(kwargs, settings, registry)
+    req, spec, _ = admit(kwargs, settings, registry)
     check_served(req, spec.name, store.workers, settings)  # a rolling upgrade's old workers
     request_id = task_id or str(uuid.uuid4())
     now = time.time()

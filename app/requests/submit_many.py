@@ -75,17 +75,17 @@ def submit_many(items: list, task_ids: list[str] | None = None, *, settings: Vig
             admitted.append(admit(with_celery_priority(kw, priority), settings, registry))
         except RequestError as e:
             raise type(e).of(e.code, f"request {i}: {e.detail}") from None
-    for req, spec in admitted:  # a rolling upgrade's old workers (read once per pool)
+    for req, spec, _ in admitted:  # a rolling upgrade's old workers (read once per pool)
         check_served(req, spec.name, store.workers, settings)
     now = time.time()
-    fields = [record_fields(req, now, settings.request_deadline) for req, _ in admitted]
+    fields = [record_fields(req, now, settings.request_deadline) for req, _, _ in admitted]
     created, to_publish = [], []
     try:
         for start in range(0, len(ids), CREATE_CHUNK):
             part = list(zip(ids, fields))[start:start + CREATE_CHUNK]
             answers = store.create_many(part, now, max_per_job=settings.max_pending_per_job,
                                         max_per_pool=settings.max_pending_per_pool)
-            for (rid, f), answer, (req, spec) in zip(part, answers, admitted[start:]):
+            for (rid, f), answer, (req, spec, _) in zip(part, answers, admitted[start:]):
                 if answer in (CREATED, CREATED_NEW_JOB_QUEUE):
                     created.append(rid)
                     to_publish.append((rid, req, spec, f["deadline_at"]))
