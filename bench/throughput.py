@@ -122,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--many", action="store_true",
                    help="one more side in the main workload: the same requests through "
                         "generate_many (VIGIL_REQUESTS_PER_MESSAGE requests per Celery message: "
-                        "app/requests/submit_many.py); the short workload always has it")
+                        "app/requests/submit.py); the short workload always has it")
     p.add_argument("--workloads", default="main,short",
                    help="comma-separated, in order: main (--requests x --max-tokens) and short "
                         "(--short-requests x --short-max-tokens, --short-logprobs on every side)")

@@ -22,8 +22,7 @@ from app.requests.model_files import build_if_local
 from app.requests.chat import ChatTemplates, rest_of_context
 from app.requests.models import get_registry
 from app.requests.publish import republisher
-from app.requests.submit import submit_request
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many, submit_request
 from app.settings import get_settings
 from app.state.queues import HOUSEKEEPING_QUEUE
 from app.state.store import shared_store

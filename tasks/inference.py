@@ -17,7 +17,7 @@ from app.celery_ports import ports_of
 from app.fleet.outcomes import result_key_for, result_keys_for
 from app.requests.models import get_registry
 from app.requests.admit import with_delivery_priority
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many
 from app.retry_policy import NEVER_RETRIED, RETRIED
 from app.settings import get_settings
 from app.state.queues import is_pool_queue
@@ -95,7 +95,7 @@ def generate_many_task(self, requests=None) -> dict:
 
 def generate_many(items: list, task_ids: list[str] | None = None,
                   priority: int | None = None) -> list:
-    """Submit many requests at once (app/requests/submit_many.py): each what
+    """Submit many requests at once (app/requests/submit.py): each what
     `generate.delay(**kwargs)` would make of it, published as few Celery messages (up to
     VIGIL_REQUESTS_PER_MESSAGE each); returns one AsyncResult per request, in order.
 

@@ -21,9 +21,8 @@ from app.fleet.jobs import end_job
 from app.fleet.outcomes import end_request, end_requests_failed
 from app.local.embedded import stop_process
 from app.requests.models import get_registry
-from app.requests.submit import submit_request
+from app.requests.submit import submit_many, submit_request
 from app.requests.batch_file import request_id_for
-from app.requests.submit_many import submit_many
 from app.settings import load_settings
 from app.state import keys
 from app.state.batches import BatchStore

@@ -17,8 +17,7 @@ from app.local.embedded import free_port, wait_for
 from app.ops import metrics_exporter
 from app.state import broker
 from app.requests.models import get_registry
-from app.requests.submit import submit_request
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many, submit_request
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

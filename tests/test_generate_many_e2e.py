@@ -19,7 +19,7 @@ import pytest
 from app import app
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.requests.models import get_registry
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many
 from app.settings import get_settings
 from app.state import keys
 from app.state.queues import pool_queue

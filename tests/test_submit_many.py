@@ -1,4 +1,4 @@
-"""Redis tier: submitting many requests at once (app/requests/submit_many.py) through the real
+"""Redis tier: submitting many requests at once (app/requests/submit.py) through the real
 app on a real Redis (database 1): each request its own record and result handle, the messages
 carrying up to K requests each, grouped by queue and tier; all or nothing when one is wrong or
 refused."""
@@ -13,7 +13,7 @@ from app.celery_app import create_app
 from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many
 from app.state import broker
 from app.task_names import GENERATE_MANY
 

@@ -16,8 +16,7 @@ import pytest
 from app.errors import TransientError
 from app.requests.models import get_registry
 from app.requests.admit import admit
-from app.requests.submit import submit_request
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many, submit_request
 from app.requests.version_gate import (ADVERTISED, VERDICT_CACHE_S, check_served, pool_reads,
                                        unadvertised_workers)
 from app.state.conn import connect

@@ -20,17 +20,17 @@ from app.errors import (DEADLINE_EXCEEDED, PREEMPTED, SCHEMA_TOO_NEW,
                         STRUCTURED_OUTPUT_INVALID, WORKER_LOST, RequestError, TerminalError,
                         TransientError, VigilError, WorkerFatalError, error_from_record)
 from app.fleet.outcomes import end_request
-from app.requests.adapters import files_fingerprint
-from app.requests.models import ModelRegistry
-from app.requests.publish import announce_queue, publish
 from app.request_ids import attempt_id
-from app.requests.schemas import newer_version, parse_request
-from app.requests.admit import admit, check_prompt_size
-from app.requests.record_fields import provisional_fields, record_fields, wire_kwargs
+from app.requests.adapters import files_fingerprint
+from app.requests.admit import admit
+from app.requests.models import ModelRegistry
+from app.requests.record_fields import provisional_fields, record_fields
+from app.requests.schemas import newer_version
+from app.requests.submit import record_new, resubmit
 from app.retry_policy import Attempted, End, decide, exhausted, may_preempt, rule_for
 from app.settings import VigilSettings
 from app.state.results import ResultKey
-from app.state.store import CREATED_NEW_JOB_QUEUE, Begin, Outcome, RequestStore
+from app.state.store import Begin, Outcome, RequestStore
 from workers.engine.host import Aborted, HandedBack, Preempted
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
@@ -81,7 +81,8 @@ def serve(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts, live,
                        avoid_own_failures=rt.others_serve(pool))
     if b.action == "missing":  # sent around the producer (send_task / raw push): record it now
-        record_here(rt, request_id, record_fields(req, now, s.request_deadline), pool, req.job)
+        record_new(rt.store, rt.ports, [(request_id, record_fields(req, now, s.request_deadline),
+                                         pool, req.job)])
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            live)
     if b.action != "run":
@@ -123,17 +124,6 @@ def give_back(rt: WorkerRuntime, pool: str, request_ids: list[str], dispatch: in
     except Exception as e:
         log.warning("could not let go of %s given back: %s", request_ids, e)
     return GiveBack(request_ids[0])
-
-
-def record_here(rt: WorkerRuntime, request_id: str, fields: dict, pool: str, job: str) -> None:
-    """Record a delivery sent around the producer (it has no record yet) from its `fields`;
-    when its job's queue in `pool` is new, tell the pool's workers to consume it, as the
-    producer's submit does (best effort: beat's reconcile repairs a lost announcement)."""
-    if rt.store.create(request_id, fields) == CREATED_NEW_JOB_QUEUE:
-        try:
-            announce_queue(rt.ports.bus, rt.store.workers, pool, job)
-        except Exception as e:
-            log.warning("could not announce job %s's queue: %s", job, e)
 
 
 def _refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
@@ -232,7 +222,7 @@ def _hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: 
         fields = provisional_fields(kwargs, now, s.request_deadline)
         if fields is None:
             return _fail(rt, request_id, err, pool)
-        record_here(rt, request_id, fields, pool, fields["job"])
+        record_new(rt.store, rt.ports, [(request_id, fields, pool, fields["job"])])
         b = rt.store.begin(request_id, dispatch, rt.name, rt.instance_id, now, s.max_attempts,
                            s.live_window)
     if b.action != "run":
@@ -305,39 +295,12 @@ def _fail(rt: WorkerRuntime, request_id: str, err: VigilError, pool: str) -> dic
 def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSettings,
             ports: CeleryPorts, request_id: str, dispatch: int, kwargs: object) -> None:
     """A vigil.generate message that reached a queue no pool owns (vigil.housekeeping, where a
-    producer without `queue=` lands, or the housekeeper): validate it and publish it to its
-    pool's queue under the same id and dispatch (through the app's `ports`), running nothing
-    here. A message sent around the
-    producer gets its record first. Raises the request's stored error when it cannot be served
-    (ended as `serve` would end it)."""
+    producer without `queue=` lands, or the housekeeper): sent on to its pool's queue under the
+    same id and dispatch (app/requests/submit.py `resubmit`), running nothing here. Raises the
+    request's stored error when it cannot be served (ended as `serve` would end it)."""
     try:
-        req = parse_request(kwargs)
-        spec = registry.get(req.model)
-        check_prompt_size(req, settings)
-        model, job, wire = req.model, req.job, wire_kwargs(req)
-        fields = record_fields(req, time.time(), settings.request_deadline)
+        resubmit(request_id, dispatch, kwargs, settings=settings, registry=registry,
+                 store=store, ports=ports)
     except RequestError as e:
-        # A newer schema version is forwarded as it is, for a worker of its pool that reads it.
-        model = kwargs.get("model") if isinstance(kwargs, dict) else None
-        fields = provisional_fields(kwargs, time.time(), settings.request_deadline) \
-            if newer_version(kwargs) is not None and model in registry else None
-        if fields is None:
-            _, stored = end_request(store, request_id, error=e, pool="")
-            _outcome(stored)
-            return
-        spec, job, wire = registry.get(model), fields["job"], kwargs
-    rec = store.get(request_id)
-    if rec is None:
-        created = store.create(request_id, fields)
-        if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
-            try:
-                announce_queue(ports.bus, store.workers, spec.name, job)
-            except Exception as e:  # beat's reconcile repairs it
-                log.warning("could not announce job %s's queue: %s", job, e)
-        rec = store.get(request_id) or {}
-    if rec.get("status") in ("SUCCEEDED", "FAILED"):
-        return  # a duplicate of a request that has ended: nothing to run
-    publish(request_id, wire, model=model, job=job, pool=spec.name,
-            deadline_at=float(rec.get("deadline_at") or time.time() + settings.request_deadline),
-            dispatch=dispatch, send=ports.send)
-    log.info("forwarded %s from a queue no pool owns to pool %s", request_id, spec.name)
+        _, stored = end_request(store, request_id, error=e, pool="")
+        _outcome(stored)

@@ -1,5 +1,5 @@
 """Serving one message that carries many requests (`vigil.generate_many`, published by
-app/requests/submit_many.py): every request lives as one `vigil.generate` delivery would
+app/requests/submit.py): every request lives as one `vigil.generate` delivery would
 (workers/service.py: its own record, attempt, stream, deadline and set-once end), but the
 message's intake, Celery request and ack are shared, the claims are one round trip
 (`begin_many`), the requests run in the engine together from one task thread (handed to the
@@ -34,13 +34,14 @@ from app.request_ids import attempt_id
 from app.requests.admit import admit
 from app.requests.publish import publish
 from app.requests.record_fields import record_fields, wire_kwargs
+from app.requests.submit import record_new
 from app.retry_policy import Attempted, Retry, decide
 from app.state.results import ResultKey
 from app.state.store import Outcome
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
 from workers.service import (GiveBack, StaleDelivery, _not_run, _refused,
-                             after_run_error, give_back, open_tap, preemptible, record_here)
+                             after_run_error, give_back, open_tap, preemptible)
 
 log = logging.getLogger("vigil.service")
 
@@ -195,8 +196,8 @@ def _begin(rt: WorkerRuntime, runs: list[_Run]) -> None:
                                  now, s.max_attempts, s.live_window)
     for r, b in zip(runs, begins):
         if b.action == "missing":
-            record_here(rt, r.request_id, record_fields(r.req, now, s.request_deadline),
-                        r.req.pool, r.req.job)
+            record_new(rt.store, rt.ports, [(r.request_id, record_fields(
+                r.req, now, s.request_deadline), r.req.pool, r.req.job)])
             b = rt.store.begin(r.request_id, 0, rt.name, rt.instance_id, now, s.max_attempts,
                                s.live_window)
         r.begin = b

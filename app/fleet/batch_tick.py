@@ -41,7 +41,7 @@ log = logging.getLogger("vigil.batches")
 # submit(request_id, kwargs): app/requests/submit.py's submit_request with this process's
 # settings, registry and store (raises RequestError / TerminalError / TransientError).
 Submit = Callable[[str, dict], None]
-# submit_many([(request_id, kwargs)]): app/requests/submit_many.py's submit_many, all or
+# submit_many([(request_id, kwargs)]): app/requests/submit.py's submit_many, all or
 # nothing (raises as `submit` does), except that a TransientError(redis_unavailable) carries
 # `.submitted`, the handles (an `.id` each) of those published before it.
 SubmitMany = Callable[[list[tuple[str, dict]]], None]

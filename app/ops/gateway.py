@@ -18,8 +18,7 @@ from app.online.render import Renderers
 from app.online.serving import OnlineCalls
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelRegistry, get_registry
-from app.requests.submit import submit_request
-from app.requests.submit_many import submit_many
+from app.requests.submit import submit_many, submit_request
 from app.requests.version_gate import pool_reads
 from app.settings import VigilSettings
 from app.state.api_keys import KeyReader
@@ -53,7 +52,7 @@ class Gateway:
 
     def submit(self, items: list[dict], ids: list[str]) -> None:
         """Submit a call's requests (blocking): one message for one, messages of many for
-        several (app/requests/submit.py, submit_many.py)."""
+        several (app/requests/submit.py)."""
         kw = dict(settings=self.settings, registry=self.registry, store=self.store,
                   ports=self.ports)
         if len(items) == 1:

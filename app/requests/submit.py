@@ -1,33 +1,44 @@
-"""Submitting a request, producer side: admission, the record, then the message.
+"""Submitting requests: the one road from a producer's call to its messages (admit, record,
+announce, publish), for one request and for many.
 
-`submit_request` is what `generate.apply_async` / `.delay` run (tasks/base.py), and what the demo
-and `vigil batch` call directly:
+`submit` takes a list of requests; one request is a list of one. What runs it:
+`generate.apply_async` / `.delay` (`submit_request`, tasks/base.py), `generate_many` and the
+gateway's and the batch tick's many (`submit_many`), the demo and `vigil batch`. A worker that
+received a message on a queue no pool owns sends it on with `resubmit`, and a worker given a
+message sent around the producer records it with `record_new`, the one create of a record:
 
-1. `admit` validates the request; a bad one raises RequestError in the producer and nothing
-   reaches Redis: schema (app/requests/schemas.py), model known, prompt bytes under
-   `max_prompt_bytes`, `max_tokens` within the model's context and the cap, token prompts within
-   `max_model_len` and the vocabulary, `n`, the token ids and the result's size within their
-   bounds (app/requests/limits.py), a structured output the model's backend compiles
-   (app/requests/structured.py), a LoRA adapter allowed. A request that uses a schema version 2
-   field is refused (TransientError workers_too_old) while a live worker of its pool predates
-   version 2 and would fail it (app/requests/version_gate.py). A text prompt's token count needs
-   the tokenizer, so `prompt_too_long` for text is found by the engine, at once, on the first
-   attempt.
+1. Every request is admitted first (app/requests/admit.py); one that is wrong raises
+   RequestError (naming its index among many) and nothing reaches Redis. A request that uses a
+   schema version 2 field is refused (TransientError workers_too_old) while a live worker of its
+   pool predates version 2 and would fail it (app/requests/version_gate.py). A text prompt's
+   token count needs the tokenizer, so `prompt_too_long` for text is found by the engine, at
+   once, on the first attempt.
 2. The request id is the caller's `task_id` or a new uuid4, and stays the Celery task id for
    every retry and redelivery.
-3. The record is created only if new (app/state/store.py `create`), under the backpressure caps
-   (`overloaded`, nothing written) and refused for a deleted job (`job_deleted`). The same id
-   and the same request again returns the existing request; a different request under that id is
+3. The records are created only if new (`record_new`: app/state/store.py `create`, one round
+   trip per thousand), under the backpressure caps (`overloaded`, nothing written) and refused
+   for a deleted job (`job_deleted`). A refusal deletes what this call created and raises: all
+   or nothing. The same id and the same request again returns the existing request (published
+   again only if no message carries it); a different request under that id is
    `invalid_request`. A job's first request in a pool announces the job's queue to the pool's
    workers.
-4. The message is published (app/requests/publish.py). If that fails, the record is deleted again
-   (no record without a message) and a broker error becomes TransientError(redis_unavailable).
+4. The messages are published (app/requests/publish.py): one request as one `vigil.generate`
+   message with the caller's Celery options; many grouped by queue (pool and job) and tier, up
+   to `VIGIL_REQUESTS_PER_MESSAGE` a `vigil.generate_many` message. If a publish fails, the
+   records of what was not published are deleted again (no record without a message) and a
+   broker error becomes TransientError(redis_unavailable), carrying `.submitted`, the handles
+   of what was.
+
+Why not Celery's `chunks`: a chunk is one task over many argument tuples, with one result and
+one retry for all; here each request keeps its own id, record, result and retry, and a request
+that must go back goes back alone (docs/api.md, "Many requests at once").
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from kombu.exceptions import OperationalError
@@ -35,67 +46,239 @@ from kombu.exceptions import OperationalError
 from app.celery_ports import CeleryPorts
 from app.errors import (INVALID_REQUEST, JOB_DELETED, OVERLOADED, REDIS_UNAVAILABLE,
                         RequestError, TerminalError, TransientError)
-from app.requests.admit import admit, with_celery_priority
+from app.requests.admit import Admitted, admit, with_celery_priority
+from app.requests.async_result import Siblings
 from app.requests.models import ModelRegistry
-from app.requests.publish import Send, announce_queue, publish
-from app.requests.record_fields import record_fields, wire_kwargs
-from app.requests.schemas import GenerateRequest
+from app.requests.publish import Send, announce_queue, publish, publish_many
+from app.requests.record_fields import provisional_fields, record_fields, wire_kwargs
+from app.requests.schemas import GenerateRequest, newer_version
 from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.keys import PENDING
 from app.state.queues import job_queue_name
-from app.state.store import CREATED_NEW_JOB_QUEUE, EXISTS
+from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS
 from app.state.store import JOB_DELETED as JOB_REFUSED
 from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
 
 log = logging.getLogger("vigil.submit")
 
+# Records written per round trip.
+CREATE_CHUNK = 1000
+MAX_REQUESTS = 100_000
+
+
+@dataclass
+class _Item:
+    """One request on its way through `submit`."""
+
+    request_id: str
+    admitted: Admitted
+    fields: dict
+    deadline_at: float = 0.0  # where its message is published, when it is (0: not)
+
+
+def submit(items: list, task_ids: list[str] | None = None, *, settings: VigilSettings,
+           registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
+           priority: int | None = None, single: bool = False, send: Send | None = None,
+           **options) -> list[Any]:
+    """Admit, record and publish `items` (request kwargs; module docstring); one AsyncResult
+    per item, in order. `task_ids` names their ids (default: new uuid4s); `priority` is
+    Celery's priority= for the requests that name no tier. `single`: one request published as
+    one vigil.generate message through `send` (default `ports.send`) with `options`
+    (app/requests/publish.py `publish`); else as vigil.generate_many messages. Raises
+    RequestError (naming the item's index among many), TerminalError(job_deleted),
+    TransientError(overloaded), TransientError(workers_too_old) (nothing written) or
+    TransientError(redis_unavailable)."""
+    ids = _ids(items, task_ids, single)
+    todo = []
+    for i, kw in enumerate(items):
+        try:
+            todo.append(admit(with_celery_priority(kw, priority), settings, registry))
+        except RequestError as e:
+            if single:
+                raise
+            raise type(e).of(e.code, f"request {i}: {e.detail}") from None
+    for req, spec, _ in todo:  # a rolling upgrade's old workers (read once per pool)
+        check_served(req, spec.name, store.workers, settings)
+    now = time.time()
+    entries = [_Item(rid, a, record_fields(a.req, now, settings.request_deadline))
+               for rid, a in zip(ids, todo)]
+    created = _record(entries, store, ports, settings, now)
+    if single:
+        return [_publish_one(entries[0], created, store, ports, send or ports.send, options)]
+    _publish_grouped([e for e in entries if e.deadline_at], store, ports,
+                     settings.requests_per_message, set(created))
+    return Siblings.link([ports.result(rid) for rid in ids])
+
 
 def submit_request(kwargs: object, task_id: str | None = None, *, settings: VigilSettings,
                    registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
                    send: Send | None = None, **options) -> Any:
-    """Admit, record and publish one request (module docstring) through the Celery app's
-    `ports` (app/celery_ports.py); returns Celery's AsyncResult for it (Vigil's result class).
-    `send` (default: `ports.send`) and `options` are handed to `publish`. Raises RequestError
-    for a bad request, TerminalError(job_deleted), TransientError(overloaded) or
-    TransientError(redis_unavailable), or TransientError(workers_too_old) for a request of
-    schema version 2 while a worker of its pool would fail it (app/requests/version_gate.py)."""
-    send = send or ports.send
-    if "priority" in options:  # Celery's own priority= picks the tier the request does not name
-        kwargs = with_celery_priority(kwargs, options.pop("priority"))
-    req, spec, _ = admit(kwargs, settings, registry)
-    check_served(req, spec.name, store.workers, settings)  # a rolling upgrade's old workers
-    request_id = task_id or str(uuid.uuid4())
-    now = time.time()
-    fields = record_fields(req, now, settings.request_deadline)
-    # Backpressure: the caps are checked in the same script that writes the record.
-    created = store.create(request_id, fields, now, max_per_job=settings.max_pending_per_job,
-                           max_per_pool=settings.max_pending_per_pool)
-    if created in (OVERLOADED_JOB, OVERLOADED_POOL, JOB_REFUSED):
-        raise refusal(created, req, settings)
-    if created == CREATED_NEW_JOB_QUEUE:  # its pool's workers must consume it
-        try:
-            announce_queue(ports.bus, store.workers, spec.name, req.job)
-        except Exception as e:  # beat's reconcile repairs it
-            log.warning("could not announce job %s's queue: %s", req.job, e)
-    if created == EXISTS:
-        deadline = same_request_again(store, request_id, fields, spec.name, req.job)
-        if deadline is not None:
-            publish(request_id, wire_kwargs(req), model=req.model, job=req.job, pool=spec.name,
-                    deadline_at=deadline, send=send, **options)
-        return ports.result(request_id)
+    """`submit` of one request (what `.delay` runs): its AsyncResult. `options` are Celery's
+    publish options; `priority` among them picks the tier the request does not name."""
+    return submit([kwargs], [task_id] if task_id else None, settings=settings,
+                  registry=registry, store=store, ports=ports,
+                  priority=options.pop("priority", None), single=True, send=send, **options)[0]
+
+
+def submit_many(items: list, task_ids: list[str] | None = None, *, settings: VigilSettings,
+                registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
+                priority: int | None = None) -> list[Any]:
+    """`submit` of many requests as few messages (what `generate_many` runs)."""
+    return submit(items, task_ids, settings=settings, registry=registry, store=store,
+                  ports=ports, priority=priority)
+
+
+def _ids(items: object, task_ids: list[str] | None, single: bool) -> list[str]:
+    """The request ids of `items`: `task_ids`, else new uuid4s; RequestError for no items, too
+    many, or ids that are not one distinct id per item."""
+    if not isinstance(items, (list, tuple)) or not items:
+        raise RequestError.of(INVALID_REQUEST, "generate_many takes a non-empty list of "
+                              "request kwargs")
+    if len(items) > MAX_REQUESTS:
+        raise RequestError.of(INVALID_REQUEST, f"{len(items)} requests in one call; at most "
+                              f"{MAX_REQUESTS}")
+    ids = list(task_ids) if task_ids is not None else [str(uuid.uuid4()) for _ in items]
+    if len(ids) != len(items) or len(set(ids)) != len(ids):
+        raise RequestError.of(INVALID_REQUEST, "task_ids must name one distinct id per request")
+    return ids
+
+
+def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
+            settings: VigilSettings, now: float) -> list[str]:
+    """Create the records of `entries` under the caps; returns the ids created. Each entry to
+    publish gets its deadline (a new record's, or an existing one's that no message carries).
+    A refusal deletes what was created and raises its error."""
+    created: list[str] = []
     try:
-        return publish(request_id, wire_kwargs(req), model=req.model, job=req.job,
-                       pool=spec.name, deadline_at=fields["deadline_at"], send=send, **options)
-    except BaseException as e:
-        try:
-            store.delete(request_id)  # nothing half-written: no record without a message
-        except TransientError:
-            pass  # Redis is gone too; the deadline sweep ends the orphaned record
-        if isinstance(e, (OperationalError, OSError)):
-            raise TransientError.of(REDIS_UNAVAILABLE,
-                                    f"could not publish the request: {e}") from None
+        for start in range(0, len(entries), CREATE_CHUNK):
+            part = entries[start:start + CREATE_CHUNK]
+            answers = record_new(store, ports, [
+                (e.request_id, e.fields, e.admitted.spec.name, e.admitted.req.job)
+                for e in part], now, max_per_job=settings.max_pending_per_job,
+                max_per_pool=settings.max_pending_per_pool)
+            for e, answer in zip(part, answers):
+                if answer in (CREATED, CREATED_NEW_JOB_QUEUE):
+                    created.append(e.request_id)
+                    e.deadline_at = e.fields["deadline_at"]
+                elif answer == EXISTS:
+                    e.deadline_at = same_request_again(store, e.request_id, e.fields,
+                                                       e.admitted.spec.name,
+                                                       e.admitted.req.job) or 0.0
+                else:
+                    raise refusal(answer, e.admitted.req, settings)
+    except BaseException:
+        _forget(store, created)
         raise
+    return created
+
+
+def record_new(store: RequestStore, ports: CeleryPorts,
+               entries: list[tuple[str, dict, str, str]], now: float | None = None, *,
+               max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
+    """The one create of request records: each (request id, record fields, pool, job) written
+    if new, in one round trip (RequestStore.create / create_many: the answers in order, under
+    the caps, 0 for none), and each job's queue new in its pool announced to the pool's workers
+    (best effort: beat's reconcile repairs a lost announcement)."""
+    now = time.time() if now is None else now
+    if len(entries) == 1:
+        rid, fields, _, _ = entries[0]
+        answers = [store.create(rid, fields, now, max_per_job=max_per_job,
+                                max_per_pool=max_per_pool)]
+    else:
+        answers = store.create_many([(rid, fields) for rid, fields, _, _ in entries], now,
+                                    max_per_job=max_per_job, max_per_pool=max_per_pool)
+    announced = set()
+    for (_, _, pool, job), answer in zip(entries, answers):
+        if answer == CREATED_NEW_JOB_QUEUE and (pool, job) not in announced:
+            announced.add((pool, job))
+            try:
+                announce_queue(ports.bus, store.workers, pool, job)
+            except Exception as e:  # beat's reconcile repairs it
+                log.warning("could not announce job %s's queue: %s", job, e)
+    return answers
+
+
+def _publish_one(e: _Item, created: list[str], store: RequestStore, ports: CeleryPorts,
+                 send: Send, options: dict) -> Any:
+    """Publish one request's message (Celery's `options`); its AsyncResult."""
+    req, spec, _ = e.admitted
+    if not e.deadline_at:  # the same request again, and a message carries it
+        return ports.result(e.request_id)
+    try:
+        sent = publish(e.request_id, wire_kwargs(req), model=req.model, job=req.job,
+                       pool=spec.name, deadline_at=e.deadline_at, send=send, **options)
+    except BaseException as err:
+        _failed_publish(err, store, created, [], ports, "request")
+    return sent if created else ports.result(e.request_id)
+
+
+def _publish_grouped(todo: list[_Item], store: RequestStore, ports: CeleryPorts,
+                     per_message: int, created: set[str]) -> None:
+    """Publish `todo` grouped by queue and tier, `per_message` requests a message."""
+    groups: dict[tuple[str, str, str], list[_Item]] = {}
+    for e in todo:
+        req, spec, _ = e.admitted
+        groups.setdefault((spec.name, req.job, req.priority), []).append(e)
+    done: list[str] = []
+    for (pool, job, tier), members in groups.items():
+        for start in range(0, len(members), per_message):
+            part = members[start:start + per_message]
+            try:
+                publish_many([(e.request_id, wire_kwargs(e.admitted.req)) for e in part],
+                             model=part[0].admitted.req.model, job=job, pool=pool, tier=tier,
+                             deadline_at=max(e.deadline_at for e in part),
+                             send_many=ports.send_many, message_id=str(uuid.uuid4()))
+            except BaseException as err:
+                _failed_publish(err, store, [e.request_id for e in todo
+                                             if e.request_id not in done
+                                             and e.request_id in created], done, ports,
+                                "requests")
+            done.extend(e.request_id for e in part)
+
+
+def _failed_publish(err: BaseException, store: RequestStore, unpublished: list[str],
+                    done: list[str], ports: CeleryPorts, what: str) -> None:
+    """A publish raised `err`: the records created and not published are deleted (no record
+    without a message); a broker error is raised as TransientError(redis_unavailable) with
+    `.submitted`, the handles of `done`; anything else as it is."""
+    _forget(store, unpublished)
+    if isinstance(err, (OperationalError, OSError)):
+        raised = TransientError.of(REDIS_UNAVAILABLE, f"could not publish the {what}: {err}")
+        raised.submitted = [ports.result(rid) for rid in done]
+        raise raised from None
+    raise err
+
+
+def resubmit(request_id: str, dispatch: int, kwargs: object, *, settings: VigilSettings,
+             registry: ModelRegistry, store: RequestStore, ports: CeleryPorts) -> None:
+    """Send on a known request's message that reached a queue no pool owns (vigil.housekeeping,
+    where a producer without `queue=` lands): admitted again, recorded if it has no record yet
+    (sent around the producer: `record_new`, no caps), and published to its pool's queue under
+    the same id and `dispatch`; nothing when its record has ended (a duplicate). A message of a
+    newer schema version is sent on as it is, for a worker of its pool that reads it. Raises
+    the RequestError of a request that cannot be served (its caller ends it)."""
+    try:
+        req, spec, _ = admit(kwargs, settings, registry)
+        model, job, wire = req.model, req.job, wire_kwargs(req)
+        fields = record_fields(req, time.time(), settings.request_deadline)
+    except RequestError:
+        model = kwargs.get("model") if isinstance(kwargs, dict) else None
+        fields = provisional_fields(kwargs, time.time(), settings.request_deadline) \
+            if newer_version(kwargs) is not None and model in registry else None
+        if fields is None:
+            raise
+        spec, job, wire = registry.get(model), fields["job"], kwargs
+    rec = store.get(request_id)
+    if rec is None:
+        record_new(store, ports, [(request_id, fields, spec.name, job)])
+        rec = store.get(request_id) or {}
+    if rec.get("status") in ("SUCCEEDED", "FAILED"):
+        return  # a duplicate of a request that has ended: nothing to run
+    publish(request_id, wire, model=model, job=job, pool=spec.name,
+            deadline_at=float(rec.get("deadline_at") or time.time() + settings.request_deadline),
+            dispatch=dispatch, send=ports.send)
+    log.info("forwarded %s from a queue no pool owns to pool %s", request_id, spec.name)
 
 
 def refusal(created: int, req: GenerateRequest, settings: VigilSettings) -> Exception:
@@ -151,3 +334,12 @@ def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
     return TransientError.of(OVERLOADED, f"{what} has {cap} open requests, its cap "
                              f"(VIGIL_MAX_PENDING_PER_{var}); nothing was sent: retry in "
                              f"~{settings.retry_backoff_max:g} s")
+
+
+def _forget(store: RequestStore, request_ids: list[str]) -> None:
+    """Delete records this call created and did not publish (no record without a message)."""
+    for rid in request_ids:
+        try:
+            store.delete(rid)
+        except TransientError:
+            pass  # Redis is gone too: the deadline sweep ends the orphaned record

@@ -1,6 +1,6 @@
 """Many requests' state changes in one round trip each: what a message carrying many requests
 needs (tasks.inference `generate_many`, workers/service_many.py; submit: app/requests/
-submit_many.py).
+submit.py).
 
 The same Lua scripts as one request's (app/state/lua.py: CREATE, BEGIN, FINISH), queued on one
 pipeline: each request's change is as atomic and as set-once as alone, and a pipeline sent
