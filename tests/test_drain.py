@@ -126,8 +126,8 @@ def test_a_drain_freezes_the_engine_and_writes_every_token_before_handing_back(s
     rt.streams = rt.held.streams = StreamSink(rt.store.streams(), 1000, 1 << 20).start()
     pool = ThreadPoolExecutor(1)
     try:
-        create(rt.store, "long", max_tokens=4000)
-        kw = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4000}
+        create(rt.store, "long", max_tokens=500)
+        kw = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 500}
         _, discarded_before = metrics.token_totals()
         fut = pool.submit(serve, rt, "long", 0, kw)
         wait_until(lambda: eng.taps and len(eng.taps[0].token_ids) >= 20)
