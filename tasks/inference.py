@@ -26,7 +26,8 @@ from app.task_names import GENERATE, GENERATE_MANY
 from tasks.base import VigilRequest, VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
-from workers.service import GiveBack, StaleDelivery, forward, serve
+from workers.delivery_answers import GiveBack, StaleDelivery
+from workers.service import forward, serve
 from workers.service_many import serve_many
 
 log = logging.getLogger("vigil.service")

@@ -19,7 +19,8 @@ from app.state.store import RequestStore
 from tests.conftest import RecordingPorts, wait_until
 from tests.test_store_and_service import create
 from workers.engine.host import EngineHost
-from workers.service import StaleDelivery, serve
+from workers.delivery_answers import StaleDelivery
+from workers.service import serve
 
 pytestmark = pytest.mark.redis
 

@@ -22,7 +22,8 @@ from tests.test_store_and_service import KW, Scripted, create
 from workers import metrics_server
 from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime
-from workers.service import StaleDelivery, serve
+from workers.delivery_answers import StaleDelivery
+from workers.service import serve
 from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis

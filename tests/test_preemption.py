@@ -280,7 +280,8 @@ def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(sett
     from workers.engine.bridge import PREEMPTED
     from workers.engine.host import EngineHost
     from workers.runtime import WorkerRuntime
-    from workers.service import preemptible, serve
+    from workers.delivery_answers import preemptible
+    from workers.service import serve
 
     rt = WorkerRuntime(settings, "w-pre", engine="instant", guard=False,
                        ports=RecordingPorts())

@@ -20,7 +20,7 @@ from tests.test_store_and_service import KW, Scripted, create
 from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
-from workers.service import GiveBack
+from workers.delivery_answers import GiveBack
 from workers.service_many import serve_many
 
 pytestmark = pytest.mark.redis

@@ -16,7 +16,8 @@ from app.state.store import RequestStore
 from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
-from workers.service import StaleDelivery, serve
+from workers.delivery_answers import StaleDelivery
+from workers.service import serve
 from tests.conftest import RecordingPorts
 
 pytestmark = pytest.mark.redis
@@ -223,7 +224,7 @@ def test_a_retry_avoids_the_worker_it_failed_on_while_another_healthy_one_serves
     """Given a request whose attempt failed transiently on worker A, when its retry reaches A
     again while another live HEALTHY worker B serves the pool, then A gives it back untouched
     (no attempt used, not held by A) and B runs it; with A alone, A runs it again."""
-    from workers.service import GiveBack
+    from workers.delivery_answers import GiveBack
 
     a = runtime([MemoryError("KV blocks")])
     b = runtime()

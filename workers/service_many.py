@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app import metrics
-from app.errors import (INVALID_REQUEST, REDIS_UNAVAILABLE, WORKER_LOST, RequestError,
+from app.errors import (REDIS_UNAVAILABLE, WORKER_LOST, RequestError,
                         TransientError, VigilError, WorkerFatalError)
-from app.fleet.outcomes import end_request, tell_backend
 from app.request_ids import attempt_id
 from app.requests.admit import admit
-from app.requests.publish import publish
 from app.requests.record_fields import record_fields, wire_kwargs
 from app.requests.submit import record_new
 from app.retry_policy import Attempted, Retry, decide
@@ -40,8 +38,9 @@ from app.state.results import ResultKey
 from app.state.store import Outcome
 from workers.result import build_result, check_structured, repeats_output
 from workers.runtime import WorkerRuntime
-from workers.service import (GiveBack, StaleDelivery, _not_run, _refused,
-                             after_run_error, give_back, open_tap, preemptible)
+from workers.delivery_answers import (GiveBack, StaleDelivery, after_run_error, give_back,
+                                      not_run, open_tap, preemptible, publish_next, refused,
+                                      tell)
 
 log = logging.getLogger("vigil.service")
 
@@ -83,7 +82,7 @@ def serve_many(rt: WorkerRuntime, items: object,
         try:
             req, spec, adapter = admit(kwargs, rt.settings, rt.registry)
         except RequestError as e:
-            _settle(rt, tally, rid, kwargs, 0, lambda e=e, rid=rid, kw=kwargs: _refused(
+            _settle(rt, tally, rid, kwargs, 0, lambda e=e, rid=rid, kw=kwargs: refused(
                 rt, rid, 0, kw, e))
             continue
         runs.append(_Run(rid, kwargs, req, spec, adapter))
@@ -105,7 +104,7 @@ def _may_run(rt: WorkerRuntime, tally: dict, r: _Run) -> bool:
     """True when `r`'s claim says run (its tap opened); else its answer settled."""
     if r.begin.action != "run":
         _settle(rt, tally, r.request_id, r.kwargs, 0,
-                lambda: _not_run(rt, r.request_id, r.begin, r.req.pool))
+                lambda: not_run(rt, r.request_id, r.begin, r.req.pool))
         r.settled = True
         return False
     metrics.attempt_begun(r.req.pool)
@@ -244,11 +243,11 @@ def _hand_back_rest(rt: WorkerRuntime, tally: dict, runs: list[_Run], e: Excepti
             mine = type(err)(str(err))
             if r.begin is None:  # not claimed: the record is untouched, its next copy runs
                 d = decide(mine, Attempted(None, 0), rt.settings, time.time())
-                _publish_alone(rt, r.request_id, r.kwargs, 1, getattr(d, "countdown", 0.0))
+                publish_next(rt, r.request_id, r.kwargs, 1, getattr(d, "countdown", 0.0))
                 tally["retried"] += 1
             elif r.begin.action != "run":
                 _settle(rt, tally, r.request_id, r.kwargs, 0,
-                        lambda r=r: _not_run(rt, r.request_id, r.begin, r.req.pool))
+                        lambda r=r: not_run(rt, r.request_id, r.begin, r.req.pool))
             else:
                 _settle(rt, tally, r.request_id, r.kwargs, 0,
                         lambda r=r, mine=mine: after_run_error(
@@ -276,21 +275,21 @@ def _settle(rt: WorkerRuntime, tally: dict, request_id: str, kwargs: object, dis
         tally["dropped"] += 1
         return
     except GiveBack:  # its last attempt failed here and another worker serves: back, as it is
-        _publish_alone(rt, request_id, kwargs, dispatch, 0.0)
+        publish_next(rt, request_id, kwargs, dispatch, 0.0)
         tally["retried"] += 1
         return
     except (TransientError, WorkerFatalError) as e:
         decision = e.decision
         if not isinstance(decision, Retry):
             raise
-        _publish_alone(rt, request_id, kwargs, dispatch + 1, decision.countdown)
+        publish_next(rt, request_id, kwargs, dispatch + 1, decision.countdown)
         tally["retried"] += 1
         return
     except VigilError as e:  # its stored error (it ended failed)
-        _tell(rt, request_id, Outcome("FAILED", None, type(e).__name__, str(e)))
+        tell(rt, request_id, Outcome("FAILED", None, type(e).__name__, str(e)))
         tally["failed"] += 1
         return
-    _tell(rt, request_id, Outcome("SUCCEEDED", stored, "", ""))
+    tell(rt, request_id, Outcome("SUCCEEDED", stored, "", ""))
     tally["succeeded"] += 1
 
 
@@ -311,30 +310,7 @@ def _finish(rt: WorkerRuntime, tally: dict, done: list, result_key) -> None:
             log.warning("request %s already had a result; this attempt's result was dropped",
                         rid)
         if key is None or not key.written:
-            _tell(rt, rid, stored)
-
-
-def _tell(rt: WorkerRuntime, request_id: str, stored: Outcome) -> None:
-    try:
-        tell_backend(rt.ports.backend, request_id, stored)
-    except Exception as e:  # the record is the truth: a waiting r.get() reads it too
-        log.warning("request %s ended, but Celery's result backend could not be told: %s",
-                    request_id, e)
-
-
-def _publish_alone(rt: WorkerRuntime, request_id: str, kwargs: object, dispatch: int,
-                   countdown: float) -> None:
-    """Publish one request of the message again, alone, as `dispatch` after `countdown`."""
-    rec = rt.store.get(request_id) or {}
-    if not isinstance(kwargs, dict):
-        _, stored = end_request(rt.store, request_id, error=RequestError.of(
-            INVALID_REQUEST, "its kwargs are not a mapping"), instance=rt.instance_id)
-        return
-    deadline = float(rec.get("deadline_at") or time.time() + rt.settings.request_deadline)
-    publish(request_id, kwargs, model=kwargs.get("model"), job=kwargs.get("job", "default"),
-            pool=rec.get("pool") or kwargs.get("model"), deadline_at=deadline,
-            dispatch=dispatch, send=rt.ports.send,
-            **({"countdown": countdown} if countdown > 0 else {}))
+            tell(rt, rid, stored)
 
 
 __all__ = ["serve_many", "wire_kwargs"]
