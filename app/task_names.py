@@ -6,7 +6,7 @@ from __future__ import annotations
 # The producer contract: one generation request (docs/api.md).
 GENERATE = "vigil.generate"
 # Many requests in one message (tasks.inference `generate_many`): each request keeps its own
-# record, id and result (app/requests/submit.py, workers/service_many.py).
+# record, id and result (app/requests/submit.py, workers/service.py).
 GENERATE_MANY = "vigil.generate_many"
 # Beat's housekeeping (tasks/housekeeping.py over app/fleet/).
 DEADLINE_SWEEP = "vigil.deadline_sweep"

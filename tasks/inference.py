@@ -27,8 +27,7 @@ from tasks.base import VigilRequest, VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
 from workers.delivery_answers import GiveBack, StaleDelivery
-from workers.service import forward, serve
-from workers.service_many import serve_many
+from workers.service import forward, serve, serve_many
 
 log = logging.getLogger("vigil.service")
 
@@ -73,7 +72,7 @@ def generate(self, **kwargs) -> dict:
 @app.task(bind=True, name=GENERATE_MANY, acks_late=True, reject_on_worker_lost=True,
           ignore_result=True, Request=VigilRequest)
 def generate_many_task(self, requests=None) -> dict:
-    """Serve one message carrying many requests (workers/service_many.py): each request ends in
+    """Serve one message carrying many requests (workers/service.py): each request ends in
     its own record and result, or goes back alone; returns what happened (no one reads it). A
     message that reached a queue no pool owns has each request forwarded to its pool instead."""
     queue = (self.request.delivery_info or {}).get("routing_key")

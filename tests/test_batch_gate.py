@@ -91,7 +91,7 @@ class Queueing:
 
 def test_a_message_of_eight_on_two_slots_waits_for_slots_and_nothing_wedges(make_host):
     """The issue's scenario: an engine of 2 slots, 0.3 s per request, a request timeout of
-    0.5 s, one message of 8 (the host's `submit_many`, as workers/service_many.py starts one).
+    0.5 s, one message of 8 (the host's `submit_many`, as workers/service.py starts one).
     Every request ends ok, no health failure is reported, and none ever waited inside the
     engine: the wedge clock ran only while each held a slot (eb37a72: 2 ok, 6 wedged, 6
     failures)."""

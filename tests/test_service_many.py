@@ -1,5 +1,5 @@
-"""Redis tier: serving one message that carries many requests (workers/service_many.py) with a
-scripted engine, on a real Redis (database 1): one claim round trip, the requests run together,
+"""Redis tier: serving a message that carries many requests, or one (workers/service.py, the
+one road), with a scripted engine, on a real Redis (database 1): one claim round trip, the requests run together,
 one finish round trip for those that end together; each request its own end, written as it
 ends (a short one never waits for a slower sibling); a request that needs a retry or yields
 its slot (a preemption) goes back alone as its next dispatch; a sibling the reaper requeued is
@@ -21,7 +21,7 @@ from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
 from workers.delivery_answers import GiveBack
-from workers.service_many import serve_many
+from workers.service import serve_many
 
 pytestmark = pytest.mark.redis
 
@@ -258,6 +258,34 @@ def test_an_exception_out_of_the_serving_loop_strands_none_of_the_messages_reque
     assert all(r["last_error"].startswith(f"{code}: ") for r in recs)
     assert sorted(rt.ports.sent) == [("m0", 1), ("m1", 1), ("m2", 1)]
     assert sorted(rt.engine.aborted) == ["m1-1", "m2-1"]
+
+
+@pytest.mark.parametrize("fault, code", [
+    (TransientError.of("redis_unavailable", "cannot reach Redis (past the outage grace)"),
+     "redis_unavailable"),
+    (RuntimeError("a bug in the finish"), "worker_lost"),
+])
+def test_an_exception_out_of_one_delivery_is_decided_as_of_many(runtime, fault, code):
+    """The same road for one request (vigil.generate's `serve`): given a delivery whose finish
+    raises, then its record is released to its next dispatch through the one retry decision
+    (`redis_unavailable` as itself, anything else as `worker_lost`) and `serve` raises that
+    error carrying the decision, for the task's retry path; nothing is published here (the
+    task's retry publishes it once). Before the one road, a bug escaping `serve` left the
+    request RUNNING under a live worker until the deadline sweep."""
+    from workers.service import serve
+
+    rt = runtime()
+    create(rt.store, "solo")
+
+    def failing(*_a, **_kw):
+        raise fault
+    rt.store.finish_many = failing
+    with pytest.raises(TransientError) as ei:
+        serve(rt, "solo", 0, KW)
+    assert ei.value.code == code and ei.value.decision.countdown >= 0
+    rec = rt.store.get("solo")
+    assert (rec["status"], rec["dispatch"]) == ("PENDING", "1")
+    assert rec["last_error"].startswith(f"{code}: ") and rt.ports.sent == []
 
 
 def test_a_request_sent_around_the_producer_with_a_new_job_announces_its_queue(runtime):

@@ -79,6 +79,22 @@ def end_request(store: RequestStore, request_id: str, *, error: VigilError | Non
     return won, stored
 
 
+def end_many(store: RequestStore, results: list[tuple[str, dict, ResultKey | None, str]],
+             instance: int | str, now: float | None = None) -> list[tuple[bool, Outcome]]:
+    """`end_request` with a result for each (request id, result, Celery's result key or None,
+    pool), set-once each, in one round trip (one request = a list of one); (won, stored
+    outcome) in order, each won end counted under its pool. A won end with a result key writes
+    that key in the same script and marks it `written`. Raises
+    TransientError(redis_unavailable) when Redis cannot be reached (nothing was written)."""
+    now = time.time() if now is None else now
+    ends = store.finish_many([(rid, result, key) for rid, result, key, _ in results], instance,
+                             now)
+    for (_, _, _, pool), (won, stored) in zip(results, ends):
+        if won:
+            metrics.request_ended(pool, stored.status, stored.error)
+    return ends
+
+
 def end_requests_failed(store: RequestStore, request_ids: list[str], error: VigilError, *,
                         now: float | None = None, backend: Backend | None = None) -> int:
     """`end_request` with `error` for many requests at once, as the sweeper (instance 0): one
@@ -170,7 +186,7 @@ META_REUSE_S = 1.0
 
 def result_keys_for(backend: Backend) -> Callable[[str], ResultKey | None]:
     """`result_key_for(backend, id)` for many ids, with no Celery request context (a message
-    carrying many requests, workers/service_many.py): Celery's meta is built and encoded once,
+    carrying many requests, workers/service.py): Celery's meta is built and encoded once,
     cut around the result and the task id, and each id's key is that cut with its id put in
     (JSON-escaped as Celery's encoding would), so each key costs no meta of its own. The meta is
     built again once it is over META_REUSE_S old (its `date_done`). Returns None for every id

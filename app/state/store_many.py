@@ -1,5 +1,5 @@
 """Many requests' state changes in one round trip each: what a message carrying many requests
-needs (tasks.inference `generate_many`, workers/service_many.py; submit: app/requests/
+needs (tasks.inference `generate_many`, workers/service.py; submit: app/requests/
 submit.py).
 
 The same Lua scripts as one request's (app/state/lua.py: CREATE, BEGIN, FINISH), queued on one

@@ -134,7 +134,7 @@ class LoopBridge:
     def submit(self, make: Callable[[], Coroutine], engine_request_id: str
                ) -> concurrent.futures.Future:
         """Start `make()` on the loop and return its future, for `wait` (many requests of one
-        thread run together this way: workers/service_many.py). Raises HandedBack when the
+        thread run together this way: workers/service.py). Raises HandedBack when the
         bridge takes nothing new."""
         if not self.accepting:
             raise HandedBack(engine_request_id)

@@ -136,7 +136,7 @@ class EngineHost:
                timeout: float, adapter: AdapterRef | None = None, tap=None,
                preemptible: bool = False) -> "Pending":
         """Start `generate`'s request without waiting for it: many requests of one thread run
-        together this way (a message carrying many, workers/service_many.py); `result` waits.
+        together this way (a message carrying many, workers/service.py); `result` waits.
         Raises HandedBack when the host takes nothing new."""
         arrived = self._st.clock()
         t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
