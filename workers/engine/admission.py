@@ -56,13 +56,7 @@ class Admission:
                     await self._wait_for_lane(lane)
                     continue
                 if st.usable(spec):
-                    st.switch_to = None
-                    if st.inflight == 0:
-                        st.busy_since = st.clock()
-                        st.lane = lane
-                    if st.lane_wanted == lane:
-                        st.lane_wanted = None
-                    st.inflight += 1
+                    st.enter(lane)
                     # A counter the heartbeat reads at its interval, not news: a `changed` per
                     # rise walked the engine's processes on this loop for every admission.
                     st.stats.peak_in_flight = max(st.stats.peak_in_flight, st.inflight)
@@ -95,16 +89,13 @@ class Admission:
         replaced by `spec`'s; the first waiter claims the switch, which stops new admissions."""
         st = self._st
         claimed = st.switch_to is None
-        if claimed:
-            st.switch_to = spec.name
-        st.state = "draining"
+        st.claim_switch(spec.name, claimed)
         try:
             await st.cond.wait()
         except asyncio.CancelledError:
             # The request that asked for the switch gave up (timeout): the current model's
             # requests must not stay blocked behind a switch nobody wants.
-            if claimed and st.switch_to == spec.name:
-                st.switch_to = None
+            if claimed and st.withdraw_switch(spec.name):
                 st.cond.notify_all()
             raise
 
@@ -113,11 +104,10 @@ class Admission:
         st = self._st
         claimed = st.lane_wanted is None and st.lane != lane
         if claimed:
-            st.lane_wanted = lane
+            st.want_lane(lane)
         try:
             await st.cond.wait()
         except asyncio.CancelledError:
-            if claimed and st.lane_wanted == lane:  # nobody else asked: withdraw
-                st.lane_wanted = None
+            if claimed and st.withdraw_lane(lane):  # nobody else asked: withdraw
                 st.cond.notify_all()
             raise

@@ -246,7 +246,7 @@ class EngineHost:
         async def _load():
             await self._admission.acquire(spec, st.clock())
             async with st.cond:
-                st.inflight -= 1
+                st.count_out(used=False)
                 st.cond.notify_all()
 
         self._bridge.run(_load(), timeout)
@@ -339,7 +339,7 @@ class EngineHost:
         st = self._st
         t.runs += 1
         self._tiers.hold(t)
-        st.running[t] = time.monotonic()
+        st.run_started(t, time.monotonic())
         outcome, value = "cancelled", None
         args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
         try:
@@ -367,10 +367,10 @@ class EngineHost:
                 outcome, value = "error", classify(e)
                 value.__cause__ = e
         finally:
-            st.running.pop(t, None)
+            st.run_ended(t)
             self._tiers.leave(t)  # its slots go to the line's head
             async with st.cond:
-                st.release_slot()
+                st.count_out()
                 t.last = outcome
                 t.granted = None
                 if outcome == "ok":
@@ -391,7 +391,7 @@ class EngineHost:
             await self._adapters.gate(engine, t, spec, st.cond)
         except BaseException:
             async with st.cond:
-                st.release_slot()
+                st.count_out()
                 st.cond.notify_all()
             raise
 

@@ -5,11 +5,15 @@ The engine host (workers/engine/host.py) is correct because of one condition: ad
 (workers/engine/admission.py), the engine slot (workers/engine/slot.py) and recovery
 (workers/engine/recovery.py) all decide on the same `HostState` (the engine, its model, the
 requests in it, the suspects of a death), and every read and write of it happens on the host's
-loop while holding `HostState.cond`. None of the three keeps state of its own about the engine.
+loop while holding `HostState.cond`. None of the three keeps state of its own about the engine,
+and none writes a field of it: every change is one of `HostState`'s methods, named for the event
+it records (an engine loaded, a request counted in, a ticket seated, ...), so each field has one
+writer to read.
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -125,12 +129,183 @@ class HostState:
         return (eng is not None and not eng.dead and self.model == spec.name
                 and self.switch_to in (None, spec.name) and self.recovery is None)
 
-    def release_slot(self) -> None:
-        """One request left the engine (or never entered it): count it out. Under `cond`."""
-        self.inflight -= 1
+    # -- the engine slot (workers/engine/slot.py) --
+
+    def loading(self) -> None:
+        """An engine start begins: any switch claimed is being served."""
+        self.state = "loading"
+        self.switch_to = None
+
+    def planned(self, plan: MemoryPlan) -> None:
+        """The memory plan the start is sized by."""
+        self.last_plan = plan
+
+    def load_failed(self, model: str, err: VigilError) -> None:
+        """The start of `model` failed with `err` (kept for the next admission to raise)."""
+        self.last_failure = (model, self.clock(), err)
+        self.state = "failed"
+
+    def loaded(self, engine, model: str) -> None:
+        """`engine` serves `model` now, ready for requests."""
+        self.engine = engine
+        self.model = model
+        self.last_failure = None
+        self.state = "ready"
+        self.stats.loads += 1
         self.last_used = self.clock()
+
+    def take_engine(self):
+        """The engine, taken out of the state for its shutdown (None when there is none); its
+        step totals join `steps_before` under the steps lock, so a snapshot never sees them
+        twice or not at all. Call `emptied` once it is shut down."""
+        with self.steps_lock:
+            eng, self.engine = self.engine, None
+            if eng is not None:
+                self.steps_before = steps_through(self.steps_before, eng)
+        return eng
+
+    def emptied(self) -> None:
+        """No engine, no model."""
+        self.model = None
+        self.state = "empty"
+
+    def steps(self) -> tuple[int, int]:
+        """(steps, request outputs) of every engine this host ran, the current one included."""
+        with self.steps_lock:
+            return steps_through(self.steps_before, self.engine)
+
+    # -- admission (workers/engine/admission.py) and the requests in the engine --
+
+    def enter(self, lane: str) -> None:
+        """A request enters the engine in LoRA `lane`: counted in; the first of a busy spell
+        sets the lane and the spell's start, and a lane it wanted is served."""
+        self.switch_to = None
+        if self.inflight == 0:
+            self.busy_since = self.clock()
+            self.lane = lane
+        if self.lane_wanted == lane:
+            self.lane_wanted = None
+        self.inflight += 1
+
+    def count_in(self) -> None:
+        """A request re-enters the engine (a suspect re-run alone by the recovery)."""
+        self.inflight += 1
+
+    def count_out(self, used: bool = True) -> None:
+        """A request left the engine; `used`: it ran there (the idle clock restarts), else it
+        never used it (a preload's admission, a suspect given up before its re-run)."""
+        self.inflight -= 1
+        if used:
+            self.last_used = self.clock()
+
+    def claim_switch(self, model: str, claimed: bool) -> None:
+        """The engine drains for a switch to `model` (`claimed`: this waiter asked for it)."""
+        if claimed:
+            self.switch_to = model
+        self.state = "draining"
+
+    def withdraw_switch(self, model: str) -> bool:
+        """A switch to `model` nobody waits for any more is withdrawn; True when it was."""
+        if self.switch_to == model:
+            self.switch_to = None
+            return True
+        return False
+
+    def want_lane(self, lane: str) -> None:
+        """A request waits for the engine to drain into LoRA `lane`."""
+        self.lane_wanted = lane
+
+    def withdraw_lane(self, lane: str) -> bool:
+        """The wait for `lane` is withdrawn unless another asked since; True when it was."""
+        if self.lane_wanted == lane:
+            self.lane_wanted = None
+            return True
+        return False
+
+    def run_started(self, t: Ticket, at: float) -> None:
+        """`t`'s run in the engine started at `at` (monotonic)."""
+        self.running[t] = at
+
+    def run_ended(self, t: Ticket) -> None:
+        """`t`'s run in the engine ended."""
+        self.running.pop(t, None)
+
+    # -- recovery (workers/engine/recovery.py) --
+
+    def add_suspect(self, t: Ticket) -> None:
+        """`t` was in the engine when it died: it waits for the recovery's re-run."""
+        self.suspects.append(t)
+
+    def take_suspects(self) -> list[Ticket]:
+        """The suspects still waiting (none gone), taken for a re-run; the list empties."""
+        out = [t for t in self.suspects if not t.gone]
+        self.suspects.clear()
+        return out
+
+    def recovering(self, task: asyncio.Task | None) -> None:
+        """The recovery now running (None: it ended)."""
+        self.recovery = task
+
+    def died(self, engine) -> None:
+        """`engine` died; its death is counted once."""
+        self.counted_death = engine
+        self.state = "dead"
+
+    def fatal_now(self, err: WorkerFatalError) -> None:
+        """This worker cannot keep an engine."""
+        self.fatal = err
+        self.state = "fatal"
+
+    def fatal_told(self) -> None:
+        """The worker was told of the fatal error (its requests handed back)."""
+        self.fatal_handled = True
+
+    # -- the tier gate (workers/engine/tier_gate.py) --
+
+    def join_line(self, t: Ticket) -> None:
+        """`t` waits in the line for batch slots, in its place's order."""
+        if not self.line or self.line[-1].place <= t.place:
+            self.line.append(t)  # the usual case: the last of its tier to arrive
+        else:
+            bisect.insort(self.line, t, key=lambda x: x.place)
+        self.lined.add(t)
+
+    def leave_line(self, t: Ticket) -> None:
+        """`t` leaves the line (seated, or gone)."""
+        if t in self.lined:
+            self.lined.discard(t)
+            self.line.remove(t)
+
+    def pop_line(self) -> Ticket:
+        """The line's head, taken off it."""
+        head = self.line.pop(0)
+        self.lined.discard(head)
+        return head
+
+    def seat(self, t: Ticket) -> None:
+        """`t` holds its batch slots."""
+        if t not in self.seated:
+            self.seated.add(t)
+            self.seated_seqs += t.seqs
+
+    def unseat(self, t: Ticket) -> None:
+        """`t` gave its batch slots back."""
+        if t in self.seated:
+            self.seated.discard(t)
+            self.seated_seqs -= t.seqs
 
     async def notify(self) -> None:
         """Wake every waiter on the condition."""
         async with self.cond:
             self.cond.notify_all()
+
+
+def steps_through(before: tuple[int, int], eng) -> tuple[int, int]:
+    """`before` plus the (steps, request outputs) `eng` counted from what its EngineCore sent
+    (workers/engine/step_counter.py, StepCounter); outputs / steps is the mean batch. Engines
+    that do not count (the instant engine) add 0."""
+    counter = getattr(eng, "steps", None)
+    steps, outputs = before
+    if counter is not None:
+        steps, outputs = steps + counter.steps, outputs + counter.outputs
+    return steps, outputs

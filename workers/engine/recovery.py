@@ -43,18 +43,17 @@ class Recovery:
         self.note_death(engine, exc)
         if not t.in_recovery:
             t.in_recovery = True
-            st.suspects.append(t)
+            st.add_suspect(t)
             if st.recovery is None:
-                st.recovery = st.loop.create_task(self._recover(spec))
+                st.recovering(st.loop.create_task(self._recover(spec)))
 
     def note_death(self, engine, exc: BaseException) -> None:
         """Count `engine`'s death in the streak, once however many requests saw it."""
         st = self._st
         if st.counted_death is engine:
             return
-        st.counted_death = engine
+        st.died(engine)
         n = st.streak.death(death_signature(exc))
-        st.state = "dead"
         log.warning("engine for %s died (%s); %d death(s) in a row", st.model,
                     death_signature(exc), n)
 
@@ -71,7 +70,7 @@ class Recovery:
                 t.gone = True
                 if t.granted is not None:  # handed an engine in the same instant: give it back
                     t.granted = None
-                    st.inflight -= 1
+                    st.count_out(used=False)
                     st.cond.notify_all()
                 raise
             if t.verdict is not None:
@@ -106,14 +105,13 @@ class Recovery:
         st = self._st
         if st.fatal is not None:
             return
-        st.fatal = err
-        st.state = "fatal"
+        st.fatal_now(err)
         log.critical("worker cannot keep an engine: %s", err)
         st.events.changed()
 
         async def _released():
             async with st.cond:
-                st.fatal_handled = True
+                st.fatal_told()
                 st.cond.notify_all()
 
         fut = st.loop.run_in_executor(None, st.events.fatal, err)
@@ -137,8 +135,7 @@ class Recovery:
                 while True:
                     await st.cond.wait_for(lambda: st.inflight == 0)
                     if group is None:  # the casualties of a death in normal service
-                        plan.append([t for t in st.suspects if not t.gone])
-                        st.suspects.clear()
+                        plan.append(st.take_suspects())
                     else:
                         self._judge(group, plan)
                     plan = [g for g in ([t for t in g if runnable(t)] for g in plan) if g]
@@ -148,7 +145,7 @@ class Recovery:
                     group = plan.pop(0)
                     for t in group:
                         t.granted = engine
-                        st.inflight += 1
+                        st.count_in()
                     log.info("re-running %d suspect(s) alone in the engine (%d group(s) wait)",
                              len(group), len(plan))
                     st.cond.notify_all()
@@ -160,7 +157,7 @@ class Recovery:
                     t.verdict = type(e)(str(e))
         finally:
             async with st.cond:
-                st.recovery = None
+                st.recovering(None)
                 st.cond.notify_all()
 
     def _judge(self, group: list[Ticket], plan: list[list[Ticket]]) -> None:

@@ -62,19 +62,18 @@ class EngineSlot:
             self.shutdown_engine("")  # a dead engine is replaced, not evicted
         elif old is not None:
             self.shutdown_engine("model change")
-        st.state = "loading"
-        st.switch_to = None
+        st.loading()
         started = time.monotonic()
         plan = None
         try:
             plan = st.events.plan_memory(spec)  # memory_pressure here: not even worth trying
             if plan is not None:
-                st.last_plan = plan
+                st.planned(plan)
                 log.info("loading engine for model %s (%s)", spec.name, plan.describe())
             else:
                 log.info("loading engine for model %s", spec.name)
             self._platform = plan.probe.device if plan is not None else "cpu"
-            st.engine = self.factory(spec, plan)
+            engine = self.factory(spec, plan)
         except BaseException as e:
             err = classify_load_failure(e, plan,
                                         st.events.plan_memory if plan is not None else None,
@@ -84,16 +83,11 @@ class EngineSlot:
                     f"this worker cannot start {spec.name}, which another worker serves, so "
                     f"the fault is this worker's (its copy of the weights, its configuration "
                     f"or its device): {err}"))
-            st.last_failure = (spec.name, st.clock(), err)
-            st.state = "failed"
+            st.load_failed(spec.name, err)
             log.error("engine for %s failed to load: %s", spec.name, err)
             st.events.changed()
             raise err from e
-        st.model = spec.name
-        st.last_failure = None
-        st.state = "ready"
-        st.stats.loads += 1
-        st.last_used = st.clock()
+        st.loaded(engine, spec.name)
         self._start_took[spec.name] = time.monotonic() - started
         log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
                  self._start_took[spec.name], st.stats.loads)
@@ -114,16 +108,13 @@ class EngineSlot:
         """Shut the engine down now (its processes exit); with a `reason` it counts as an
         eviction. Its step totals join the host's under the steps lock first."""
         st = self._st
-        with st.steps_lock:
-            eng, st.engine = st.engine, None
-            if eng is None:
-                return
-            st.steps_before = steps_through(st.steps_before, eng)
+        eng = st.take_engine()
+        if eng is None:
+            return
         if reason:
             st.stats.evictions += 1
             log.info("evicting engine for %s (%s)", st.model, reason)
-        st.model = None
-        st.state = "empty"
+        st.emptied()
         try:
             eng.shutdown(self.shutdown_timeout)
         except Exception as e:  # a dead engine may fail to shut down; its processes are gone
@@ -148,17 +139,4 @@ class EngineSlot:
 
     def steps(self) -> tuple[int, int]:
         """(steps, request outputs) of every engine this host ran, the current one included."""
-        st = self._st
-        with st.steps_lock:
-            return steps_through(st.steps_before, st.engine)
-
-
-def steps_through(before: tuple[int, int], eng) -> tuple[int, int]:
-    """`before` plus the (steps, request outputs) `eng` counted from what its EngineCore sent
-    (workers/engine/step_counter.py, StepCounter); outputs / steps is the mean batch. Engines
-    that do not count (the instant engine) add 0."""
-    counter = getattr(eng, "steps", None)
-    steps, outputs = before
-    if counter is not None:
-        steps, outputs = steps + counter.steps, outputs + counter.outputs
-    return steps, outputs
+        return self._st.steps()

@@ -22,7 +22,6 @@ adapter loads, so a slot freed for an interactive request stays its own.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import sys
@@ -65,11 +64,7 @@ class TierGate:
             return
         if not t.place:
             t.place = (engine_priority(getattr(t.req, "priority", None)), next(self._arrivals))
-        if not st.line or st.line[-1].place <= t.place:
-            st.line.append(t)  # the usual case: the last of its tier to arrive
-        else:
-            bisect.insort(st.line, t, key=lambda x: x.place)
-        st.lined.add(t)
+        st.join_line(t)
 
     async def seat(self, t: Ticket) -> None:
         """Return once `t` holds its batch slots (module docstring). Cancelled while it waits
@@ -89,7 +84,7 @@ class TierGate:
         except asyncio.CancelledError:
             self.leave(t)
             async with st.cond:
-                st.release_slot()
+                st.count_out()
                 st.cond.notify_all()
             raise
         finally:
@@ -106,19 +101,12 @@ class TierGate:
         """`t` gave up its place or its slots (its run ended, it was aborted while waiting, its
         adapter failed): they go to the line's head."""
         st = self._st
-        if t in st.lined:
-            st.lined.discard(t)
-            st.line.remove(t)
-        if t in st.seated:
-            st.seated.discard(t)
-            st.seated_seqs -= t.seqs
+        st.leave_line(t)
+        st.unseat(t)
         self.fill()
 
     def _sit(self, t: Ticket) -> None:
-        st = self._st
-        if t not in st.seated:
-            st.seated.add(t)
-            st.seated_seqs += t.seqs
+        self._st.seat(t)
 
     def fill(self) -> None:
         """Seat the line's head while its slots are free (every ticket in the line at once
@@ -133,8 +121,7 @@ class TierGate:
             head = st.line[0]
             if not open_all and used > 0 and used + head.seqs > seqs:
                 return
-            del st.line[0]
-            st.lined.discard(head)
+            st.pop_line()
             self._sit(head)
             used += head.seqs
             wake = self._seats.get(head)
