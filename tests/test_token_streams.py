@@ -572,3 +572,33 @@ def test_stream_of_an_unknown_id_is_a_typed_error_not_a_hang(redis_server):
     took = time.monotonic() - started
     print(f"\nrequest_lost {took:.2f} s after the read began")
     assert took <= STREAM_BLOCK_S + 1.0
+
+
+def test_the_engine_calls_only_the_token_tap_protocol_and_the_stream_tap_has_it_all():
+    """The engine's view of the stream writer is workers/engine/token_tap.py's TokenTap: every
+    member workers/engine/ reads or calls on a tap (`tap.x`, `run.tap.x`, `t.tap.x`, by
+    attribute or `getattr(tap, "x")`) is one of the protocol's, and the StreamTap the worker
+    hands the engine has each of them (a member renamed on either side turns this red)."""
+    import ast
+    from pathlib import Path
+
+    from workers.engine.token_tap import TokenTap
+
+    members = {n for n in vars(TokenTap) if not n.startswith("_")} | set(
+        TokenTap.__annotations__)
+    used: set[str] = set()
+    for path in Path("workers/engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and (
+                    (isinstance(node.value, ast.Name) and node.value.id == "tap") or
+                    (isinstance(node.value, ast.Attribute) and node.value.attr == "tap")):
+                used.add(node.attr)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id == "tap" or (
+                    isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
+                    and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "tap"):
+                used.add(node.args[1].value)
+    assert used and used <= members, f"not in TokenTap: {sorted(used - members)}"
+    tap = StreamTap(None, "r", "claim", 1, "tiny-llama")
+    assert isinstance(tap, TokenTap)
+    assert all(hasattr(tap, m) for m in members)

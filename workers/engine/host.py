@@ -47,6 +47,7 @@ from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
 from workers.engine.tier_gate import TierGate
 from workers.engine.watchdog import StallWatchdog, Watched
+from workers.engine.token_tap import TokenTap
 
 __all__ = ["Aborted", "EngineFactory", "EngineHost", "HandedBack", "HostEvents", "HostStats",
            "Pending", "Preempted"]
@@ -114,7 +115,7 @@ class EngineHost:
 
     # -- entry points for task threads --------------------------------------------------------
     def generate(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-                 timeout: float, adapter: AdapterRef | None = None, tap=None,
+                 timeout: float, adapter: AdapterRef | None = None, tap: TokenTap | None = None,
                  preemptible: bool = False) -> EngineOutput:
         """Run one request to completion in the warm engine (loading it if needed).
 
@@ -133,7 +134,7 @@ class EngineHost:
                                        preemptible))
 
     def submit(self, req: GenerateRequest, spec: ModelSpec, engine_request_id: str,
-               timeout: float, adapter: AdapterRef | None = None, tap=None,
+               timeout: float, adapter: AdapterRef | None = None, tap: TokenTap | None = None,
                preemptible: bool = False) -> "Pending":
         """Start `generate`'s request without waiting for it: many requests of one thread run
         together this way (a message carrying many, workers/service.py); `result` waits.
@@ -304,7 +305,7 @@ class EngineHost:
 
     # -- one request, on the loop ---------------------------------------------------------------
     async def _generate(self, t: Ticket, spec: ModelSpec, arrived: float) -> EngineOutput:
-        lane = lane_of(spec, t.adapter, t.req, t.rid)
+        lane = lane_of(spec, t.adapter, t.req, t.attempt_id)
         engine = await self._admission.acquire(spec, arrived, lane)
         self._tiers.join(t)
         if t.urgent:
@@ -354,7 +355,7 @@ class EngineHost:
             raise
         except TimeoutError:  # vLLM aborted the request when the timeout cancelled it
             outcome, value = "error", TransientError.of(WEDGED, (
-                f"request {t.rid} got no answer from the engine within {t.timeout:g} s"))
+                f"request {t.attempt_id} got no answer from the engine within {t.timeout:g} s"))
         except BaseException as e:  # classified once, here, at the engine boundary
             if getattr(engine, "dead", False) or is_engine_dead(e):
                 # EngineCore's own account: a CUDA fault is not the requests' (no suspects).

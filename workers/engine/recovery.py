@@ -89,7 +89,7 @@ class Recovery:
             return False
         t.reruns_here += 1
         log.info("request %s: %s; running it again on this engine in %.1f s (re-run %d of "
-                 "%d)", t.rid, error, pause, t.reruns_here, rule_for(error).here)
+                 "%d)", t.attempt_id, error, pause, t.reruns_here, rule_for(error).here)
         await asyncio.sleep(pause)
         return True
 
@@ -168,7 +168,7 @@ class Recovery:
             self._st.stats.poisoned += 1
             self._st.streak.success()
             log.error("request %s killed the engine when run alone %d times: poison",
-                      convicted.rid, convicted.solo_deaths)
+                      convicted.attempt_id, convicted.solo_deaths)
 
     async def _fresh_engine(self, spec: ModelSpec):
         """(Re)build the engine until one passes the canary; raises the load error, or

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from workers.engine.resume import Cut, Seam
+from workers.engine.token_tap import TokenTap
 
 log = logging.getLogger("vigil.engine")
 
@@ -57,7 +58,7 @@ class WatchedRun:
     its samples has been read. A run from the prompt makes every sample (`index` None: the
     engine's own sample indexes); a continuing run makes sample `index` alone."""
 
-    tap: object  # workers.streaming.StreamTap
+    tap: TokenTap  # workers.streaming.StreamTap implements it
     seam: Seam | None = None
     index: int | None = None
     samples: int = 1  # samples the engine request makes

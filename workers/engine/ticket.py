@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.request_ids import run_id
+from app.request_ids import request_id_of, run_id
 from app.requests.schemas import GenerateRequest
+from workers.engine.token_tap import TokenTap
 
 
 @dataclass(eq=False)
@@ -13,7 +14,7 @@ class Ticket:
     """One request's passage through the engine host, kept across engine restarts."""
 
     req: GenerateRequest
-    rid: str
+    attempt_id: str  # the engine request id of the attempt (app/request_ids.py)
     runs: int = 0
     solo_deaths: int = 0
     reruns_here: int = 0  # runs again on this engine because vLLM asked (retry_policy.retry_here)
@@ -25,7 +26,7 @@ class Ticket:
     adapter: object = None  # the request's LoRA adapter (app.requests.adapters.AdapterRef), if any
     adapter_engine: object = None  # the engine whose adapter use count holds this ticket
     timeout: float = float("inf")  # the longest one run may take inside the engine
-    tap: object = None  # the request's token stream tap (workers/streaming.py), if streamed
+    tap: TokenTap | None = None  # the request's token stream writer, if streamed
     # A bulk request that may still yield its engine slot to an interactive one (its record's
     # preemptions are under VIGIL_MAX_PREEMPTIONS), and whether it is yielding now.
     preemptible: bool = False
@@ -56,6 +57,11 @@ class Ticket:
         """An interactive request: it may make a bulk one yield its slot."""
         return getattr(self.req, "priority", None) == "interactive"
 
+    @property
+    def request_id(self) -> str:
+        """The Vigil request id this attempt belongs to."""
+        return request_id_of(self.attempt_id)
+
     def engine_request_id(self) -> str:
         """A fresh id per run: an aborted id may linger in the engine's bookkeeping."""
-        return run_id(self.rid, self.runs)
+        return run_id(self.attempt_id, self.runs)

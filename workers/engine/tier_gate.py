@@ -27,7 +27,6 @@ import logging
 import sys
 import time
 
-from app.request_ids import request_id_of
 from app.requests.tiers import engine_priority
 from workers.engine.bridge import PREEMPTED, LoopBridge
 from workers.engine.host_state import HostState
@@ -166,10 +165,10 @@ class TierGate:
         victim.preempting = True
 
         def cancel() -> None:
-            if self._bridge.cancel_requests({request_id_of(victim.rid)}, PREEMPTED):
+            if self._bridge.cancel_requests({victim.request_id}, PREEMPTED):
                 st.stats.preemptions += 1
-                log.info("request %s yields its slot to interactive %s", victim.rid,
-                         urgent.rid)
+                log.info("request %s yields its slot to interactive %s", victim.attempt_id,
+                         urgent.attempt_id)
 
         yield_run = getattr(engine, "yield_run", None)
         if yield_run is not None:  # paused, read, aborted in EngineCore, then cancelled

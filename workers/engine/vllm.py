@@ -29,6 +29,7 @@ from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.witness import Witness
+from workers.engine.token_tap import TokenTap
 
 log = logging.getLogger("vigil.engine")
 # A preempted run's pause (`yield_run`): about one engine step, bounded.
@@ -182,7 +183,7 @@ class VllmEngine:
         return self._llm is None or bool(self._llm.errored)
 
     async def run(self, req: GenerateRequest, request_id: str,
-                  adapter: AdapterRef | None = None, tap=None) -> EngineOutput:
+                  adapter: AdapterRef | None = None, tap: TokenTap | None = None) -> EngineOutput:
         """Generate to completion (with `adapter`, already loaded by `add_adapter`); engine
         exceptions propagate unclassified. With a `tap` (workers/streaming.py) the new tokens
         (and their logprobs) go to the request's token stream while it runs, and the run
@@ -207,7 +208,7 @@ class VllmEngine:
         done = await _all_or_none(runs)
         return EngineOutput.of([s for s, _ in done], len(cp.prompt_ids), done[0][1])
 
-    def _resume_point(self, req: GenerateRequest, tap):
+    def _resume_point(self, req: GenerateRequest, tap: TokenTap | None):
         """The checkpoint this run continues and a seam per sample, or (None, None): nothing
         to continue, or a continuation that would be unsound (refused: the stream restarts)."""
         cp = tap.resume_point()
