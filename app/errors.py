@@ -63,7 +63,7 @@ OVERLOADED = "overloaded"
 WORKERS_TOO_OLD = "workers_too_old"
 # The request's LoRA adapter is still being written: retried without using up an attempt.
 LORA_ADAPTER_PENDING = "lora_adapter_pending"
-# A bulk request that yielded its engine slot to an interactive request at a token boundary:
+# A bulk request that yielded its batch seat to an interactive request at a token boundary:
 # back on its queue at once, resuming from its stream, no attempt used (workers/engine/
 # admission.py). Not a failure.
 PREEMPTED = "preempted"

@@ -73,7 +73,7 @@ RETRY_HERE_PAUSE_S = 0.5
 class Rule:
     """How one kind of error is handled: `retried` at all; `at_once` (no backoff: another worker
     can take it now); `uses_attempt` (counted against VIGIL_MAX_ATTEMPTS; else the attempt is
-    given back and the request's deadline or window bounds it); `delay_cap` (a tighter cap on
+    refunded and the request's deadline or window bounds it); `delay_cap` (a tighter cap on
     the backoff); `memory_window` (bounded by VIGIL_MEMORY_PRESSURE_WINDOW from the first
     refusal); `varies` (retried only because another attempt may answer differently: a request
     that makes the same output every time, `Attempted.repeats`, ends at once); `here`
@@ -177,7 +177,7 @@ class Attempted:
 @dataclass(frozen=True)
 class Retry:
     """Publish the request again as its next dispatch after `countdown` seconds; the attempt
-    stays counted when `uses_attempt`, else it is given back; `pressure` starts or continues the
+    stays counted when `uses_attempt`, else it is refunded; `pressure` starts or continues the
     memory-pressure window."""
 
     countdown: float
@@ -248,7 +248,7 @@ def retry_here(error: VigilError, reruns: int) -> float | None:
 
 
 def may_preempt(preemptions: int, settings: Limits) -> bool:
-    """Whether a request preempted `preemptions` times may yield its engine slot once more (the
+    """Whether a request preempted `preemptions` times may yield its batch seat once more (the
     `preempted` row's bound): only while that is fewer than VIGIL_MAX_PREEMPTIONS. Asked before
     a run (workers/service.py), not after: a request at the bound runs to its end where it is."""
     return preemptions < settings.max_preemptions

@@ -144,7 +144,7 @@ class VigilSettings(BaseSettings):
                                       description="The most requests `generate_many` puts in "
                                       "one Celery message.")
     max_preemptions: int = Field(DEFAULT_MAX_PREEMPTIONS, ge=0, le=100, description="How often "
-                                 "one bulk request may yield its engine slot to an "
+                                 "one bulk request may yield its batch seat to an "
                                  "interactive one (0: never preempt).")
     max_drains: int = Field(DEFAULT_MAX_DRAINS, ge=0, le=100, description="How often one "
                             "request may be handed back by a stopping worker (SIGTERM) without "

@@ -106,7 +106,7 @@ DEFAULT_STREAM_CHUNK_TOKENS = 64
 DEFAULT_STALL_TIMEOUT_S = 120.0
 # Failed canaries in a row before a quarantined worker gives up and leaves (exit 70).
 DEFAULT_MAX_CANARY_FAILURES = 5
-# Task threads (engine slots) of a worker kept free of bulk work: the bulk tier may hold at
+# Task threads of a worker kept free of bulk work: the bulk tier may hold at
 # most concurrency - this many requests at once (app/state/intake.py), so an
 # interactive request arriving at a worker full of bulk work starts at once. Default-tier
 # requests may use every thread (a fleet that names no tiers loses nothing).
@@ -114,7 +114,7 @@ DEFAULT_INTERACTIVE_SLOTS = 8
 # Bulk work's floor: with a backlog in every tier, lower tiers still get at least this share of
 # a worker's intake (every 1/floor-th pop takes the lowest tier first); 0: strict priority.
 DEFAULT_BULK_FLOOR = 0.1
-# A bulk request yields its engine slot to a waiting interactive request at most this many
+# A bulk request yields its batch seat to a waiting interactive request at most this many
 # times (each resumes from its stream, losing nothing); past it, it is never picked again.
 DEFAULT_MAX_PREEMPTIONS = 3
 # A request handed back by a stopping worker (SIGTERM: a scale-in, a deploy) gives its attempt

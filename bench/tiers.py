@@ -17,7 +17,7 @@ alternating between the two sides, `--rounds` times (the first side alternates t
 - **with tiers**: `priority="interactive"`: taken first, and preempting the bulk run cheapest to
   rebuild when the engine's batch is full;
 - **without**: the same requests at the default tier: taken before bulk work from the queue,
-  but waiting (outside vLLM since issue 38's batch gate) for a batch slot that a finished bulk
+  but waiting (outside vLLM since issue 38's batch gate) for a batch seat that a finished bulk
   request frees.
 
 Reported per side: the trickle's latency (submit to result) p50 / p99 / max, and the bulk

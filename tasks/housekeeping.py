@@ -181,7 +181,7 @@ def batch_tick() -> dict:
         return delete_job(store, ports, name, reason, code=code)
 
     def end_requests(ids: list[str], code: str, reason: str) -> int:
-        try:  # first: a worker running one frees its engine slot (as ending a job does)
+        try:  # first: a worker running one frees its batch seat (as ending a job does)
             ports.bus.abort_requests(ids)
         except Exception as e:
             log.warning("batch: abort broadcast failed: %s", e)

@@ -1,6 +1,6 @@
 """Unit tier: waiting is not wedging, for any tier (docs/failure-modes.md, "Wedges").
 
-The engine host lets a request into the engine only into a free batch slot (the batch gate,
+The engine host lets a request into the engine only into a free batch seat (the batch gate,
 workers/engine/tier_gate.py), so `VIGIL_REQUEST_TIMEOUT` (the wedge clock) never counts time a
 request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
 as vLLM does: it runs at most `max_num_seqs` requests, the rest wait inside it in vLLM's

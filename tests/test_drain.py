@@ -32,7 +32,7 @@ def store(settings):
 
 def test_a_drained_request_gets_its_attempt_back_max_drains_times_then_uses_it(store):
     """Given a request running on a stopping worker, when the worker hands it back as a drain,
-    then it is PENDING for its next dispatch with its attempt given back and one drain counted
+    then it is PENDING for its next dispatch with its attempt refunded and one drain counted
     (history: requeued, `drained`); at VIGIL_MAX_DRAINS drains a further drain is `worker_lost`
     and keeps the attempt; a held request not begun (PENDING) gets nothing back; a reaper's
     hand-back (no drain) keeps the attempt as before."""

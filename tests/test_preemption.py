@@ -3,7 +3,7 @@
 request admitted to a full engine makes the preemptible bulk runs cheapest to rebuild (fewest
 prompt and prefix tokens) yield as many slots as it needs (their tokens read first), never a run
 whose resume would be refused, and nothing else is ever picked; work beyond the batch waits at
-the batch gate, outside the engine, so the one that yields holds a batch slot, and the slot it
+the batch gate, outside the engine, so the one that yields holds a batch seat, and the slot it
 frees is kept for the interactive request, also while its LoRA adapter loads."""
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_a_run_whose_resume_would_be_refused_is_never_the_victim(make_host):
     assert eng.read == ["dear-1"]
     wait_until(lambda: "now-1" in eng.running)
     again = pool.submit(host.generate, req("again", "interactive"), SPEC, "again-1", 30)
-    wait_until(lambda: host.waiting_for_slots == 1)  # at the gate: nothing yields for it
+    wait_until(lambda: host.waiting_for_seats == 1)  # at the gate: nothing yields for it
     assert eng.read == ["dear-1"] and host.stats.preemptions == 1
     eng.release.set()
     assert [f.result(10).text for f in (stale, urgent, again)] == ["stale", "now", "again"]
@@ -197,7 +197,7 @@ def test_the_slot_freed_for_an_interactive_request_loading_its_adapter_stays_its
     first = [host.submit(req(f"b{i}"), spec, f"b{i}-1", 30, None, None, True) for i in (0, 1)]
     wait_until(lambda: len(eng.running) == 2)
     waiting = host.submit(req("b2"), spec, "b2-1", 30, None, None, True)
-    wait_until(lambda: host.waiting_for_slots == 1)
+    wait_until(lambda: host.waiting_for_seats == 1)
     eng.adapter_loads.clear()
     pool = ThreadPoolExecutor(1)
     urgent = pool.submit(host.generate, req("now", "interactive"), spec, "now-1", 30, adapter)
@@ -223,7 +223,7 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
                         None, True)
     wait_until(lambda: len(eng.running) == 2)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
-    wait_until(lambda: host.waiting_for_slots == 1)  # it waits for a slot, outside the engine
+    wait_until(lambda: host.waiting_for_seats == 1)  # it waits for a slot, outside the engine
     assert eng.aborted == [] and host.stats.preemptions == 0 and "now-1" not in eng.running
     eng.release.set()
     assert {f.result(10).text for f in (tired, plain, urgent)} == {"tired", "plain", "now"}
@@ -234,7 +234,7 @@ def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_sl
     """Given an engine whose batch holds two requests and four bulk requests started together
     (one message of many), then only two enter the engine and the other two wait at the bulk
     gate; an interactive request then makes the younger of the two running ones yield (a
-    request in a batch slot, never one that waits), and takes its slot before the waiting bulk
+    request in a batch seat, never one that waits), and takes its slot before the waiting bulk
     work; an abort of a waiting one releases its place; all the rest finish."""
     from workers.engine.host import Aborted
 
@@ -272,7 +272,7 @@ def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_sl
 def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(settings):
     """Given a bulk request running on a worker, when it yields its slot (the engine host
     cancels its run PREEMPTED), then serve raises `preempted` carrying an at-once retry, the
-    record is PENDING for the next dispatch with its attempt given back and one preemption
+    record is PENDING for the next dispatch with its attempt refunded and one preemption
     counted; a request preempted VIGIL_MAX_PREEMPTIONS times is no longer preemptible."""
     from app.errors import TransientError
     from tests.conftest import RecordingPorts

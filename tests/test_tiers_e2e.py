@@ -14,11 +14,11 @@ start for every check:
 - the same with the bulk work arriving as one message of many requests (`generate_many`, as a
   batch object's window does): twice the engine's batch in one message, so the intake cap and
   the engine's batch gate, not the message count, keep the extra bulk requests out of vLLM, the
-  one that yields holds a batch slot, and the gate's line gives it to the interactive
+  one that yields holds a batch seat, and the gate's line gives it to the interactive
   request;
 - last, the worker is SIGTERMed under load (a drain: a scale-in), with default-tier greedy
   generations streaming and bulk ones waiting at the gate: every request is handed back with
-  every token it made in its stream and its attempt given back, none counted discarded (the
+  every token it made in its stream and its attempt refunded, none counted discarded (the
   worker's own counter, logged as it exits), the worker exits within DRAIN_EXIT_BOUND_S, and a
   successor worker resumes each one token-identical to an uninterrupted twin; the drained
   requests are of every greedy kind too."""
@@ -152,8 +152,8 @@ def tiers(redis_server, tmp_path_factory):
 
 
 def streaming(store, rs, samples: list[int] | None = None) -> int:
-    """The batch slots `rs` take now: each running with a token streamed (one that ended keeps
-    its count of tokens streamed, and no longer holds a batch slot) takes its `samples`."""
+    """The batch seats `rs` take now: each running with a token streamed (one that ended keeps
+    its count of tokens streamed, and no longer holds a batch seat) takes its `samples`."""
     recs = [store.get(r.id) or {} for r in rs]
     samples = samples or [1] * len(rs)
     return sum(n for rec, n in zip(recs, samples)
@@ -176,7 +176,7 @@ def check_preempted_resumed_identical(store, bulk, outs, job: str) -> list:
     for i in preempted:
         out = outs[i]
         assert any(c.get("resumed_at") for c in out.get("choices") or [out]), (
-            f"bulk request {i} yielded its slot before making a token: it held no batch slot")
+            f"bulk request {i} yielded its slot before making a token: it held no batch seat")
     for i, twin in zip(greedy, twins):
         assert twin.get(timeout=300)["token_ids"] == outs[i]["token_ids"], kind(i)
     return preempted
@@ -255,7 +255,7 @@ def test_sigterm_under_load_hands_back_every_token_and_each_resumes_identical(
     waiting at its bulk gate, when it gets SIGTERM (a scale-in), then it freezes its engine and
     writes every token made before handing back: each request is PENDING for its next
     dispatch with its stream holding at least what was streamed before the signal, its
-    attempt given back (`drained`), and the worker's own vigil_tokens_discarded_total, logged
+    attempt refunded (`drained`), and the worker's own vigil_tokens_discarded_total, logged
     as it exits, is what it was before; the worker exits 0 within DRAIN_EXIT_BOUND_S; a
     successor worker resumes each from its stream (`resumed_at` its stream's length), ends it
     once (the witness agrees) on attempt 1 and token-identical to an uninterrupted twin."""

@@ -75,12 +75,12 @@ def refused(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: object,
     # grow the worker's label set.
     known = isinstance(model, str) and model in rt.registry.names()
     if known and newer_version(kwargs) is not None:
-        return hand_back_newer(rt, request_id, dispatch, kwargs, e, model)
+        return retry_newer(rt, request_id, dispatch, kwargs, e, model)
     return fail(rt, request_id, e, model if known else "")
 
 
 def preemptible(req, b: Begin, s: VigilSettings) -> bool:
-    """A bulk request may yield its engine slot to an interactive one, VIGIL_MAX_PREEMPTIONS
+    """A bulk request may yield its batch seat to an interactive one, VIGIL_MAX_PREEMPTIONS
     times at most (app/retry_policy.py `may_preempt`; the record counts them), and only while
     its tokens can be resumed from its stream (token streams on)."""
     return req.priority == "bulk" and may_preempt(b.preemptions, s) and s.stream_flush_ms > 0
@@ -97,7 +97,7 @@ def after_run_error(rt: WorkerRuntime, request_id: str, dispatch: int, b: Begin,
     if isinstance(e, Preempted):
         if tap is not None:
             rt.streams.write_now(tap)  # every token it made: the next attempt goes on from it
-        e = TransientError.of(PREEMPTED, f"yielded its engine slot to an interactive request "
+        e = TransientError.of(PREEMPTED, f"yielded its batch seat to an interactive request "
                               f"after {tap.written if tap is not None else 0} tokens; resumes "
                               "from them")
     if isinstance(e, Aborted):
@@ -145,10 +145,10 @@ def not_run(rt: WorkerRuntime, request_id: str, b: Begin, pool: str) -> dict:
     raise TransientError.of(WORKER_LOST, f"unexpected record state {b.action!r}")
 
 
-def hand_back_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: dict,
+def retry_newer(rt: WorkerRuntime, request_id: str, dispatch: int, kwargs: dict,
                      err: RequestError, pool: str) -> dict:
     """A message of a schema_version newer than this worker reads (a newer producer sent it
-    during a rolling upgrade): never failed as invalid here. Its claim is given back without
+    during a rolling upgrade): never failed as invalid here. Its claim is released without
     using an attempt and it is retried with backoff (TransientError schema_too_new), for a
     worker that reads its version; its deadline bounds the wait. A message with no record (sent
     around the producer) is recorded first from the fields every version keeps (model, job,
@@ -196,7 +196,7 @@ def open_tap(rt: WorkerRuntime, request_id: str, req, b: Begin, adapter):
 def after_failure(rt: WorkerRuntime, request_id: str, dispatch: int, attempts: int,
                    e: VigilError, pool: str, *, repeats: bool = False) -> dict:
     """The fleet's or the worker's fault: app/retry_policy.py decides. An end is written; a
-    retry releases the record to the next dispatch (giving the attempt back when the rule says
+    retry releases the record to the next dispatch (refunding the attempt when the rule says
     so: a pending adapter, a memory wait) and raises `e`, carrying the decision, for the task's
     retry path. A release refused means someone else owns the request now: StaleDelivery."""
     s = rt.settings

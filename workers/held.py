@@ -80,7 +80,7 @@ class HeldRequests:
         frozen first (it finishes its step and makes no more tokens) and every streamed
         request's latest tokens are read out of vLLM into its tap, every tap is written, and
         only then are the requests handed back, `drained` (app/fleet/handback.py: the attempt
-        given back, VIGIL_MAX_DRAINS times at most) and aborted. Without it (a quarantine, whose
+        refunded, VIGIL_MAX_DRAINS times at most) and aborted. Without it (a quarantine, whose
         engine may be wedged) what was read so far is written, the rest is made again."""
         if drain:
             self.frozen = self.host.freeze(FREEZE_TIMEOUT_S)

@@ -21,7 +21,7 @@ own request: its own record, attempt, stream, deadline and set-once end. The roa
 Exactly-once: a terminal record is answered as stored (duplicate delivery), an older dispatch
 is dropped (StaleDelivery), and the first result written wins. An exception that escapes the
 road (a Redis error past the outage grace, a bug) strands no request: every one not yet answered
-is aborted in the engine and answered through the same retry decision (`_hand_back_rest`).
+is aborted in the engine and answered through the same retry decision (`_answer_rest`).
 
 `serve` answers one delivery to its task (the stored result returned, or the stored or
 retryable error raised: a retry goes through the task's retry path, tasks/base.py); `serve_many`
@@ -161,7 +161,7 @@ def serve_deliveries(rt: WorkerRuntime, deliveries: list[Delivery], answer: Answ
         _begin(rt, runs)
         _run_all(rt, answer, [d for d in runs if _may_run(rt, answer, d)], result_key)
     except Exception as e:  # none of the message's requests may be stranded by it
-        _hand_back_rest(rt, answer, runs, e)
+        _answer_rest(rt, answer, runs, e)
 
 
 def _settle(answer: Answer, d: Delivery, step: Callable[[], dict], told: bool = False) -> None:
@@ -328,7 +328,7 @@ def _ended_run(rt: WorkerRuntime, answer: Answer, d: Delivery, e: BaseException)
             d.tap = None
 
 
-def _hand_back_rest(rt: WorkerRuntime, answer: Answer, runs: list[Delivery],
+def _answer_rest(rt: WorkerRuntime, answer: Answer, runs: list[Delivery],
                     e: Exception) -> None:
     """An exception escaped the road: every delivery not yet answered is aborted in the engine
     (its tokens so far written to its stream when Redis takes them) and answered through the

@@ -13,7 +13,7 @@ copy, if it comes back after the visibility timeout, is an older dispatch and is
 unexecuted.
 
 A stopping worker's hand-back (SIGTERM: a scale-in, a deploy: a drain) is nobody's fault: a
-request it was running goes back `drained`, its attempt given back, VIGIL_MAX_DRAINS times at
+request it was running goes back `drained`, its attempt refunded, VIGIL_MAX_DRAINS times at
 most (then `worker_lost`, using the attempt, as a dead worker's). Its tokens are already in its
 stream (workers/held.py), so the next attempt resumes from them.
 """
@@ -34,7 +34,7 @@ log = logging.getLogger("vigil.housekeeping")
 # has attempts and time left.
 LOST = TransientError.of(WORKER_LOST, "its worker stopped heartbeating and was reaped")
 # The error a stopping worker's hand-back (SIGTERM: a drain) is judged by, while the request
-# has drains left (VIGIL_MAX_DRAINS): retried at once, its attempt given back; past them, a
+# has drains left (VIGIL_MAX_DRAINS): retried at once, its attempt refunded; past them, a
 # stopping worker's hand-back is judged as LOST_STOPPING, using the attempt.
 DRAINED_BACK = TransientError.of(DRAINED, "its worker stopped and handed it back with its "
                                  "tokens; resumes from them")
@@ -52,7 +52,7 @@ def hand_back_one(store: RequestStore, now: float, request_id: str, instance: in
     out of attempts: app/retry_policy.py decides, as for any `worker_lost`) or moved to its
     next dispatch and published again. With `max_drains` (a stopping worker's own hand-back:
     a drain), a request it was running is `drained` instead while it was drained fewer than
-    `max_drains` times: its attempt is given back (`may_drain`). Returns "failed",
+    `max_drains` times: its attempt is refunded (`may_drain`). Returns "failed",
     "requeued", or "skipped" when it had ended or moved on (nothing done). Raises what the
     publish raises after the record moved (Redis gone between the two steps: the deadline sweep
     ends that request)."""

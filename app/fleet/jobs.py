@@ -71,7 +71,7 @@ def end_job(store: RequestStore, name: str, now: float, reason: str, backend: Ba
             if not ids:
                 break
             if abort is not None:
-                try:  # first: a worker running one frees its engine slot, and does not
+                try:  # first: a worker running one frees its batch seat, and does not
                     abort(ids)  # finish it after it was failed here (a wasted run)
                 except Exception as e:
                     log.warning("ending job %s: abort broadcast failed: %s", name, e)

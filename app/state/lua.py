@@ -238,7 +238,7 @@ return out
 """
 
 # KEYS[1] record, KEYS[2] inflight set. ARGV: request_id, instance, next_dispatch, last_error,
-# now, refund ('1': the attempt is given back), pressure ('1': a start refused for memory
+# now, refund ('1': the attempt is refunded), pressure ('1': a start refused for memory
 # pressure: `pressure_since` keeps when the squeeze began; '0' forgets it), preempted ('1': it
 # yielded its slot to an interactive request: `preemptions` counts it). Hands a RUNNING
 # request back to the queue for a retry, closing its attempt in `history` (outcome 'retry', the
@@ -271,14 +271,14 @@ return 1
 
 # KEYS[1] record, KEYS[2] inflight set of the dead instance. ARGV: request_id, dead instance,
 # new dispatch, now, [reason: the error recorded, worker_lost by default ('' too)], [drained:
-# '1' for a stopping worker's hand-back that gives the attempt back]. Hands a dead worker's
+# '1' for a stopping worker's hand-back that refunds the attempt]. Hands a dead worker's
 # request (RUNNING under it, or PENDING: received but
 # not begun, or released for a retry whose ETA message it held) back to PENDING under a newer
 # dispatch (the caller then publishes that dispatch's message: a refused requeue publishes
 # nothing); a no-op (0) if the request is terminal or no longer the dead worker's. An attempt
 # still open in `history` is closed 'requeued' with the reason's code. Drained, a RUNNING
-# request's attempt is given back (`attempts` - 1) and counted in `drains`; a PENDING one had
-# no attempt open, so nothing is given back or counted.
+# request's attempt is refunded (`attempts` - 1) and counted in `drains`; a PENDING one had
+# no attempt open, so nothing is refunded or counted.
 REQUEUE = HISTORY_HELPERS + """
 redis.call('SREM', KEYS[2], ARGV[1])
 local st = redis.call('HGET', KEYS[1], 'status')

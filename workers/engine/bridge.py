@@ -47,7 +47,7 @@ class HandedBack(Exception):
 
 
 class Preempted(Exception):
-    """This bulk request yielded its engine slot to an interactive one at a token boundary (its
+    """This bulk request yielded its batch seat to an interactive one at a token boundary (its
     tokens are in its tap): the caller hands it back to resume from them (workers/service.py)."""
 
 

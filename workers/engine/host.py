@@ -121,7 +121,7 @@ class EngineHost:
 
         Raises a classified VigilError; HandedBack / Aborted as the bridge says. `timeout` bounds
         the generation inside a running engine only, from the moment the request holds its
-        batch slots (the tier gate: it waits for them outside vLLM): past it the request is
+        batch seats (the tier gate: it waits for them outside vLLM): past it the request is
         aborted in the engine and TransientError(wedged) is raised (wedge evidence). Waiting for
         the engine (the current model's requests draining, a load, a recovery) is bounded apart,
         by one more `timeout` plus `start_bound`, not counting the time spent waiting for batch
@@ -166,7 +166,7 @@ class EngineHost:
     def result(self, pending: "Pending") -> EngineOutput:
         """The output of a `submit`ted request, raised as `generate` raises it, within the bound
         `generate` gives it counted from its submit (its deadline moves on while it waits for
-        batch slots)."""
+        batch seats)."""
         pending.settle()
         return self._bridge.wait(pending.future, pending.engine_request_id,
                                  max(0.0, pending.deadline - time.monotonic()), pending.bound)
@@ -265,8 +265,8 @@ class EngineHost:
                            f"within {bound:g} s + {timeout:g} s")
 
     @property
-    def waiting_for_slots(self) -> int:
-        """Requests admitted and waiting for engine batch slots, outside the engine."""
+    def waiting_for_seats(self) -> int:
+        """Requests admitted and waiting for engine batch seats, outside the engine."""
         return self._tiers.waiting
 
     @property
@@ -385,8 +385,8 @@ class EngineHost:
         return outcome, value
 
     async def _gate_or_release(self, engine, t: Ticket, spec: ModelSpec) -> None:
-        """Make sure `t`'s adapter is loaded in `engine`; on failure give back the ticket's
-        engine slot (counted by admission or the recovery) and raise the classified error."""
+        """Make sure `t`'s adapter is loaded in `engine`; on failure count the ticket out of the
+        engine (counted in by admission or the recovery) and raise the classified error."""
         st = self._st
         try:
             await self._adapters.gate(engine, t, spec, st.cond)

@@ -101,12 +101,12 @@ class HostState:
         self.counted_death: object = None
         self.suspects: list[Ticket] = []
         # the tier gate (workers/engine/tier_gate.py): the tickets running in the engine now ->
-        # when their run started; those holding batch slots (seated: from the gate to the end
+        # when their run started; those holding batch seats (seated: from the gate to the end
         # of their run); the line of those admitted and waiting for slots, in the order they
         # get them
         self.running: dict[Ticket, float] = {}
         self.seated: set[Ticket] = set()
-        self.seated_seqs = 0  # the batch slots the seated tickets take (the gate keeps it)
+        self.seated_seqs = 0  # the batch seats the seated tickets take (the gate keeps it)
         self.line: list[Ticket] = []
         self.lined: set[Ticket] = set()  # the line's tickets (asked of thousands at once)
         self.recovery: asyncio.Task | None = None
@@ -263,7 +263,7 @@ class HostState:
     # -- the tier gate (workers/engine/tier_gate.py) --
 
     def join_line(self, t: Ticket) -> None:
-        """`t` waits in the line for batch slots, in its place's order."""
+        """`t` waits in the line for batch seats, in its place's order."""
         if not self.line or self.line[-1].place <= t.place:
             self.line.append(t)  # the usual case: the last of its tier to arrive
         else:
@@ -283,13 +283,13 @@ class HostState:
         return head
 
     def seat(self, t: Ticket) -> None:
-        """`t` holds its batch slots."""
+        """`t` holds its batch seats."""
         if t not in self.seated:
             self.seated.add(t)
             self.seated_seqs += t.seqs
 
     def unseat(self, t: Ticket) -> None:
-        """`t` gave its batch slots back."""
+        """`t` gave its batch seats back."""
         if t in self.seated:
             self.seated.discard(t)
             self.seated_seqs -= t.seqs

@@ -13,7 +13,7 @@ from workers.engine.ticket import Ticket
 @dataclass(frozen=True)
 class Pending:
     """A request `EngineHost.submit` started: its future on the loop, its engine request id,
-    when (time.monotonic) waiting for it gives up before any wait for batch slots (`until`),
+    when (time.monotonic) waiting for it gives up before any wait for batch seats (`until`),
     that wait's whole bound, and its ticket."""
 
     future: concurrent.futures.Future
@@ -25,7 +25,7 @@ class Pending:
     @property
     def deadline(self) -> float:
         """When (time.monotonic) waiting for it gives up: `until`, moved on by the time it has
-        waited for engine batch slots (workers/engine/tier_gate.py), and still waits. A slot
+        waited for engine batch seats (workers/engine/tier_gate.py), and still waits. A slot
         freed as the batch makes progress is not an engine that does not come; an engine that
         makes no progress is the stall watchdog's."""
         since = self.ticket.gate_since  # read first: the loop adds to `gated`, then clears it

@@ -83,7 +83,7 @@ class Recovery:
     async def rerun_here(self, t: Ticket, error: VigilError) -> bool:
         """Whether `t` runs again on this worker's engine after `error` (the retry decision's
         `retry_here`: vLLM asked for a retry), once its pause has passed; False when the error
-        leaves the worker (or the worker is leaving). `t` holds no engine slot meanwhile."""
+        leaves the worker (or the worker is leaving). `t` is not counted in the engine meanwhile."""
         pause = retry_here(error, t.reruns_here)
         if pause is None or self._st.fatal is not None or t.gone:
             return False

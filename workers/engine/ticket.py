@@ -27,11 +27,11 @@ class Ticket:
     adapter_engine: object = None  # the engine whose adapter use count holds this ticket
     timeout: float = float("inf")  # the longest one run may take inside the engine
     tap: TokenTap | None = None  # the request's token stream writer, if streamed
-    # A bulk request that may still yield its engine slot to an interactive one (its record's
+    # A bulk request that may still yield its batch seat to an interactive one (its record's
     # preemptions are under VIGIL_MAX_PREEMPTIONS), and whether it is yielding now.
     preemptible: bool = False
     preempting: bool = False
-    # Its place in the line for the engine's batch slots, (tier, arrival), and the time it has
+    # Its place in the line for the engine's batch seats, (tier, arrival), and the time it has
     # spent there: `gated` seconds before, and since `gate_since` (time.monotonic) while it
     # waits now. Written on the host's loop (workers/engine/tier_gate.py), read by the task
     # thread (workers/engine/pending.py): waiting for a slot is not waiting for an engine.
@@ -42,13 +42,13 @@ class Ticket:
 
     @property
     def bulk(self) -> bool:
-        """A bulk request: it may yield its batch slot to an interactive one
+        """A bulk request: it may yield its batch seat to an interactive one
         (workers/engine/tier_gate.py)."""
         return getattr(self.req, "priority", None) == "bulk"
 
     @property
     def seqs(self) -> int:
-        """The engine's batch slots its run takes: one per sample (vLLM runs each of n samples
+        """The engine's batch seats its run takes: one per sample (vLLM runs each of n samples
         as a request of its own)."""
         return int(getattr(self.req, "n", 1) or 1)
 

@@ -46,13 +46,13 @@ class TierGate:
         self._seats: dict[Ticket, asyncio.Future] = {}  # tickets at the gate -> their wake-up
 
     def batch_used(self, but: Ticket | None = None) -> int:
-        """The engine batch slots the seated tickets take now (`but` left out)."""
+        """The engine batch seats the seated tickets take now (`but` left out)."""
         st = self._st
         return st.seated_seqs - (but.seqs if but is not None and but in st.seated else 0)
 
     @property
     def waiting(self) -> int:
-        """Requests in the line: admitted, waiting for batch slots outside the engine."""
+        """Requests in the line: admitted, waiting for batch seats outside the engine."""
         return len(self._st.line)
 
     def join(self, t: Ticket) -> None:
@@ -66,7 +66,7 @@ class TierGate:
         st.join_line(t)
 
     async def seat(self, t: Ticket) -> None:
-        """Return once `t` holds its batch slots (module docstring). Cancelled while it waits
+        """Return once `t` holds its batch seats (module docstring). Cancelled while it waits
         (aborted, handed back, its caller gone), it leaves the line and its admission is
         counted out: it never entered the engine."""
         st = self._st
