@@ -28,7 +28,7 @@ The table, by class, then by code (docs/api.md, "Retries", shows it to users):
 
 Two bounds are also kept where a delivery is claimed, so that no copy of a request runs past
 them, whichever path brought it (a retry, a redelivery, a reaper's or an audit's republish):
-the BEGIN script (app/state/lua.py), atomically with the claim, does not run a request past
+the BEGIN script (app/state/lua_records.py), atomically with the claim, does not run a request past
 its deadline (`expired`: it ends deadline_exceeded) nor one that has used VIGIL_MAX_ATTEMPTS
 attempts (`exhausted`: it ends with `exhausted()`'s error, worded here). `decide` bounds the
 retry after a failure; BEGIN is the gate before the next run. The preemption bound works before

@@ -13,7 +13,7 @@ from app.requests.schemas import parse_request
 from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.conn import connect
-from app.state.lua import HISTORY_MAX
+from app.state.lua_records import HISTORY_MAX
 from app.state.store import RequestStore
 from tests.conftest import NeverTold
 

@@ -1,5 +1,5 @@
 """Redis tier and unit tests: live streams (a `live` request's chunks written after every engine
-step and published on its live channel: app/state/lua_fleet.py STREAM_APPEND,
+step and published on its live channel: app/state/lua_outputs.py STREAM_APPEND,
 workers/streaming.py, workers/engine/stream_watch.py). The online API's reader of them is
 tests/test_live_reader.py; a real worker's live stream is tests/test_online_api_e2e.py's."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Redis tier: a worker's result written to Celery's result key by the finish that stores it
-(app/fleet/outcomes.py `result_key_for`, app/state/lua.py FINISH), read back by Celery itself;
+(app/fleet/outcomes.py `result_key_for`, app/state/lua_records.py FINISH), read back by Celery itself;
 and the per-request work a worker leaves out (Celery's result repr, its two INFO lines).
 
 `celery_app` is pytest-celery's app on Vigil's own configuration (tests/conftest.py), so its

@@ -16,7 +16,7 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls, decoded
-from app.state.lua_fleet import BATCH_RECORD
+from app.state.lua_batches import BATCH_RECORD
 from app.state.views import HousekeepingView
 
 # Lines are written and read in chunks of this many (one round trip each).

@@ -27,7 +27,7 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls, decoded
-from app.state.lua_fleet import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
+from app.state.lua_workers import HEALTH_CANARY, HEALTH_FAILURE, HEALTH_SUCCESS
 
 HEALTHY = "HEALTHY"
 SUSPECT = "SUSPECT"

@@ -48,7 +48,7 @@ when that ends, and an empty set or zset vanishes in the command that removed it
 |                             |      |                             | the record), an `end` entry at the finish|
 | vigil:live:{request_id}     |pubsub| (a channel: nothing stored) | each chunk a `live` request's stream     |
 |                             |      |                             | appends, published by the same script    |
-|                             |      |                             | (app/state/lua_fleet.py STREAM_APPEND);  |
+|                             |      |                             | (app/state/lua_outputs.py STREAM_APPEND);  |
 |                             |      |                             | the online API's readers (app/state/     |
 |                             |      |                             | live.py) subscribe                       |
 | vigil:call:{call_id}        | hash | the call's deadline plus    | an online API call (app/state/online_    |

@@ -5,7 +5,7 @@ API").
 - One pub/sub connection per `LiveHub` carries every followed request's two channels: its live
   channel (app/state/keys.py `live`: each chunk a `live` request's stream appends, published by
   the append's own script) and Celery's result channel (`celery-task-meta-<id>`: published when
-  the request's result is stored, app/state/lua.py FINISH, or by Celery's backend for an
+  the request's result is stored, app/state/lua_records.py FINISH, or by Celery's backend for an
   error). Messages are fanned out to each follower's queue.
 - Reads of the stream (XRANGE after an entry) and of the record's outcome go through a small
   pool of the same client.

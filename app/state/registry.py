@@ -17,7 +17,7 @@ from app.state import keys
 from app.state.calls import Calls, decoded
 from app.state.conn import server_run_id
 from app.state.health import HEALTHY
-from app.state.lua_fleet import DROP_WORKER_IF_UNCHANGED
+from app.state.lua_workers import DROP_WORKER_IF_UNCHANGED
 
 
 

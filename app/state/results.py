@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import redis
 
-from app.state.lua_fleet import SET_AND_PUBLISH_MANY
+from app.state.lua_outputs import SET_AND_PUBLISH_MANY
 
 
 @dataclass

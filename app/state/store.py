@@ -22,7 +22,7 @@ from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect
 from app.state.health import HealthLedger
-from app.state.lua import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
+from app.state.lua_records import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
 from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView

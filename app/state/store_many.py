@@ -2,7 +2,7 @@
 needs (tasks.inference `generate_many`, workers/service.py; submit: app/requests/
 submit.py).
 
-The same Lua scripts as one request's (app/state/lua.py: CREATE, BEGIN, FINISH), queued on one
+The same Lua scripts as one request's (app/state/lua_records.py: CREATE, BEGIN, FINISH), queued on one
 pipeline: each request's change is as atomic and as set-once as alone, and a pipeline sent
 again after a lost reply is harmless (each script finds its own change). A mixin of
 `RequestStore` (app/state/store.py), which holds the scripts and the outage policy.

@@ -18,7 +18,7 @@ One Redis stream per request (`vigil:stream:{id}`, app/state/keys.py). Its entri
   attempt started again from the prompt);
 - `w` on a chunk of a `live` request: the wall-clock time (Unix seconds) of the engine step that
   made its last token, as EngineCore stamped it (what a live reader's delay is measured from);
-- an **end** entry (`end` = the final status), written by the finish script (app/state/lua.py),
+- an **end** entry (`end` = the final status), written by the finish script (app/state/lua_records.py),
   which also gives the stream the result's TTL.
 
 Only the claim that runs the request appends (STREAM_APPEND is fenced by the record's begin
@@ -34,7 +34,7 @@ import redis
 
 from app.state import keys
 from app.state.calls import Calls
-from app.state.lua_fleet import STREAM_APPEND
+from app.state.lua_outputs import STREAM_APPEND
 
 APPENDED, FENCED, OFF_SEQUENCE = 1, 0, -1
 

@@ -48,7 +48,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from app.state.intake import brpop_keys, held_capped, intake_limits
-from app.state.lua_fleet import ACK_DELIVERIES, NOTE_DELIVERY
+from app.state.lua_deliveries import ACK_DELIVERIES, NOTE_DELIVERY
 
 log = logging.getLogger("vigil.transport")
 
@@ -260,7 +260,7 @@ class _SharedClient:
         return self._vigil_client_and_scripts()[0]
 
     def _vigil_scripts(self):
-        """(note a delivery, ack a delivery) on the shared client (app/state/lua_fleet.py)."""
+        """(note a delivery, ack a delivery) on the shared client (app/state/lua_deliveries.py)."""
         return self._vigil_client_and_scripts()[1:]
 
     def _brpop_start(self, timeout=None):
@@ -305,7 +305,7 @@ class _SharedClient:
         "Unrecoverable error": the worker exited (measured, Celery 5.7 / kombu 5.7, in
         tests/test_redis_restart_e2e.py). Now the restore and the ack fail like any write to a
         lost connection: the messages stay in kombu's unacked hash, a copy of a request still
-        running is dropped as busy when it comes back (app/state/lua.py BEGIN), and what the
+        running is dropped as busy when it comes back (app/state/lua_records.py BEGIN), and what the
         worker no longer holds it hands back when Redis returns (workers/held.py
         `reclaim_orphans`)."""
         if self.connection.client is None:

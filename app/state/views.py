@@ -16,7 +16,7 @@ from typing import Callable
 import redis
 
 from app.state import broker, jobs, keys
-from app.state.lua_fleet import MOVE_MESSAGE
+from app.state.lua_deliveries import MOVE_MESSAGE
 
 
 class BrokerView:

@@ -1,5 +1,6 @@
 """The Lua scripts behind app/state/store.py: each multi-step change to a request record is one
-script, run atomically by Redis (the fleet's other scripts: app/state/lua_fleet.py)."""
+script, run atomically by Redis (the other scripts, by what they guard:
+app/state/lua_deliveries.py, lua_outputs.py, lua_workers.py, lua_batches.py)."""
 from app.state.keys import STREAM_PREFIX
 
 # The most attempts a record's `history` keeps (the oldest are dropped past it). Attempts are
