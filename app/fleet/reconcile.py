@@ -40,8 +40,7 @@ Control = Callable[[str, str, bool], None]  # (worker name, queue, add=True / ca
 
 def need_bytes(registry: ModelRegistry, model: str) -> int:
     """Device memory a model needs to start: its other needs plus the smallest KV cache."""
-    spec = registry.get(model)
-    return int((spec.memory_gib + spec.kv_cache_floor_gib) * GiB)
+    return registry.get(model).start_floor_bytes()
 
 
 def fits(w: WorkerEntry, registry: ModelRegistry, model: str) -> bool:

@@ -87,6 +87,17 @@ class ModelSpec(BaseModel):
         return (self.dtypes.get(platform) or self.engine_args.get("dtype")
                 or default_dtype(platform))
 
+    def kv_cache_bytes(self) -> int:
+        """The KV cache a start of this model asks for, in bytes: its engine args'
+        `kv_cache_memory_bytes`, else `kv_cache_gib` (the one place it is decided; the memory
+        plan grants it or less, workers/engine/memory.py)."""
+        return int(self.engine_args.get("kv_cache_memory_bytes", self.kv_cache_gib * (1 << 30)))
+
+    def start_floor_bytes(self) -> int:
+        """The least memory a start of this model needs, in bytes: its weights and other needs
+        (`memory_gib`) plus the smallest KV cache it may run with (`kv_cache_floor_gib`)."""
+        return int(self.memory_gib * (1 << 30)) + int(self.kv_cache_floor_gib * (1 << 30))
+
     def platform_problem(self, platform: str) -> str | None:
         """Why this entry cannot run on `platform` (None when it can): on CUDA, float32 with
         LoRA lanes, which vLLM's CUDA LoRA kernels refuse (lora_shrink asserts float16 or

@@ -187,14 +187,13 @@ def plan_memory(spec: ModelSpec, probe: MemoryProbe,
             fraction = math.floor(max(fraction, 0.0) * 10**UTIL_DECIMALS) / 10**UTIL_DECIMALS
             granted = int(fraction * small.total)
             args = {"gpu_memory_utilization": fraction}
-        floor = math.ceil((reserve + kv_floor) / len(cards))
+        floor = math.ceil(spec.start_floor_bytes() / len(cards))
     else:
         fixed = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
         if fixed.isdigit():
             requested = int(fixed) * GiB
         else:
-            requested = int(spec.engine_args.get("kv_cache_memory_bytes",
-                                                 spec.kv_cache_gib * GiB))
+            requested = spec.kv_cache_bytes()
         granted = min(requested, probe.free - reserve)
         floor = requested if fixed.isdigit() else min(kv_floor, requested)
         args = {} if fixed.isdigit() else {"kv_cache_memory_bytes": max(granted, 0)}

@@ -71,7 +71,7 @@ def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool =
             "kv_cache_memory_bytes" not in spec.engine_args and \
             "gpu_memory_utilization" not in spec.engine_args and platform != "cuda" and \
             not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        plan_args = {"kv_cache_memory_bytes": int(spec.kv_cache_gib * (1 << 30))}
+        plan_args = {"kv_cache_memory_bytes": spec.kv_cache_bytes()}
     else:
         plan_args = plan.engine_args if plan is not None else {}
     problem = spec.platform_problem(platform)
