@@ -183,6 +183,17 @@ def test_no_relative_imports(where):
     assert not bad, "relative imports:\n" + "\n".join(bad)
 
 
+def test_no_module_imports_another_modules_private_names():
+    """A name that starts with `_` is its module's own: no module of app/, workers/ or tasks/
+    imports one from another (before the one serve, workers/service_many.py imported
+    service.py's `_not_run` and `_refused`)."""
+    bad = [f"{p.relative_to(REPO)}:{n.lineno} {n.module}.{a.name}" for p in MODULES.values()
+           for n in ast.walk(ast.parse(p.read_text()))
+           if isinstance(n, ast.ImportFrom) and n.module and ours(n.module)
+           for a in n.names if a.name.startswith("_") and a.name != "__version__"]
+    assert not bad, "private names imported:\n" + "\n".join(bad)
+
+
 def test_product_code_never_imports_bench_and_bench_has_no_circle():
     """bench/ measures the product: app/, workers/ and tasks/ never import it, and its own
     modules import each other without a circle."""
