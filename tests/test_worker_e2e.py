@@ -102,10 +102,12 @@ def test_a_text_prompt_longer_than_the_context_fails_at_once_with_prompt_too_lon
 
 def test_client_errors_the_engine_refuses_fail_at_once_and_keep_the_engine_warm(
         warm_worker, store):
-    """Given a warm engine, when requests that only the engine can refuse reach it (a text prompt
-    past max_model_len; token ids past the vocabulary, sent around the producer's own check),
-    then each fails on its first attempt with its precise code, `r.get()` raises a RequestError
-    whose message starts with the code, and the engine is neither restarted nor reloaded."""
+    """Given a warm engine, when a request only the engine can refuse reaches it (a text prompt
+    past max_model_len: its token count needs the tokenizer), then it fails on its first attempt
+    with its precise code, `r.get()` raises a RequestError whose message starts with the code,
+    and the engine is neither restarted nor reloaded. Token ids past the vocabulary, sent around
+    the producer's own check, meet the same admit in the worker (app/requests/admit.py): they
+    fail with their code before any attempt begins, never reaching the engine."""
     before = fresh_entry(warm_worker)
     too_long = generate.delay(model="tiny-llama", prompt="word " * 700, max_tokens=4)
     oov = app.send_task("vigil.generate", kwargs={"model": "tiny-llama",
@@ -113,12 +115,12 @@ def test_client_errors_the_engine_refuses_fail_at_once_and_keep_the_engine_warm(
                         queue="vigil.pool.tiny-llama")
     fine = generate.delay(model="tiny-llama", prompt="still serving", max_tokens=4,
                           ignore_eos=True)
-    for r, code in ((too_long, "prompt_too_long"), (oov, "token_out_of_vocab")):
+    for r, code, attempts in ((too_long, "prompt_too_long", [("failed", "prompt_too_long")]),
+                              (oov, "token_out_of_vocab", [])):
         with pytest.raises(RequestError, match=f"^{code}: ") as ei:
             r.get(timeout=120)
         assert ei.value.code == code
-        history = store.history(r.id)
-        assert [(h["outcome"], h["error"]) for h in history] == [("failed", code)]
+        assert [(h["outcome"], h["error"]) for h in store.history(r.id)] == attempts
     assert fine.get(timeout=120)["completion_tokens"] == 4
     after = fresh_entry(warm_worker)
     assert after["engine_loads"] == before["engine_loads"]
