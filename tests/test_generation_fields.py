@@ -430,3 +430,23 @@ def test_what_submit_admits_vllm_accepts(fields):
         return
     model, structured = tiny_llama_checks()
     sampling_params(req).verify(model, None, structured, object())
+
+
+def test_an_xgrammar_still_importing_is_no_verdict_on_a_constraint(monkeypatch):
+    """Given xgrammar half imported (in a worker, the engine's thread imports it while a task
+    thread admits a request: a module with no `Grammar` yet; the soak met it), then the admit's
+    compile check gives no verdict and the request goes on (the engine checks it); before, the
+    AttributeError was taken for xgrammar's refusal and a good request ended invalid_request.
+    A constraint xgrammar itself refuses is still refused."""
+    import sys
+    import types
+
+    from app.requests.structured import check_compiles
+
+    good = parse_request({**OK, "structured": {"regex": "[a-z]{4}"}}).structured
+    bad = parse_request({**OK, "structured": {"regex": "[a-z"}}).structured
+    with pytest.raises(RequestError, match="^invalid_request: structured"):
+        check_compiles(bad, "xgrammar", "tiny-llama")
+    monkeypatch.setitem(sys.modules, "xgrammar", types.ModuleType("xgrammar"))
+    check_compiles(good, "xgrammar", "tiny-llama")
+    check_compiles(bad, "xgrammar", "tiny-llama")  # no verdict here: the engine's own check

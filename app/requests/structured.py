@@ -18,12 +18,15 @@ with maxLength) must not reach the caller as a silently invalid result (workers/
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.errors import INVALID_REQUEST, RequestError
+
+log = logging.getLogger("vigil.structured")
 
 # A constraint's JSON size, at most: a schema or grammar is compiled on the engine's loop
 # thread (vLLM's front end), so its size bounds how long it can hold the engine's batch.
@@ -173,6 +176,10 @@ def check_compiles(s: Structured, backend: str, model: str) -> None:
 
 
 def _xgrammar_refusal(s: Structured) -> str:
+    """xgrammar's reason for refusing `s`, or "" when it compiles or xgrammar gives no verdict:
+    only its own errors (RuntimeError, ValueError) refuse. Anything else is no verdict on the
+    constraint (in a worker, `xgrammar` still being imported by the engine's thread is a
+    partially initialized module with no `Grammar` yet): the engine's own check decides."""
     try:
         import xgrammar as xgr
     except ImportError:
@@ -187,8 +194,11 @@ def _xgrammar_refusal(s: Structured) -> str:
             lark = not any("::=" in re.sub(r"(#|//).*$", "", line)
                            for line in s.grammar.split("\n"))
             (xgr.Grammar.from_lark if lark else xgr.Grammar.from_ebnf)(s.grammar)
-    except Exception as e:  # xgrammar's own errors are plain RuntimeErrors
+    except (RuntimeError, ValueError) as e:  # xgrammar's own errors are plain RuntimeErrors
         return " ".join(str(e).split()) or type(e).__name__
+    except Exception as e:
+        log.warning("xgrammar gave no verdict on a %s constraint (%s: %s); the engine checks it",
+                    s.kind, type(e).__name__, e)
     return ""
 
 
