@@ -78,6 +78,8 @@ def tally_records(rep: SoakReport, recs: dict[str, dict | None],
             bad = outcomes["succeeded"] != 1 or outcomes[None] or outcomes["failed"]
         else:
             failed[(rec["error"] or "unknown").split(":", 1)[0]] += 1
+            if len(rep.failed_samples) < 5:
+                rep.failed_samples.append(f"{rid}: {(rec['error'] or '')[:300]}")
             bad = outcomes["succeeded"] or outcomes[None]
         if bad:
             rep.duplicates += 1

@@ -32,6 +32,7 @@ class SoakReport:
     submit_retries: dict[str, int] = field(default_factory=dict)
     succeeded: int = 0
     failed_by_code: dict[str, int] = field(default_factory=dict)
+    failed_samples: list[str] = field(default_factory=list)  # "id: error", the first few
     lost: int = 0
     lost_ids: list[str] = field(default_factory=list)
     lost_detail: list[dict] = field(default_factory=list)  # where each lost request is stuck
@@ -227,6 +228,7 @@ class SoakReport:
                          + (f", exited {_secs(k.exit_s)}" if k.kind == "drain" else ""))
         lines += [f"  log: {line}" for line in self.log_error_samples]
         lines += [f"  slow: {x}" for x in self.slowest]
+        lines += [f"  failed: {x}" for x in self.failed_samples]
         lines += [f"  lost: {x}" for x in self.lost_detail]
         lines += [f"  republished: {x}" for x in self.republished_detail]
         lines.append("OK" if self.ok else "PROBLEMS: " + "; ".join(self.problems()))
