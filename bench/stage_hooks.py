@@ -2,7 +2,8 @@
 
     python -m bench.stage_hooks OUT.json worker --cpu ...   # the arguments of app.ops.cli
 
-Runs the real worker (app.ops.cli, unchanged) after wrapping, in this process only, the calls
+Runs the real worker (app.ops.cli, unchanged; its exec of `celery worker` is sent back through
+this module) after wrapping, in the Celery process only, the calls
 each stage makes, and writes the running totals to OUT.json every 0.25 s (bench/stages.py reads
 it before and after a round and takes the difference). Bench-only instrumentation: nothing in
 app/, workers/ or tasks/ knows of it. What it counts (calls, requests, seconds spent inside):
@@ -133,6 +134,7 @@ def _thread_cpu() -> dict[str, float]:
         except (OSError, TypeError, ValueError):
             continue
         out[re.sub(r"\d+$", "*", t.name)] += cpu
+        out["#" + re.sub(r"\d+$", "*", t.name)] += 1  # the group's live threads
     return out
 
 
@@ -157,11 +159,25 @@ def _writer(path: str) -> None:
 
 
 def main() -> None:
-    """Install the timers, start the writer, run app.ops.cli with the remaining arguments."""
-    out = sys.argv[1]
-    install()
-    threading.Thread(target=_writer, args=(out,), name="stage-hooks-writer",
-                     daemon=True).start()
+    """`OUT celery ...`: install the timers, start the writer, run Celery with the rest of the
+    arguments. `OUT worker ...` (app.ops.cli's arguments): run `vigil worker`, whose exec of
+    `python -m celery ...` comes back here as `OUT celery ...`."""
+    out, cmd = sys.argv[1], sys.argv[2]
+    if cmd == "celery":
+        install()
+        threading.Thread(target=_writer, args=(out,), name="stage-hooks-writer",
+                         daemon=True).start()
+        sys.argv = ["celery"] + sys.argv[3:]
+        runpy.run_module("celery", run_name="__main__", alter_sys=True)
+        return
+    execv = os.execv
+
+    def through_hooks(path, argv):
+        if list(argv[1:3]) == ["-m", "celery"]:
+            argv = [argv[0], "-m", "bench.stage_hooks", out, "celery", *argv[3:]]
+        return execv(path, argv)
+
+    os.execv = through_hooks
     sys.argv = ["app.ops.cli"] + sys.argv[2:]
     runpy.run_module("app.ops.cli", run_name="__main__", alter_sys=True)
 

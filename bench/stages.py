@@ -127,14 +127,16 @@ def measure_side(side: str, prompts: list[str], a, probe: Path, r, metrics_port:
     p1 = _probe_after(probe, time.perf_counter() + 0.3)
     calls = {k: [v[i] - p0["calls"].get(k, [0, 0, 0.0])[i] for i in range(3)]
              for k, v in p1["calls"].items()}
-    threads = {k: v - p0["threads"].get(k, 0.0) for k, v in p1["threads"].items()}
+    counts = {k[1:]: v for k, v in p1["threads"].items() if k.startswith("#")}
+    threads = {k: v - p0["threads"].get(k, 0.0) for k, v in p1["threads"].items()
+               if not k.startswith("#")}
     threads["(native threads)"] = ((p1["process_cpu"] - p0["process_cpu"])
                                    - sum(threads.values()))
     cmds = {k: (v[0] - c0.get(k, (0, 0))[0], v[1] - c0.get(k, (0, 0))[1])
             for k, v in c1.items()}
     return {"side": side, "n": len(prompts), "ok": len(values), "errors": len(errors),
             "wall": t2 - t0, "submit": t1 - t0, "submit_cpu": tc1 - tc0, "calls": calls,
-            "threads": threads, "steps": s1, "redis_cmds": cmds, "redis_cpu": rc1 - rc0,
+            "threads": threads, "thread_counts": counts, "steps": s1, "redis_cmds": cmds, "redis_cpu": rc1 - rc0,
             "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}}
 
 
@@ -161,7 +163,9 @@ def report(m: dict) -> list[str]:
                f"per thread, ms/req (share of the worker's CPU):")
     for k, v in sorted(m["threads"].items(), key=lambda kv: -kv[1]):
         if v > 0.005 * proc:
-            out.append(f"    {k:40s} {ms(v):7.3f}  {100 * v / proc:5.1f}%")
+            live = m["thread_counts"].get(k)
+            out.append(f"    {k:30s} {'' if live is None else f'({live} live)':>10s} "
+                       f"{ms(v):7.3f}  {100 * v / proc:5.1f}%")
     out.append("  CPU per request, ms (% of a core): " + ", ".join(
         f"{k} {ms(v):.3f} ({100 * v / wall:.0f}%)" for k, v in m["cpu"].items()))
     cmds = sorted(((k, v) for k, v in m["redis_cmds"].items() if v[0]), key=lambda kv: -kv[1][0])
