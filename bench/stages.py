@@ -230,10 +230,17 @@ def main(argv=None) -> int:
                     print(line, flush=True)
             if direct is not None:
                 time.sleep(1.5)
+                dpids = {"front end": direct.proc.pid,
+                         "EngineCore": _engine_core_pid(direct.proc.pid)}
+                cpu0 = _cpu(dpids)
                 reply = direct.run_round(500 + k, a.requests, a.max_tokens, a.logprobs)
+                cpu = {k: v - cpu0[k] for k, v in _cpu(dpids).items()}
                 st = Steps(reply["steps"], reply["step_outputs"], reply["elapsed"])
-                print(f"== direct: {a.requests / reply['elapsed']:.0f} req/s "
-                      f"({reply['elapsed']:.2f} s); {st.describe()}", flush=True)
+                n, wall = a.requests, reply["elapsed"]
+                print(f"== direct: {n / wall:.0f} req/s ({wall:.2f} s); {st.describe()}; CPU "
+                      f"per request, ms (% of a core; the round's reply included): " + ", ".join(
+                          f"{k} {1000 * v / n:.3f} ({100 * v / wall:.0f}%)"
+                          for k, v in cpu.items()), flush=True)
         return 0
     finally:
         for p in reversed(procs):
