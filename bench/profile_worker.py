@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         feeder.join(timeout=300)
         per = "VIGIL_REQUESTS_PER_MESSAGE a message" if a.side == "many" else "one a message"
         print(f"side: {a.side} ({SLICE} requests a submit, {per}), engine {a.engine}, "
-              f"logprobs {a.logprobs}, {a.seconds:.0f} s sampled; commit {_commit()}")
+              f"logprobs {a.logprobs}, {a.seconds:.0f} s sampled; commit {head_commit()}")
         for line in summarise(raw, finished, a.rate, a.top):
             print(line)
         if a.keep:
@@ -206,7 +206,8 @@ def _finished(r) -> int:
     return sum(1 for _ in r.scan_iter(match="celery-task-meta-*", count=10_000))
 
 
-def _commit() -> str:
+def head_commit() -> str:
+    """The checkout's short commit, "?" when git cannot tell (a figure names its commit)."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent.parent

@@ -42,6 +42,7 @@ import redis
 from app.local.embedded import free_port
 from bench.cpu_meter import collect
 from bench.direct_engine import MODEL, DirectEngine, make_prompts
+from bench.profile_worker import head_commit
 from bench.step_meter import Steps, scrape_steps
 
 
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
         pids = {"worker": worker.pid, "EngineCore": _engine_core_pid(worker.pid),
                 "producer": os.getpid(), "redis": rs.proc.pid}
         r = redis.Redis.from_url(rs.url)
-        print(f"vigil stages {time.strftime('%Y-%m-%d %H:%M')}, commit {_commit()}: "
+        print(f"vigil stages {time.strftime('%Y-%m-%d %H:%M')}, commit {head_commit()}: "
               f"{os.cpu_count()} CPUs, {a.requests} x max_tokens={a.max_tokens}, logprobs "
               f"{a.logprobs}, concurrency {a.concurrency}; logs in {tmp}", flush=True)
         for k in range(a.rounds):
@@ -250,15 +251,6 @@ def main(argv=None) -> int:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent.parent
-                              ).stdout.strip() or "?"
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":
