@@ -277,7 +277,7 @@ class EngineHost:
     def snapshot(self) -> dict:
         """A consistent-enough view for the heartbeat: model, state, counters."""
         st, stats = self._st, self._st.stats
-        steps, outputs = self._slot.steps()
+        steps, outputs = st.steps()
         return {
             "model": st.model or "",
             "engine_state": st.state,

@@ -136,7 +136,3 @@ class EngineSlot:
                 idle = st.clock() - st.last_used
                 if st.engine is not None and st.inflight == 0 and idle >= idle_cleanup:
                     self.shutdown_engine(f"idle {idle:.0f} s")
-
-    def steps(self) -> tuple[int, int]:
-        """(steps, request outputs) of every engine this host ran, the current one included."""
-        return self._st.steps()

@@ -94,7 +94,7 @@ class TierGate:
     def hold(self, t: Ticket) -> None:
         """`t` runs now: it holds its slots (a re-run after an engine death comes here without
         waiting in the line)."""
-        self._sit(t)
+        self._st.seat(t)
 
     def leave(self, t: Ticket) -> None:
         """`t` gave up its place or its slots (its run ended, it was aborted while waiting, its
@@ -103,9 +103,6 @@ class TierGate:
         st.leave_line(t)
         st.unseat(t)
         self.fill()
-
-    def _sit(self, t: Ticket) -> None:
-        self._st.seat(t)
 
     def fill(self) -> None:
         """Seat the line's head while its slots are free (every ticket in the line at once
@@ -121,7 +118,7 @@ class TierGate:
             if not open_all and used > 0 and used + head.seqs > seqs:
                 return
             st.pop_line()
-            self._sit(head)
+            st.seat(head)
             used += head.seqs
             wake = self._seats.get(head)
             if wake is not None and not wake.done():
