@@ -586,17 +586,16 @@ def test_the_engine_calls_only_the_token_tap_protocol_and_the_stream_tap_has_it_
 
     members = {n for n in vars(TokenTap) if not n.startswith("_")} | set(
         TokenTap.__annotations__)
+    def is_tap(e: ast.expr) -> bool:  # `tap`, or `x.tap`
+        return getattr(e, "id", None) == "tap" or getattr(e, "attr", None) == "tap"
+
     used: set[str] = set()
     for path in Path("workers/engine").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and (
-                    (isinstance(node.value, ast.Name) and node.value.id == "tap") or
-                    (isinstance(node.value, ast.Attribute) and node.value.attr == "tap")):
+            if isinstance(node, ast.Attribute) and is_tap(node.value):
                 used.add(node.attr)
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" and \
-                    isinstance(node.args[0], ast.Name) and node.args[0].id == "tap" or (
-                    isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
-                    and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "tap"):
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" \
+                    and is_tap(node.args[0]):
                 used.add(node.args[1].value)
     assert used and used <= members, f"not in TokenTap: {sorted(used - members)}"
     tap = StreamTap(None, "r", "claim", 1, "tiny-llama")
