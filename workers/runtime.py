@@ -88,7 +88,8 @@ class WorkerRuntime:
                                events=WorkerEvents(self, sizes_memory=engine in MODEL_ENGINES),
                                death_limit=settings.engine_death_limit,
                                stall_timeout=settings.stall_after,
-                               engine_start_timeout=settings.engine_start_timeout)
+                               engine_start_timeout=settings.engine_start_timeout,
+                               freeze_heap=engine in MODEL_ENGINES)
         # Token streams (workers/streaming.py), for the engines that stream (the real one).
         self.streams: StreamSink | None = None
         if settings.stream_flush_ms > 0 and engine in MODEL_ENGINES:

@@ -64,15 +64,16 @@ class EngineHost:
                  events: HostEvents | None = None,
                  clock: Callable[[], float] = time.monotonic, shutdown_timeout: float = 30.0,
                  death_limit: int = 3, stall_timeout: float = 0.0,
-                 engine_start_timeout: float = 900.0):
+                 engine_start_timeout: float = 900.0, freeze_heap: bool = False):
         """`events` is what the host tells and asks its worker (HostEvents: changes, the fatal
         end, failures and successes proven by traffic, whether another worker serves a model,
-        the memory plan of a start)."""
+        the memory plan of a start). `freeze_heap`: the process' heap is frozen while an engine
+        is up (workers/engine/heap.py: a worker of a real model engine)."""
         events = events or HostEvents()
         self._st = HostState(events, clock, death_limit)
         self._idle_cleanup = idle_cleanup
         self._slot = EngineSlot(self._st, factory, shutdown_timeout=shutdown_timeout,
-                                engine_start_timeout=engine_start_timeout)
+                                engine_start_timeout=engine_start_timeout, freeze=freeze_heap)
         self._recovery = Recovery(self._st, self._slot)
         self._admission = Admission(self._st, self._slot, self._recovery)
         # collaborators with state of their own

@@ -24,6 +24,7 @@ from typing import Callable
 from app.errors import ENGINE_START_FAILED, RequestError, WorkerFatalError
 from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
+from workers.engine.heap import freeze_heap, thaw_heap
 from workers.engine.host_state import HostState
 from workers.engine.memory import MemoryPlan
 from workers.engine.warm_up import warm_lanes, warms_lora
@@ -37,8 +38,11 @@ class EngineSlot:
     """Loads, replaces and shuts down the engine in `st` (module docstring)."""
 
     def __init__(self, st: HostState, factory: EngineFactory, *, shutdown_timeout: float,
-                 engine_start_timeout: float):
+                 engine_start_timeout: float, freeze: bool = False):
+        """`freeze`: freeze the process' heap once each engine is up, thaw it before its
+        shutdown (workers/engine/heap.py; a worker of a real model engine)."""
         self._st = st
+        self._freeze = freeze
         self.factory = factory
         self.shutdown_timeout = shutdown_timeout
         self._engine_start_timeout = engine_start_timeout
@@ -89,6 +93,8 @@ class EngineSlot:
             raise err from e
         st.loaded(engine, spec.name)
         self._start_took[spec.name] = time.monotonic() - started
+        if self._freeze:
+            freeze_heap()
         log.info("engine for %s ready in %.1f s (load #%d)", spec.name,
                  self._start_took[spec.name], st.stats.loads)
         st.events.changed()
@@ -115,6 +121,8 @@ class EngineSlot:
             st.stats.evictions += 1
             log.info("evicting engine for %s (%s)", st.model, reason)
         st.emptied()
+        if self._freeze:
+            thaw_heap()  # so that what the engine leaves behind can be collected
         try:
             eng.shutdown(self.shutdown_timeout)
         except Exception as e:  # a dead engine may fail to shut down; its processes are gone

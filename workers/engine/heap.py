@@ -1,0 +1,29 @@
+"""The worker's Python heap under the garbage collector (one part of the engine slot,
+workers/engine/slot.py).
+
+A worker's heap is large and almost all of it lives as long as its engine: the interpreter, its
+imports (torch, transformers, Celery) and the engine's front end, some 700,000 objects. Python's
+full collection walks all of them (~0.3 s on this machine, holding the GIL, so the engine's loop
+and every task thread stop), and under a stream of short requests one ran every few seconds
+(docs/performance.md, "Where a short request's time goes"). As vLLM's own server does after its
+start, the heap is frozen once an engine is up: what is alive then moves out of the collector's
+sight, and a collection walks only what was made since. An engine's shutdown thaws it first, so
+that the engine's own objects can be collected once it is gone.
+"""
+from __future__ import annotations
+
+import gc
+
+
+def freeze_heap() -> int:
+    """Collect what is garbage now, then freeze every object left (the collector no longer walks
+    them); returns how many objects are frozen. Call once an engine is up."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Give every frozen object back to the collector (before an engine's shutdown, so that
+    what it leaves behind is collected). Harmless when nothing is frozen."""
+    gc.unfreeze()
