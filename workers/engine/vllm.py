@@ -34,6 +34,9 @@ from workers.engine.token_tap import TokenTap
 log = logging.getLogger("vigil.engine")
 # A preempted run's pause (`yield_run`): about one engine step, bounded.
 YIELD_PAUSE_S = 2.0
+# A text prompt up to this many characters is tokenized on the loop by the run itself (`_input`);
+# a longer one goes to vLLM's tokenizer thread, so that the loop never stalls on a long one.
+RENDER_ON_LOOP_CHARS = 8192
 
 
 class VllmEngine:
@@ -191,14 +194,21 @@ class VllmEngine:
         each of the request's samples from its own tokens."""
         prio = engine_priority(req.priority)
         if tap is None:
-            final = await self._final(_prompt(req), sampling_params(req), request_id, adapter,
-                                      prio)
+            final = await self._final(self._input(req), sampling_params(req), request_id,
+                                      adapter, prio)
             self._witness_final(request_id, final)
             return output_of(final, req)
         cp, seams = self._resume_point(req, tap)
+        if cp is None and req.max_tokens <= 1:
+            # It ends within its first step: nothing to read before its result, which carries
+            # its token to the stream's readers (workers/streaming.py); no watch, no task.
+            final = await self._final(self._input(req), sampling_params(req), request_id,
+                                      adapter, prio)
+            self._witness_final(request_id, final)
+            return output_of(final, req, tap.resumed_at)
         if cp is None:
             run = WatchedRun(tap, samples=req.n, convert=self._converter(req, None))
-            final = await self._watched(_prompt(req), sampling_params(req), request_id,
+            final = await self._watched(self._input(req), sampling_params(req), request_id,
                                         adapter, run, prio)
             self._witness_final(request_id, final)
             return output_of(final, req, tap.resumed_at)
@@ -207,6 +217,20 @@ class VllmEngine:
                 for i in range(req.n)]
         done = await _all_or_none(runs)
         return EngineOutput.of([s for s, _ in done], len(cp.prompt_ids), done[0][1])
+
+    def _input(self, req: GenerateRequest) -> dict:
+        """The engine's input for a run of `req` from its prompt, rendered here by vLLM's
+        renderer as its own server renders one (`render_cmpl`: tokenized, checked against the
+        context): vLLM then takes it in at once, where a raw prompt waits for its tokenizer
+        thread and wakes the loop again, twice per request (docs/performance.md, "Where a short
+        request's time goes"). A text prompt over RENDER_ON_LOOP_CHARS stays raw, tokenized on
+        that thread. Raises what vLLM's rendering raises (a prompt over the context)."""
+        prompt = _prompt(req)
+        if req.prompt is not None and len(req.prompt) > RENDER_ON_LOOP_CHARS:
+            return prompt
+        renderer = self._llm.renderer
+        (rendered,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
+        return rendered
 
     def _resume_point(self, req: GenerateRequest, tap: TokenTap | None):
         """The checkpoint this run continues and a seam per sample, or (None, None): nothing
