@@ -340,11 +340,12 @@ def test_a_real_engines_heap_is_frozen_while_it_is_up_and_thawed_for_its_shutdow
     import gc
 
     gc.unfreeze()
+    threshold = gc.get_threshold()
     try:
         f = Factory()
         host = make_host(f, freeze_heap=True)
         host.preload(A, timeout=10)
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 20_000
         host.shutdown(timeout=1)
         assert f.log[-1] == ("shutdown", "model-a") and gc.get_freeze_count() == 0
         plain = make_host(Factory())  # a host of fake engines leaves the heap alone
@@ -352,3 +353,4 @@ def test_a_real_engines_heap_is_frozen_while_it_is_up_and_thawed_for_its_shutdow
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -9,17 +9,28 @@ and every task thread stop), and under a stream of short requests one ran every 
 start, the heap is frozen once an engine is up: what is alive then moves out of the collector's
 sight, and a collection walks only what was made since. An engine's shutdown thaws it first, so
 that the engine's own objects can be collected once it is gone.
+
+The youngest generation is collected every GEN0_THRESHOLD allocations instead of Python's 700:
+a short request makes a few hundred objects that die within milliseconds, and at 700 they were
+collected (and the survivors promoted, then walked again) every few requests. Measured with a
+collector callback in the worker, 4,096 one-token requests through `generate_many`: 0.67 s of
+collections at 700 (4 full ones of ~80 ms), 0.17 s at 20,000 (none full).
 """
 from __future__ import annotations
 
 import gc
 
+GEN0_THRESHOLD = 20_000
+
 
 def freeze_heap() -> int:
     """Collect what is garbage now, then freeze every object left (the collector no longer walks
-    them); returns how many objects are frozen. Call once an engine is up."""
+    them) and collect the youngest generation every GEN0_THRESHOLD allocations; returns how many
+    objects are frozen. Call once an engine is up."""
     gc.collect()
     gc.freeze()
+    young, older, oldest = gc.get_threshold()
+    gc.set_threshold(max(GEN0_THRESHOLD, young), older, oldest)
     return gc.get_freeze_count()
 
 
