@@ -450,3 +450,18 @@ def test_an_xgrammar_still_importing_is_no_verdict_on_a_constraint(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", types.ModuleType("xgrammar"))
     check_compiles(good, "xgrammar", "tiny-llama")
     check_compiles(bad, "xgrammar", "tiny-llama")  # no verdict here: the engine's own check
+
+
+def test_each_runs_sampling_params_are_its_own_so_vllm_copies_them_shallowly():
+    """vLLM deep-copies the SamplingParams it is given unless they are marked `skip_clone`
+    (~20 us of the engine's loop per request); Vigil builds them afresh for every run, nothing
+    inside them shared with another run, and marks them so (workers/engine/sampling.py)."""
+    from workers.engine.sampling import Continuation, sampling_params
+
+    req = parse_request({"model": "tiny-llama", "prompt": "x", "max_tokens": 4,
+                         "stop_token_ids": [5], "stop": ["."], "logprobs": 2})
+    a, b = sampling_params(req), sampling_params(req)
+    c = sampling_params(req, Continuation(0, 1))
+    assert a.skip_clone and b.skip_clone and c.skip_clone
+    assert a is not b and a.stop_token_ids is not b.stop_token_ids and a.stop is not b.stop
+    assert a.clone().max_tokens == 4 and c.max_tokens == 3

@@ -11,6 +11,11 @@ run alone asks for the prompt's logprobs. It tells EngineCore how many of its pr
 were generated (workers/engine/resume_marks.py): its structured-output grammar is advanced over
 them (workers/engine/resume_grammar.py), and its penalties and bad words count them as
 generated (workers/engine/resume_steps.py, which applies the penalties: vLLM is given none).
+
+Each run gets SamplingParams of its own (the request's lists copied into them, as vLLM may change
+them in place), so they are marked `skip_clone` where this vLLM has
+the flag: vLLM then copies them shallowly as it takes the request in, not deeply (a deep copy
+was ~20 us of the engine's loop per request, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -40,18 +45,19 @@ def sampling_params(req: GenerateRequest, cont: Continuation | None = None):
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-        stop_token_ids=req.stop_token_ids, logprobs=req.logprobs,
-        prompt_logprobs=req.prompt_logprobs, logprob_token_ids=req.logprob_token_ids,
+        stop_token_ids=_copy(req.stop_token_ids), logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs, logprob_token_ids=_copy(req.logprob_token_ids),
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+        allowed_token_ids=_copy(req.allowed_token_ids), bad_words=_copy(req.bad_words),
         skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+        **_own(SamplingParams),
     )
     structured = (StructuredOutputsParams(**req.structured.wire())
                   if req.structured is not None else None)
     if cont is None:
         return SamplingParams(
             n=req.n, max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed,
-            stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
+            stop=_copy(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
             detokenize=req.detokenize, structured_outputs=structured, **common)
     # The prompt's logprobs come from sample 0's run (cut at the prompt's end), once.
     common["prompt_logprobs"] = req.prompt_logprobs if cont.index == 0 else None
@@ -65,3 +71,15 @@ def sampling_params(req: GenerateRequest, cont: Continuation | None = None):
         seed=None if req.seed is None else req.seed + cont.index, detokenize=False,
         structured_outputs=structured, extra_args=extra_args(Marks(cont.made, penalties)),
         **common)
+
+
+def _own(params_type) -> dict:
+    """The keyword that marks SamplingParams as this run's own (vLLM need not deep-copy them),
+    {} on a vLLM without it."""
+    return {"skip_clone": True} if "skip_clone" in getattr(params_type, "__struct_fields__",
+                                                           ()) else {}
+
+
+def _copy(values: list | None) -> list | None:
+    """A list of the run's own (None stays None)."""
+    return list(values) if values is not None else None

@@ -224,11 +224,13 @@ class VllmEngine:
         context): vLLM then takes it in at once, where a raw prompt waits for its tokenizer
         thread and wakes the loop again, twice per request (docs/performance.md, "Where a short
         request's time goes"). A text prompt over RENDER_ON_LOOP_CHARS stays raw, tokenized on
-        that thread. Raises what vLLM's rendering raises (a prompt over the context)."""
+        that thread, and so is every prompt on a vLLM without a renderer. Raises what vLLM's
+        rendering raises (a prompt over the context)."""
         prompt = _prompt(req)
-        if req.prompt is not None and len(req.prompt) > RENDER_ON_LOOP_CHARS:
+        renderer = getattr(self._llm, "renderer", None)  # vLLM 0.32's; an older one has none
+        if (req.prompt is not None and len(req.prompt) > RENDER_ON_LOOP_CHARS) \
+                or not hasattr(renderer, "render_cmpl"):
             return prompt
-        renderer = self._llm.renderer
         (rendered,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
         return rendered
 
