@@ -21,6 +21,7 @@ from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
 from workers.engine.processes import descendants, engine_core_pids
+from workers.engine.render import PromptRenderer
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
                                    unsound)
 from workers.engine.sampling import Continuation, sampling_params
@@ -34,9 +35,6 @@ from workers.engine.token_tap import TokenTap
 log = logging.getLogger("vigil.engine")
 # A preempted run's pause (`yield_run`): about one engine step, bounded.
 YIELD_PAUSE_S = 2.0
-# A text prompt up to this many characters is tokenized on the loop by the run itself (`_input`);
-# a longer one goes to vLLM's tokenizer thread, so that the loop never stalls on a long one.
-RENDER_ON_LOOP_CHARS = 8192
 
 
 class VllmEngine:
@@ -74,6 +72,7 @@ class VllmEngine:
         self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
+        self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
 
     @property
     def progress(self) -> int:
@@ -194,7 +193,7 @@ class VllmEngine:
         each of the request's samples from its own tokens."""
         prio = engine_priority(req.priority)
         if tap is None:
-            final = await self._final(self._input(req), sampling_params(req), request_id,
+            final = await self._final(self._render(req), sampling_params(req), request_id,
                                       adapter, prio)
             self._witness_final(request_id, final)
             return output_of(final, req)
@@ -202,13 +201,13 @@ class VllmEngine:
         if cp is None and req.max_tokens <= 1:
             # It ends within its first step: nothing to read before its result, which carries
             # its token to the stream's readers (workers/streaming.py); no watch, no task.
-            final = await self._final(self._input(req), sampling_params(req), request_id,
+            final = await self._final(self._render(req), sampling_params(req), request_id,
                                       adapter, prio)
             self._witness_final(request_id, final)
             return output_of(final, req, tap.resumed_at)
         if cp is None:
             run = WatchedRun(tap, samples=req.n, convert=self._converter(req, None))
-            final = await self._watched(self._input(req), sampling_params(req), request_id,
+            final = await self._watched(self._render(req), sampling_params(req), request_id,
                                         adapter, run, prio)
             self._witness_final(request_id, final)
             return output_of(final, req, tap.resumed_at)
@@ -217,22 +216,6 @@ class VllmEngine:
                 for i in range(req.n)]
         done = await _all_or_none(runs)
         return EngineOutput.of([s for s, _ in done], len(cp.prompt_ids), done[0][1])
-
-    def _input(self, req: GenerateRequest) -> dict:
-        """The engine's input for a run of `req` from its prompt, rendered here by vLLM's
-        renderer as its own server renders one (`render_cmpl`: tokenized, checked against the
-        context): vLLM then takes it in at once, where a raw prompt waits for its tokenizer
-        thread and wakes the loop again, twice per request (docs/performance.md, "Where a short
-        request's time goes"). A text prompt over RENDER_ON_LOOP_CHARS stays raw, tokenized on
-        that thread, and so is every prompt on a vLLM without a renderer. Raises what vLLM's
-        rendering raises (a prompt over the context)."""
-        prompt = _prompt(req)
-        renderer = getattr(self._llm, "renderer", None)  # vLLM 0.32's; an older one has none
-        if (req.prompt is not None and len(req.prompt) > RENDER_ON_LOOP_CHARS) \
-                or not hasattr(renderer, "render_cmpl"):
-            return prompt
-        (rendered,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
-        return rendered
 
     def _resume_point(self, req: GenerateRequest, tap: TokenTap | None):
         """The checkpoint this run continues and a seam per sample, or (None, None): nothing
@@ -439,8 +422,3 @@ async def _all_or_none(coros: list) -> list:
             if not t.done():
                 t.cancel()
 
-
-def _prompt(req: GenerateRequest) -> dict:
-    """The engine's prompt for a request run from its start: its text or its token ids."""
-    return ({"prompt": req.prompt} if req.prompt is not None
-            else {"prompt_token_ids": list(req.prompt_token_ids)})
