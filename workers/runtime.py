@@ -83,7 +83,8 @@ class WorkerRuntime:
         self.consumer = None  # Celery's consumer, set at worker_ready
         self.guard = OrphanGuard() if guard else None
         witness = Witness(settings.witness_dir) if settings.witness_dir else None
-        self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness),
+        self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness,
+                                              settings.engine_intake_ms / 1000),
                                idle_cleanup=settings.idle_cleanup,
                                events=WorkerEvents(self, sizes_memory=engine in MODEL_ENGINES),
                                death_limit=settings.engine_death_limit,

@@ -19,15 +19,18 @@ ENGINES = {"vllm": VllmEngine, "instant": InstantEngine, "drill": DrillEngine}
 MODEL_ENGINES = ("vllm", "drill")
 
 
-def engine_factory(kind: str, drill: Drill = Drill(),
-                   witness: Witness | None = None) -> Callable:
+def engine_factory(kind: str, drill: Drill = Drill(), witness: Witness | None = None,
+                   intake_window: float = 0.0) -> Callable:
     """The factory `(spec, plan) -> engine` of engine `kind` (a key of ENGINES); a drill engine
     gets the faults of `drill`; the model engines write their finished generations to
-    `witness` when there is one."""
+    `witness` when there is one, and take runs in waves `intake_window` seconds apart while
+    others are in them (workers/engine/intake.py)."""
     if kind == "drill":
-        return with_core_log(functools.partial(DrillEngine, drill=drill, witness=witness))
+        return with_core_log(functools.partial(DrillEngine, drill=drill, witness=witness,
+                                               intake_window=intake_window))
     if kind == "vllm":
-        return with_core_log(functools.partial(VllmEngine, witness=witness))
+        return with_core_log(functools.partial(VllmEngine, witness=witness,
+                                               intake_window=intake_window))
     return ENGINES[kind]
 
 

@@ -20,6 +20,7 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
+from workers.engine.intake import Intake
 from workers.engine.processes import descendants, engine_core_pids
 from workers.engine.render import PromptRenderer
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
@@ -50,11 +51,15 @@ class VllmEngine:
     _pause_lock_: asyncio.Lock | None = None
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
-                 witness: Witness | None = None, extra_args: dict | None = None):
+                 witness: Witness | None = None, extra_args: dict | None = None,
+                 intake_window: float = 0.0):
         """Build the engine for `spec` (its recipe: workers/engine/vllm_args.py), with
-        `extra_args` over the recipe's (the drill engine's additions)."""
+        `extra_args` over the recipe's (the drill engine's additions). Runs that arrive while
+        others are in it enter in waves at most `intake_window` seconds apart
+        (workers/engine/intake.py; 0: each at once)."""
         engine_env_defaults()
         self.witness = witness
+        self._intake = Intake(intake_window)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -263,10 +268,11 @@ class VllmEngine:
         """One engine request to its end (at vLLM priority `priority`: its tier's,
         app/requests/tiers.py); its final output."""
         final = None
-        async for out in self._llm.generate(prompt, params, request_id=request_id,
-                                            lora_request=self._lora(adapter),
-                                            priority=priority):
-            final = out
+        async with self._intake:  # in a wave while other runs are in it (intake.py)
+            async for out in self._llm.generate(prompt, params, request_id=request_id,
+                                                lora_request=self._lora(adapter),
+                                                priority=priority):
+                final = out
         return final
 
     async def _watched(self, prompt: dict, params, request_id: str, adapter, run: WatchedRun,
