@@ -39,7 +39,7 @@ from app.settings_defaults import (DEFAULT_API_MAX_BODY_BYTES, DEFAULT_BATCH_MAX
                                     DEFAULT_RESULT_TTL_S, DEFAULT_RETRY_BACKOFF_MAX_S,
                                     DEFAULT_RETRY_BACKOFF_S, DEFAULT_STALL_TIMEOUT_S,
                                     DEFAULT_STREAM_CHUNK_TOKENS, DEFAULT_STREAM_FLUSH_MS,
-                                    DEFAULT_ENGINE_INTAKE_MS,
+                                    DEFAULT_ENGINE_WAVE_MS,
                                     DEFAULT_WORKER_CONCURRENCY, DEFAULT_WORKER_REAP_TIMEOUT_S,
                                     DEFAULT_WORKER_REGISTRATION_GRACE_S, ENV_PREFIX,
                                     MIN_RESULT_TTL_S, MIN_WORKER_REAP_TIMEOUT_S, VLLM_MAX_N)
@@ -115,10 +115,10 @@ class VigilSettings(BaseSettings):
                                  "worker writes the tokens its requests generated to their "
                                  "token streams at least this often (one round trip for all "
                                  "of them); 0 turns token streams, and resuming from them, off.")
-    engine_intake_ms: int = Field(DEFAULT_ENGINE_INTAKE_MS, ge=0, le=1000, description="A "
+    engine_wave_ms: int = Field(DEFAULT_ENGINE_WAVE_MS, ge=0, le=1000, description="A "
                                   "worker's engine takes the runs that arrive while others are "
                                   "in it in waves at most this far apart, each wave into one "
-                                  "engine step (workers/engine/intake.py); a run that finds the "
+                                  "engine step (workers/engine/waves.py); a run that finds the "
                                   "engine empty enters at once. 0: every run at once.")
     stream_chunk_tokens: int = Field(DEFAULT_STREAM_CHUNK_TOKENS, ge=1, le=65536,
                                      description="A request with this many tokens not yet "

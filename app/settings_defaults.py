@@ -99,11 +99,11 @@ DEFAULT_HEALTH_WINDOW_S = 3600.0
 # Token streams (app/state/streams.py): a worker's flush interval and the chunk size that calls
 # an early flush. Chosen by measurement (docs/performance.md, "Token streams").
 DEFAULT_STREAM_FLUSH_MS = 1000
-# The engine's intake (workers/engine/intake.py): runs that arrive while others are in the engine
+# The engine's waves (workers/engine/waves.py): runs that arrive while others are in the engine
 # enter in waves at most this far apart. Chosen by measurement (docs/performance.md, "Where a
 # short request's time goes"): 25 and 60 ms both took generate_many's short workload from
 # ~400 to 620-720 req/s; the shorter one adds less to a request's latency.
-DEFAULT_ENGINE_INTAKE_MS = 25
+DEFAULT_ENGINE_WAVE_MS = 25
 DEFAULT_STREAM_CHUNK_TOKENS = 64
 # Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
 # deadlocked). Far above one engine step (milliseconds to seconds); at most half the request

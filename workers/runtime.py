@@ -84,7 +84,7 @@ class WorkerRuntime:
         self.guard = OrphanGuard() if guard else None
         witness = Witness(settings.witness_dir) if settings.witness_dir else None
         self.host = EngineHost(engine_factory(engine, parse_drill(settings.drill), witness,
-                                              settings.engine_intake_ms / 1000),
+                                              settings.engine_wave_ms / 1000),
                                idle_cleanup=settings.idle_cleanup,
                                events=WorkerEvents(self, sizes_memory=engine in MODEL_ENGINES),
                                death_limit=settings.engine_death_limit,

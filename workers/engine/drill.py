@@ -38,14 +38,14 @@ class DrillEngine(VllmEngine):
     """VllmEngine with the faults of `drill` (the worker's VIGIL_DRILL)."""
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *, drill: Drill,
-                 witness: Witness | None = None, intake_window: float = 0.0):
+                 witness: Witness | None = None, wave_window: float = 0.0):
         self.drill = drill
         log.warning("DRILL ENGINE for %s: injecting %s", spec.name, self.drill)
         if drill.slow_start_s:
             time.sleep(drill.slow_start_s)  # synchronous, on the loop, as the real build is
         extra = slow_step_args(drill.slow_step_s) if drill.slow_step_s else None
         super().__init__(spec, plan, witness=witness, extra_args=extra,
-                         intake_window=intake_window)
+                         wave_window=wave_window)
         if self.drill.die_on_start:
             self.kill_core()
             deadline = time.monotonic() + 15

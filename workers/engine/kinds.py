@@ -20,17 +20,17 @@ MODEL_ENGINES = ("vllm", "drill")
 
 
 def engine_factory(kind: str, drill: Drill = Drill(), witness: Witness | None = None,
-                   intake_window: float = 0.0) -> Callable:
+                   wave_window: float = 0.0) -> Callable:
     """The factory `(spec, plan) -> engine` of engine `kind` (a key of ENGINES); a drill engine
     gets the faults of `drill`; the model engines write their finished generations to
-    `witness` when there is one, and take runs in waves `intake_window` seconds apart while
-    others are in them (workers/engine/intake.py)."""
+    `witness` when there is one, and take runs in waves `wave_window` seconds apart while
+    others are in them (workers/engine/waves.py)."""
     if kind == "drill":
         return with_core_log(functools.partial(DrillEngine, drill=drill, witness=witness,
-                                               intake_window=intake_window))
+                                               wave_window=wave_window))
     if kind == "vllm":
         return with_core_log(functools.partial(VllmEngine, witness=witness,
-                                               intake_window=intake_window))
+                                               wave_window=wave_window))
     return ENGINES[kind]
 
 

@@ -15,12 +15,12 @@ from app.requests.adapters import AdapterRef
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from app.requests.tiers import engine_priority
+from app.requests.tiers import INTERACTIVE, engine_priority
 from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
-from workers.engine.intake import Intake
+from workers.engine.waves import Waves
 from workers.engine.processes import descendants, engine_core_pids
 from workers.engine.render import PromptRenderer
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
@@ -52,14 +52,14 @@ class VllmEngine:
 
     def __init__(self, spec: ModelSpec, plan: MemoryPlan | None = None, *,
                  witness: Witness | None = None, extra_args: dict | None = None,
-                 intake_window: float = 0.0):
+                 wave_window: float = 0.0):
         """Build the engine for `spec` (its recipe: workers/engine/vllm_args.py), with
         `extra_args` over the recipe's (the drill engine's additions). Runs that arrive while
-        others are in it enter in waves at most `intake_window` seconds apart
-        (workers/engine/intake.py; 0: each at once)."""
+        others are in it enter in waves at most `wave_window` seconds apart
+        (workers/engine/waves.py; 0: each at once)."""
         engine_env_defaults()
         self.witness = witness
-        self._intake = Intake(intake_window)
+        self._waves = Waves(wave_window)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -268,7 +268,7 @@ class VllmEngine:
         """One engine request to its end (at vLLM priority `priority`: its tier's,
         app/requests/tiers.py); its final output."""
         final = None
-        async with self._intake:  # in a wave while other runs are in it (intake.py)
+        async with self._waves.entry(priority == engine_priority(INTERACTIVE)):  # waves.py
             async for out in self._llm.generate(prompt, params, request_id=request_id,
                                                 lora_request=self._lora(adapter),
                                                 priority=priority):

@@ -1,0 +1,119 @@
+"""Unit tier: the engine's waves (workers/engine/waves.py): runs that arrive together enter
+vLLM together, those arriving while others are inside wait for the window or for the engine to
+empty, an interactive run enters at once, a run cancelled while it waits never enters. On a
+real asyncio loop; the window is the only clock."""
+from __future__ import annotations
+
+import asyncio
+
+from workers.engine.waves import Waves
+
+WINDOW = 0.05
+
+
+async def _hold(waves: Waves, entered: list, release: asyncio.Event, name: str,
+                at_once: bool = False) -> None:
+    async with waves.entry(at_once):
+        entered.append((name, asyncio.get_running_loop().time()))
+        await release.wait()
+
+
+async def _until(cond) -> None:
+    async with asyncio.timeout(5):
+        while not cond():
+            await asyncio.sleep(0.002)
+
+
+def test_runs_arriving_together_at_an_empty_engine_enter_together_without_the_window():
+    async def main():
+        loop = asyncio.get_running_loop()
+        waves, entered, release = Waves(WINDOW), [], asyncio.Event()
+        start = loop.time()
+        runs = [asyncio.ensure_future(_hold(waves, entered, release, f"r{i}")) for i in range(4)]
+        await _until(lambda: len(entered) == 4)
+        assert waves.waves == 1 and waves.inside == 4
+        assert max(t for _, t in entered) - start < WINDOW / 2  # the next turn, not the window
+        release.set()
+        await asyncio.gather(*runs)
+        assert waves.inside == 0
+
+    asyncio.run(main())
+
+
+def test_runs_arriving_while_others_are_inside_wait_for_the_window_and_enter_as_one_wave():
+    async def main():
+        loop = asyncio.get_running_loop()
+        waves, entered, release = Waves(WINDOW), [], asyncio.Event()
+        first = asyncio.ensure_future(_hold(waves, entered, release, "first"))
+        await _until(lambda: len(entered) == 1)
+        start = loop.time()
+        rest = [asyncio.ensure_future(_hold(waves, entered, release, f"r{i}")) for i in range(5)]
+        await asyncio.sleep(WINDOW / 5)
+        assert len(entered) == 1 and waves.inside == 1  # they wait for the wave
+        await _until(lambda: len(entered) == 6)
+        times = [t for _, t in entered[1:]]
+        assert waves.waves == 2 and waves.inside == 6
+        assert max(times) - min(times) < WINDOW / 2  # one wave, one turn of the loop
+        assert min(times) - start >= WINDOW * 0.9  # and not before the window
+        release.set()
+        await asyncio.gather(first, *rest)
+        assert waves.inside == 0
+
+    asyncio.run(main())
+
+
+def test_a_wave_goes_as_soon_as_the_engine_empties():
+    async def main():
+        loop = asyncio.get_running_loop()
+        waves, entered = Waves(10.0), []  # a window far longer than the test
+        done, hold = asyncio.Event(), asyncio.Event()
+        first = asyncio.ensure_future(_hold(waves, entered, done, "first"))
+        await _until(lambda: len(entered) == 1)
+        later = asyncio.ensure_future(_hold(waves, entered, hold, "later"))
+        await asyncio.sleep(0.02)
+        assert len(entered) == 1
+        start = loop.time()
+        done.set()  # the only run inside leaves
+        await _until(lambda: len(entered) == 2)
+        assert entered[1][1] - start < 1.0
+        hold.set()
+        await asyncio.gather(first, later)
+
+    asyncio.run(main())
+
+
+def test_a_run_cancelled_while_it_waits_never_enters_and_the_wave_still_comes():
+    async def main():
+        waves, entered, release = Waves(WINDOW), [], asyncio.Event()
+        first = asyncio.ensure_future(_hold(waves, entered, release, "first"))
+        await _until(lambda: len(entered) == 1)
+        gone = asyncio.ensure_future(_hold(waves, entered, release, "gone"))
+        kept = asyncio.ensure_future(_hold(waves, entered, release, "kept"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await _until(lambda: len(entered) == 2)
+        assert [n for n, _ in entered] == ["first", "kept"] and gone.cancelled()
+        assert waves.inside == 2
+        release.set()
+        await asyncio.gather(first, kept)
+        assert waves.inside == 0
+
+    asyncio.run(main())
+
+
+def test_an_interactive_run_and_every_run_without_a_window_enter_at_once():
+    async def main():
+        waves, entered, release = Waves(WINDOW), [], asyncio.Event()
+        first = asyncio.ensure_future(_hold(waves, entered, release, "first"))
+        await _until(lambda: len(entered) == 1)
+        urgent = asyncio.ensure_future(_hold(waves, entered, release, "urgent", at_once=True))
+        await asyncio.sleep(0)
+        assert [n for n, _ in entered] == ["first", "urgent"]
+        none, plain = Waves(0.0), []
+        runs = [asyncio.ensure_future(_hold(none, plain, release, f"r{i}")) for i in range(3)]
+        await asyncio.sleep(0)
+        assert len(plain) == 3 and none.waves == 0
+        release.set()
+        await asyncio.gather(first, urgent, *runs)
+
+    asyncio.run(main())

@@ -1,0 +1,65 @@
+"""The engine's waves: runs enter vLLM in waves while others are in it (one part of the real
+engine, workers/engine/vllm.py).
+
+vLLM's EngineCore steps as soon as it has a request, with whatever has arrived. Fed one run at a
+time by a worker that takes short requests in at its own pace, it made a step for every ~20-27
+arrivals (a bare AsyncLLM given them all at once makes one per ~95), at a fixed cost per step,
+and the worker woke for every one of them: under 4,096 one-token requests through
+`generate_many` EngineCore spent 2.35-2.64 ms of CPU per request and the worker 1.23-1.34 ms,
+both against ~1 ms for the bare AsyncLLM (docs/performance.md, "Where a short request's time
+goes"). So runs enter vLLM in waves, each wave in one turn of the loop: EngineCore takes them
+into one step, and their outputs come back together. A run that arrives while others are in
+the engine waits for the next wave: `window` seconds after the first that waited, or as soon as
+the engine empties, whichever comes first. A run that arrives at an empty engine goes at the
+loop's next turn, with whatever arrived in this one (a lone request waits for nothing else).
+An interactive run enters at once (its tier is for latency), and so does every run with a
+window of 0.
+
+The wait is part of the run (inside its wedge clock, at most `window`); a run cancelled while
+it waits (aborted, handed back, preempted) leaves at once, without entering vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+
+class Waves:
+    """Counts the runs in the engine and holds newcomers for the next wave (module docstring).
+    Use on the engine's loop: `async with waves.entry():` around a run's time in vLLM."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.inside = 0  # runs in vLLM now
+        self.waves = 0  # waves released (a counter for the tests and benches)
+        self._wave: asyncio.Future | None = None
+
+    @contextlib.asynccontextmanager
+    async def entry(self, at_once: bool = False) -> AsyncIterator[None]:
+        """A run's time in vLLM: entered with the next wave (module docstring; at once with
+        `at_once` or a window of 0), counted inside until it leaves."""
+        if self.window > 0 and not at_once:
+            wave = self._wave
+            if wave is None:
+                loop = asyncio.get_running_loop()
+                wave = self._wave = loop.create_future()
+                if self.inside:
+                    loop.call_later(self.window, self._release, wave)
+                else:  # an empty engine: this turn's arrivals go with it, at the next turn
+                    loop.call_soon(self._release, wave)
+            await asyncio.shield(wave)
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+            if not self.inside and self._wave is not None:  # emptied: the wave goes now
+                asyncio.get_running_loop().call_soon(self._release, self._wave)
+
+    def _release(self, wave: asyncio.Future) -> None:
+        if self._wave is wave:
+            self._wave = None
+        if not wave.done():
+            self.waves += 1
+            wave.set_result(None)
