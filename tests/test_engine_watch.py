@@ -19,7 +19,9 @@ from app.state.streams import Checkpoint
 from tests.conftest import wait_until
 from workers.engine.host import HandedBack
 from workers.engine.output import EngineOutput
+from workers.engine.render import PromptRenderer
 from workers.engine.vllm import VllmEngine
+from workers.engine.waves import Waves
 from workers.streaming import StreamTap
 
 A = ModelSpec(name="model-a")
@@ -191,6 +193,8 @@ class StoppedVllm(VllmEngine):
         self._llm, self._watch, self.witness, self.spec = llm, None, None, A
         self.max_model_len, self.max_num_seqs = 2048, 8
         self.steps = SimpleNamespace(steps=0, outputs=0)  # `progress`: never moves
+        self._render = PromptRenderer(llm)  # no renderer here: raw prompts, as vLLM's older
+        self._waves = Waves(0.0)  # every run at once
 
     def kill(self):
         pass
