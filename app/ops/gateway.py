@@ -14,12 +14,11 @@ import threading
 
 from app.celery_app import shared_app
 from app.fleet.cancel import cancel_requests
-from app.online.coalesce import Coalescer
 from app.online.render import Renderers
 from app.online.serving import OnlineCalls
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelRegistry, get_registry
-from app.requests.submit import MAX_REQUESTS, submit_many, submit_request
+from app.requests.submit import submit_many, submit_request
 from app.requests.version_gate import pool_reads
 from app.settings import VigilSettings
 from app.state.api_keys import KeyReader
@@ -41,7 +40,6 @@ class Gateway:
         self.warm = warm  # build every model's render lane at start (on a thread)
         self._warming: threading.Thread | None = None
         self.renderers = Renderers(registry, ensure_model_files)
-        self._coalescer = Coalescer(self._submit_now, MAX_REQUESTS)
         self.calls: OnlineCalls | None = None
         self.keys: KeyReader | None = None
         self.hub: LiveHub | None = None
@@ -53,13 +51,8 @@ class Gateway:
         return cls(settings, open_store(settings), get_registry(), app.vigil_ports)
 
     def submit(self, items: list[dict], ids: list[str]) -> None:
-        """Submit a call's requests (blocking), together with the calls whose submits overlap
-        it (app/online/coalesce.py)."""
-        self._coalescer.submit(items, ids)
-
-    def _submit_now(self, items: list[dict], ids: list[str]) -> None:
-        """Submit requests now (blocking): one message for one, messages of many for several
-        (app/requests/submit.py)."""
+        """Submit a call's requests (blocking): one message for one, messages of many for
+        several (app/requests/submit.py)."""
         kw = dict(settings=self.settings, registry=self.registry, store=self.store,
                   ports=self.ports)
         if len(items) == 1:
