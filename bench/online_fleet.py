@@ -56,6 +56,8 @@ def serve_flags(spec, args: dict) -> list[str]:
             out.append("--no-" + k.replace("_", "-"))
         elif isinstance(v, (int, float, str)):
             out += [flag, str(v)]
+        elif isinstance(v, list) and all(isinstance(x, str) for x in v):  # qualified names
+            out += [flag, *v]
         else:
             out += [flag, json.dumps(spec.engine_args[k])]
     return out
