@@ -12,10 +12,10 @@ were generated (workers/engine/resume_marks.py): its structured-output grammar i
 them (workers/engine/resume_grammar.py), and its penalties and bad words count them as
 generated (workers/engine/resume_steps.py, which applies the penalties: vLLM is given none).
 
-Each run gets SamplingParams of its own (the request's lists copied into them, as vLLM may change
-them in place), so they are marked `skip_clone` where this vLLM has
-the flag: vLLM then copies them shallowly as it takes the request in, not deeply (a deep copy
-was ~20 us of the engine's loop per request, docs/performance.md).
+Each run gets SamplingParams of its own (the request's lists copied into them, as vLLM may
+change them in place), so they are marked `skip_clone` where this vLLM has the flag: vLLM then
+copies them shallowly as it takes the request in, not deeply (a deep copy was ~20 us of the
+engine's loop per request, docs/performance.md).
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from workers.engine.classify import classify_core_failure
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
-from workers.engine.waves import Waves
 from workers.engine.processes import descendants, engine_core_pids
 from workers.engine.render import PromptRenderer
 from workers.engine.resume import (Seam, fast_decoder, grammar_resumes, logprob_decoder, refusal,
@@ -30,6 +29,7 @@ from workers.engine.step_counter import StepCounter
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
+from workers.engine.waves import Waves
 from workers.engine.witness import Witness
 from workers.engine.token_tap import TokenTap
 
@@ -427,4 +427,3 @@ async def _all_or_none(coros: list) -> list:
         for t in tasks:
             if not t.done():
                 t.cancel()
-
