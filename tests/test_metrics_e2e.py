@@ -54,7 +54,19 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         assert all(r.get(timeout=120)["completion_tokens"] == 4 for r in ok)
         with pytest.raises(RequestError, match="^prompt_too_long: "):
             too_long.get(timeout=120)
-        after = scrape(port)
+
+        def counted():  # a result is readable once stored, a moment before the worker counts it
+            now = scrape(port)
+            done = (get(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="succeeded",
+                        code="") - get(before, "vigil_requests_total", pool=DRILL_MODEL,
+                                       outcome="succeeded", code="") >= 3
+                    and get(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="failed",
+                            code="prompt_too_long") - get(
+                                before, "vigil_requests_total", pool=DRILL_MODEL,
+                                outcome="failed", code="prompt_too_long") >= 1)
+            return now if done else None
+
+        after = wait_for(counted, 30, 0.1, "the worker's counts of the four requests")
 
         def delta(name, **labels):
             return get(after, name, **labels) - get(before, name, **labels)
