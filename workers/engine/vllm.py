@@ -197,19 +197,14 @@ class VllmEngine:
         continues from the tap's resume point, if it has one and may (workers/engine/resume.py):
         each of the request's samples from its own tokens."""
         prio = engine_priority(req.priority)
-        if tap is None:
+        cp, seams = self._resume_point(req, tap) if tap is not None else (None, None)
+        if cp is None and (tap is None or req.max_tokens <= 1):
+            # Unstreamed, or it ends within its first step: nothing to read before its result,
+            # which carries its token to the stream's readers (workers/streaming.py).
             final = await self._final(self._render(req), sampling_params(req), request_id,
                                       adapter, prio)
             self._witness_final(request_id, final)
-            return output_of(final, req)
-        cp, seams = self._resume_point(req, tap)
-        if cp is None and req.max_tokens <= 1:
-            # It ends within its first step: nothing to read before its result, which carries
-            # its token to the stream's readers (workers/streaming.py); no watch, no task.
-            final = await self._final(self._render(req), sampling_params(req), request_id,
-                                      adapter, prio)
-            self._witness_final(request_id, final)
-            return output_of(final, req, tap.resumed_at)
+            return output_of(final, req, tap.resumed_at if tap is not None else None)
         if cp is None:
             run = WatchedRun(tap, samples=req.n, convert=self._converter(req, None))
             final = await self._watched(self._render(req), sampling_params(req), request_id,
