@@ -50,16 +50,13 @@ class PromptRenderer:
         """vLLM's input for a run of `req` from its prompt: rendered, or the raw prompt (a text
         over RENDER_ON_LOOP_CHARS, or no renderer). Raises what vLLM's rendering raises (a
         prompt over the context)."""
-        if req.prompt is None:
-            prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
-        elif len(req.prompt) > RENDER_ON_LOOP_CHARS or self._renderer is None:
-            return {"prompt": req.prompt}
-        elif self._encode is not None:
-            prompt = {"prompt_token_ids": self._encode(req.prompt), "prompt": req.prompt}
-        else:
-            prompt = {"prompt": req.prompt}
-        if self._renderer is None:
+        text = req.prompt
+        prompt = {"prompt": text} if text is not None else {
+            "prompt_token_ids": list(req.prompt_token_ids)}
+        if self._renderer is None or (text is not None and len(text) > RENDER_ON_LOOP_CHARS):
             return prompt
+        if text is not None and self._encode is not None:
+            prompt["prompt_token_ids"] = self._encode(text)
         (rendered,) = self._renderer.render_cmpl([prompt], self._params)
         return rendered
 
