@@ -55,21 +55,21 @@ def test_a_scrape_after_a_run_shows_requests_by_outcome_and_code_and_the_engine(
         with pytest.raises(RequestError, match="^prompt_too_long: "):
             too_long.get(timeout=120)
 
+        def since(now, name, **labels):
+            return get(now, name, **labels) - get(before, name, **labels)
+
         def counted():  # a result is readable once stored, a moment before the worker counts it
             now = scrape(port)
-            done = (get(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="succeeded",
-                        code="") - get(before, "vigil_requests_total", pool=DRILL_MODEL,
-                                       outcome="succeeded", code="") >= 3
-                    and get(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="failed",
-                            code="prompt_too_long") - get(
-                                before, "vigil_requests_total", pool=DRILL_MODEL,
-                                outcome="failed", code="prompt_too_long") >= 1)
+            done = (since(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="succeeded",
+                          code="") >= 3
+                    and since(now, "vigil_requests_total", pool=DRILL_MODEL, outcome="failed",
+                              code="prompt_too_long") >= 1)
             return now if done else None
 
         after = wait_for(counted, 30, 0.1, "the worker's counts of the four requests")
 
         def delta(name, **labels):
-            return get(after, name, **labels) - get(before, name, **labels)
+            return since(after, name, **labels)
 
         assert delta("vigil_requests_total", pool=DRILL_MODEL, outcome="succeeded", code="") == 3
         assert delta("vigil_requests_total", pool=DRILL_MODEL, outcome="failed",
