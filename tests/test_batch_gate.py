@@ -24,8 +24,9 @@ from workers.engine.output import EngineOutput
 SPEC = ModelSpec(name="m", path="/x")
 
 
-def req(prompt: str, priority: str = "default") -> GenerateRequest:
-    return GenerateRequest(model="m", prompt=prompt, priority=priority)
+def req(prompt: str, priority: str = "default", max_tokens: int = 64) -> GenerateRequest:
+    """A request; by default not a short run (more than 16 tokens): held to one batch."""
+    return GenerateRequest(model="m", prompt=prompt, priority=priority, max_tokens=max_tokens)
 
 
 class Queueing:
@@ -45,6 +46,7 @@ class Queueing:
         self.waiting: list[tuple[int, int, str]] = []
         self.started: list[str] = []
         self.peak_waiting = 0
+        self.waited: list[str] = []  # the runs that waited inside it
         self._arrivals = 0
         self._turn = None
 
@@ -61,6 +63,8 @@ class Queueing:
             self.waiting.sort()
             self.peak_waiting = max(self.peak_waiting, len(self.waiting) - (
                 self.max_num_seqs - len(self.running)))
+            if not (self.waiting[0] is me and len(self.running) < self.max_num_seqs):
+                self.waited.append(rid)
             try:
                 await self._turn.wait_for(lambda: self.waiting[0] is me
                                           and len(self.running) < self.max_num_seqs)
@@ -157,3 +161,30 @@ def test_an_engine_that_makes_no_steps_is_still_a_stall_for_the_runs_and_those_w
     assert host.stalls == 1 and len(failures) == 4
     assert len(eng.started) == 2  # the two waiting never entered the engine
     wait_until(lambda: eng.running == [] and host.snapshot()["in_flight"] == 0)
+
+
+def test_short_runs_queue_batches_inside_the_engine_and_a_long_run_waits_for_its_size(
+        make_host):
+    """Given an engine of 2 slots, 2 x SHORT_RUN_BATCHES + 2 one-token runs, then a long one,
+    then 2 more one-token runs (one message), when they run, then the short runs take
+    SHORT_RUN_BATCHES batches (2 run, the rest of those seats wait inside vLLM, never more: the
+    last 2 wait outside until seats free), and the long run enters only into a batch back to
+    its size: it never waits inside the engine, nor does any run behind it."""
+    from workers.engine.tier_gate import SHORT_RUN_BATCHES
+
+    seats = 2 * SHORT_RUN_BATCHES
+    eng = Queueing(max_num_seqs=2, work_s=0.05)
+    eng.release = threading.Event()
+    host = make_host(eng)
+    shorts = [req(f"s{i}", max_tokens=1) for i in range(seats + 2)]
+    reqs = shorts + [req("long")] + [req(f"t{i}", max_tokens=1) for i in range(2)]
+    pendings = host.submit_many([(r, SPEC, f"{r.prompt}-1", 30, None, None, False)
+                                 for r in reqs])
+    wait_until(lambda: len(eng.running) == 2 and len(eng.waiting) == seats - 2)
+    assert host.snapshot()["in_flight"] == len(reqs) and eng.started == ["s0-1", "s1-1"]
+    held, eng.release = eng.release, None  # from here each run takes work_s
+    held.set()
+    assert [host.result(p).text for p in pendings] == [r.prompt for r in reqs]
+    assert eng.peak_waiting == seats - 2  # the batches short runs may take, and no more
+    assert eng.waited == [f"s{i}-1" for i in range(2, seats + 2)]
+    assert eng.started == [f"{r.prompt}-1" for r in reqs]

@@ -107,6 +107,7 @@ class HostState:
         self.running: dict[Ticket, float] = {}
         self.seated: set[Ticket] = set()
         self.seated_seqs = 0  # the batch seats the seated tickets take (the gate keeps it)
+        self.seated_long = 0  # of them, the seats of runs that are not short (Ticket.short)
         self.line: list[Ticket] = []
         self.lined: set[Ticket] = set()  # the line's tickets (asked of thousands at once)
         self.recovery: asyncio.Task | None = None
@@ -287,12 +288,14 @@ class HostState:
         if t not in self.seated:
             self.seated.add(t)
             self.seated_seqs += t.seqs
+            self.seated_long += 0 if t.short else t.seqs
 
     def unseat(self, t: Ticket) -> None:
         """`t` gave its batch seats back."""
         if t in self.seated:
             self.seated.discard(t)
             self.seated_seqs -= t.seqs
+            self.seated_long -= 0 if t.short else t.seqs
 
     async def notify(self) -> None:
         """Wake every waiter on the condition."""

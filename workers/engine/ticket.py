@@ -8,6 +8,11 @@ from app.request_ids import request_id_of, run_id
 from app.requests.schemas import GenerateRequest
 from workers.engine.token_tap import TokenTap
 
+# A run that asks at most this many tokens per sample ends within a few engine steps of its
+# first: the tier gate may queue a batch of them inside vLLM behind a batch of their like
+# (workers/engine/tier_gate.py, "short runs").
+SHORT_RUN_TOKENS = 16
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -51,6 +56,11 @@ class Ticket:
         """The engine's batch seats its run takes: one per sample (vLLM runs each of n samples
         as a request of its own)."""
         return int(getattr(self.req, "n", 1) or 1)
+
+    @property
+    def short(self) -> bool:
+        """A short run: at most SHORT_RUN_TOKENS tokens per sample."""
+        return int(getattr(self.req, "max_tokens", 0) or 0) in range(1, SHORT_RUN_TOKENS + 1)
 
     @property
     def urgent(self) -> bool:

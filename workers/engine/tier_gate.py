@@ -18,6 +18,15 @@ the line: a request of n samples at the head (vLLM runs each sample in a slot of
 for n free slots and nobody behind passes it; one larger than the whole batch runs alone. A
 ticket holds its seat (`HostState.seated`) from the gate until its run ends, also while its LoRA
 adapter loads, so a slot freed for an interactive request stays its own.
+
+Short runs (`Ticket.short`: eval scoring, classification, at most 16 tokens a sample) may take
+`SHORT_RUN_BATCHES` times the batch while every seated run is short: the batches past the first
+wait inside vLLM, ready for EngineCore's next steps while this one's outputs come back, as they
+would with a bare AsyncLLM given them all. Held to one batch, EngineCore stepped with whatever
+had come back in time: 29-39 one-token runs a step against the bare engine's ~95; with two
+batches 43-59, with four 65-78, with eight no more (docs/performance.md, "Short requests"). A
+run queued there waits a few steps at most, behind short runs only; a run that is not short
+waits in the line until the batch is back to its size.
 """
 from __future__ import annotations
 
@@ -35,6 +44,9 @@ from workers.engine.ticket import Ticket
 
 log = logging.getLogger("vigil.engine")
 
+# The batches short runs may take while every seated run is short (module docstring).
+SHORT_RUN_BATCHES = 4
+
 
 class TierGate:
     """The batch gate, its line and preemption, on the host's state and its loop bridge."""
@@ -44,6 +56,12 @@ class TierGate:
         self._bridge = bridge
         self._arrivals = itertools.count()
         self._seats: dict[Ticket, asyncio.Future] = {}  # tickets at the gate -> their wake-up
+
+    def room(self, t: Ticket, seqs: int) -> int:
+        """The batch seats `t` may be seated within, for an engine of `seqs`: SHORT_RUN_BATCHES
+        times that for a short run while every seated run is short (module docstring), else
+        `seqs`."""
+        return SHORT_RUN_BATCHES * seqs if t.short and not self._st.seated_long else seqs
 
     def batch_used(self, but: Ticket | None = None) -> int:
         """The engine batch seats the seated tickets take now (`but` left out)."""
@@ -115,7 +133,7 @@ class TierGate:
         used = self.batch_used()
         while st.line:
             head = st.line[0]
-            if not open_all and used > 0 and used + head.seqs > seqs:
+            if not open_all and used > 0 and used + head.seqs > self.room(head, seqs):
                 return
             st.pop_line()
             st.seat(head)
@@ -133,12 +151,13 @@ class TierGate:
         workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
         run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
         An engine that can (`yield_run`: vllm.py) pauses first, so nothing is made between the
-        read and the abort. The line keeps the freed slots for the interactive request."""
+        read and the abort. The line keeps the freed slots for the interactive request. A
+        short run never yields: its seat is free within a few steps anyway."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
         if not seqs or urgent not in st.lined:
             return
-        need = sum(x.seqs for x in st.seated if not x.preempting) - seqs
+        need = sum(x.seqs for x in st.seated if not x.preempting) - self.room(urgent, seqs)
         for x in st.line:
             need += x.seqs
             if x is urgent:
@@ -147,7 +166,8 @@ class TierGate:
             return  # its slots are free, or are being freed for it
         picks = []
         for x in st.running:
-            if x is not urgent and x.preemptible and x.bulk and not x.preempting and not x.gone:
+            if (x is not urgent and x.preemptible and x.bulk and not x.short
+                    and not x.preempting and not x.gone):
                 cost = rebuild_cost(x, engine)
                 if cost is not None:
                     picks.append((cost, -st.running[x], id(x), x))
