@@ -110,3 +110,32 @@ def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_
     assert "subscribe" not in calls and "get" not in calls
     with pytest.raises(CeleryTimeoutError):  # not stored: waited for, not taken from a read
         last.get(timeout=0.3)
+
+
+def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(settings):
+    """Given a generate_many's results and one stored 0.3 s after its `get()` began (from
+    another connection, as a worker's FINISH stores it), then `get()` returns it, having read
+    the result keys while it waited and subscribed to no channel, counted by Redis itself.
+    Subscribed, a collector of thousands built a backlog of their messages on its one reply
+    connection and found a result stored long before only at the record check, 5 s later
+    (app/requests/async_result.py, module docstring)."""
+    import threading
+
+    app = create_app(settings)
+    results = many(app, settings, [{"model": "tiny-llama", "prompt": f"w{i}", "max_tokens": 1}
+                                   for i in range(3)])
+    other = create_app(settings)  # the worker's side: its own connections
+    raw = app.vigil_store.raw
+    raw.config_resetstat()
+    timer = threading.Timer(0.3, other.backend.store_result,
+                            (results[1].id, {"request_id": results[1].id, "text": "late"},
+                             "SUCCESS"))
+    timer.start()
+    try:
+        got = results[1].get(timeout=4)
+    finally:
+        timer.cancel()
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    assert got["text"] == "late"
+    assert calls.get("mget", 0) >= 2  # read before it was stored, and after
+    assert "subscribe" not in calls and "psubscribe" not in calls

@@ -12,6 +12,12 @@ Celery's AsyncResult, with two things added from Vigil's own record of the reque
   fsync window: docs/reliability.md) or after VIGIL_RESULT_TTL, when the result is gone too.
   The same look renews the request's job lease (at most once a minute per job and process), so a
   caller that only waits in `get()` is not taken for one that abandoned its job.
+- a result of a `generate_many` call waits by reading the result keys (`Siblings`), never by
+  Celery's subscription to each result's channel. A collector of thousands subscribed to
+  nearly every one it waited for, and one reply connection carried all their messages, read
+  one per turn: a backlog of 180-530 KB built up on it under the short-request bench, and a
+  result stored long before was found only by the record check, 5 s later (docs/performance.md,
+  "A collector's wait").
 """
 from __future__ import annotations
 
@@ -41,6 +47,11 @@ _touched: dict[str, float] = {}
 _touched_lock = threading.Lock()
 # Result keys one `get()` of a `generate_many` result reads at once (`Siblings`).
 SIBLINGS_READ = 64
+# While a `generate_many` result is not stored, its `get()` reads again after a pause that grows
+# with its wait (a twentieth of it), from POLL_MIN_S up to POLL_MAX_S: a result is seen at most
+# 5% of its wait late (and POLL_MAX_S at most), and a long wait costs 4 reads a second.
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.25
 
 
 class VigilAsyncResult(AsyncResult):
@@ -84,6 +95,11 @@ class VigilAsyncResult(AsyncResult):
             left = None if deadline is None else deadline - time.monotonic()
             piece = RECORD_CHECK_S if left is None else max(0.0, min(RECORD_CHECK_S, left))
             try:
+                siblings = self.__dict__.get("_vigil_siblings")
+                if siblings is not None and self._cache is None:
+                    siblings.wait(self, piece)  # read, not subscribed (module docstring)
+                    if self._cache is None:
+                        raise CeleryTimeoutError(f"not stored within {piece} s")
                 return super().get(timeout=piece, propagate=propagate, interval=interval,
                                    **kwargs)
             except TaskRevokedError:
@@ -236,6 +252,21 @@ class Siblings:
             for r in mine:
                 r.__dict__["_vigil_siblings"] = siblings
         return results
+
+    def wait(self, result: "VigilAsyncResult", seconds: float) -> None:
+        """Read `result` (and its siblings, `read_from`) until it is cached or `seconds` have
+        passed, pausing between reads as POLL_MIN_S / POLL_MAX_S say; a read Redis does not
+        answer is a read that found nothing."""
+        start = time.monotonic()
+        while True:
+            try:
+                self.read_from(result)
+            except result.backend.connection_errors:
+                pass  # Redis is away: keep waiting, as Celery's own wait does
+            waited = time.monotonic() - start
+            if result._cache is not None or waited >= seconds:
+                return
+            time.sleep(min(max(POLL_MIN_S, waited / 20), POLL_MAX_S, seconds - waited))
 
     def read_from(self, result: "VigilAsyncResult") -> None:
         """Cache the outcome of `result` and of the uncached siblings after it, where stored."""
