@@ -155,8 +155,8 @@ def test_a_request_is_finished_as_it_ends_without_waiting_for_a_slower_sibling(r
 
 
 def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime):
-    """Given a message of three bulk requests filling the engine's batch (max_num_seqs 3),
-    when an interactive request arrives, then the youngest sibling yields its slot (the host's
+    """Given a message of three bulk requests (not short runs) filling the engine's batch
+    (max_num_seqs 3), when an interactive request arrives, then the youngest sibling yields its slot (the host's
     own preemption, workers/engine/host.py `_preempt_for`) and goes back alone: published as
     its next dispatch, its record PENDING with its attempt refunded and one preemption
     counted; its two siblings and the interactive request end SUCCEEDED, nothing else is
@@ -164,9 +164,12 @@ def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime)
     from workers.service import serve
 
     rt = runtime(engine=Held({"p0", "p1", "p2", "now"}, max_num_seqs=3))
-    batch = items(3, priority="bulk")
+    # 64 tokens: not short runs, which take more than the batch and never yield
+    # (workers/engine/tier_gate.py)
+    batch = items(3, priority="bulk", max_tokens=64)
     for it in batch:
-        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"], priority="bulk")
+        create(rt.store, it["id"], prompt=it["kwargs"]["prompt"], priority="bulk",
+               max_tokens=64)
     create(rt.store, "i1", prompt="now", priority="interactive")
     pool = ThreadPoolExecutor(2)
     try:
