@@ -17,7 +17,7 @@ Celery's AsyncResult, with two things added from Vigil's own record of the reque
   nearly every one it waited for, and one reply connection carried all their messages, read
   one per turn: a backlog of 180-530 KB built up on it under the short-request bench, and a
   result stored long before was found only by the record check, 5 s later (docs/performance.md,
-  "A collector's wait").
+  "The third pass: short runs queue, a collector reads").
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from app.requests.schemas import GenerateRequest
 from workers.engine.token_tap import TokenTap
 
 # A run that asks at most this many tokens per sample ends within a few engine steps of its
-# first: the tier gate may queue a batch of them inside vLLM behind a batch of their like
-# (workers/engine/tier_gate.py, "short runs").
+# first: the tier gate may queue batches of them inside vLLM behind their like
+# (workers/engine/tier_gate.py, "Short runs").
 SHORT_RUN_TOKENS = 16
 
 
