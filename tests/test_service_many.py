@@ -156,11 +156,11 @@ def test_a_request_is_finished_as_it_ends_without_waiting_for_a_slower_sibling(r
 
 def test_a_sibling_preempted_for_an_interactive_request_goes_back_alone(runtime):
     """Given a message of three bulk requests (not short runs) filling the engine's batch
-    (max_num_seqs 3), when an interactive request arrives, then the youngest sibling yields its slot (the host's
-    own preemption, workers/engine/host.py `_preempt_for`) and goes back alone: published as
-    its next dispatch, its record PENDING with its attempt refunded and one preemption
-    counted; its two siblings and the interactive request end SUCCEEDED, nothing else is
-    published."""
+    (max_num_seqs 3), when an interactive request arrives, then the youngest sibling yields its
+    slot (the host's own preemption, workers/engine/host.py `_preempt_for`) and goes back
+    alone: published as its next dispatch, its record PENDING with its attempt refunded and one
+    preemption counted; its two siblings and the interactive request end SUCCEEDED, nothing
+    else is published."""
     from workers.service import serve
 
     rt = runtime(engine=Held({"p0", "p1", "p2", "now"}, max_num_seqs=3))
