@@ -60,7 +60,7 @@ class Ticket:
     @property
     def short(self) -> bool:
         """A short run: at most SHORT_RUN_TOKENS tokens per sample."""
-        return int(getattr(self.req, "max_tokens", 0) or 0) in range(1, SHORT_RUN_TOKENS + 1)
+        return 0 < int(getattr(self.req, "max_tokens", 0) or 0) <= SHORT_RUN_TOKENS
 
     @property
     def urgent(self) -> bool:
