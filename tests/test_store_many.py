@@ -10,7 +10,8 @@ import pytest
 from app.requests.schemas import parse_request
 from app.requests.record_fields import record_fields
 from app.state.conn import connect
-from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, OVERLOADED_JOB, RequestStore
+from app.state.store import (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_JOB,
+                             RequestStore)
 
 pytestmark = pytest.mark.redis
 
@@ -65,3 +66,40 @@ def test_a_pipeline_is_its_script_calls_alone_and_survives_an_emptied_script_cac
     assert not any(k.startswith("cmdstat_script") for k in stats), stats
     assert [store.get(rid)["attempts"] for rid in ids] == ["1"] * 6
     assert {store.get(rid)["status"] for rid in ids} == {"SUCCEEDED"}
+
+
+def test_a_record_created_among_many_is_the_record_created_alone(store):
+    """Given the same requests created alone (CREATE) and among many (CREATE_MANY: a run per
+    job and pool, one JSON argument of fields per request), then each record is the same
+    field for field, to the byte (floats, a non-ASCII and a quoted prompt, a LoRA), and every
+    index (deadlines, job and pool sets, the job's queue) holds it alike."""
+    now = time.time()
+    reqs = [fields(prompt='héllo "w" \\ 🎉'), fields(job="other", lora="tiny-lora"),
+            fields(job="other", temperature=0.7, max_tokens=3), fields()]
+    alone = [store.create(f"a{i}", f, now) for i, f in enumerate(reqs)]
+    many = store.create_many([(f"b{i}", f) for i, f in enumerate(reqs)], now)
+    assert alone == [CREATED_NEW_JOB_QUEUE, CREATED_NEW_JOB_QUEUE, CREATED, CREATED]
+    assert many == [CREATED] * 4  # the jobs' queues were new to the first only
+    raw = store.raw
+    for i in range(len(reqs)):
+        assert raw.hgetall(f"vigil:req:b{i}") == raw.hgetall(f"vigil:req:a{i}")
+        assert raw.zscore("vigil:deadlines", f"b{i}") == raw.zscore("vigil:deadlines", f"a{i}")
+    assert json.loads(store.get("b0")["request"])["prompt"] == 'héllo "w" \\ 🎉'
+    for job, ids in (("many", {"0", "3"}), ("other", {"1", "2"})):
+        members = raw.smembers(f"vigil:jobreqs:{job}")
+        assert {m.decode() for m in members} >= {p + i for p in "ab" for i in ids}
+
+
+def test_many_creates_across_jobs_keep_each_cap_and_order(store):
+    """Given requests of two jobs interleaved and a cap of 2 per job, then each job's third is
+    refused (nothing written), in the callers' order, and a job deleted refuses all of its."""
+    now = time.time()
+    items = [(f"x{i}", fields(job="ja" if i % 2 == 0 else "jb")) for i in range(6)]
+    made = store.create_many(items, now, max_per_job=2)
+    assert made == [CREATED_NEW_JOB_QUEUE, CREATED_NEW_JOB_QUEUE, CREATED, CREATED,
+                    OVERLOADED_JOB, OVERLOADED_JOB]
+    assert store.get("x4") is None and store.get("x5") is None
+    store.raw.hset("vigil:job:gone", "state", "deleted")
+    assert store.create_many([("g0", fields(job="gone")), ("g1", fields(job="gone"))],
+                             now) == [JOB_DELETED, JOB_DELETED]
+    assert store.get("g0") is None

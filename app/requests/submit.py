@@ -177,17 +177,12 @@ def record_new(store: RequestStore, ports: CeleryPorts,
                entries: list[tuple[str, dict, str, str]], now: float | None = None, *,
                max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
     """The one create of request records: each (request id, record fields, pool, job) written
-    if new, in one round trip (RequestStore.create / create_many: the answers in order, under
-    the caps, 0 for none), and each job's queue new in its pool announced to the pool's workers
+    if new, in one round trip (RequestStore.create_many: the answers in order, under the caps,
+    0 for none), and each job's queue new in its pool announced to the pool's workers
     (best effort: beat's reconcile repairs a lost announcement)."""
     now = time.time() if now is None else now
-    if len(entries) == 1:
-        rid, fields, _, _ = entries[0]
-        answers = [store.create(rid, fields, now, max_per_job=max_per_job,
-                                max_per_pool=max_per_pool)]
-    else:
-        answers = store.create_many([(rid, fields) for rid, fields, _, _ in entries], now,
-                                    max_per_job=max_per_job, max_per_pool=max_per_pool)
+    answers = store.create_many([(rid, fields) for rid, fields, _, _ in entries], now,
+                                max_per_job=max_per_job, max_per_pool=max_per_pool)
     announced = set()
     for (_, _, pool, job), answer in zip(entries, answers):
         if answer == CREATED_NEW_JOB_QUEUE and (pool, job) not in announced:

@@ -69,6 +69,41 @@ if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 en
 return 1
 """
 
+# CREATE for many requests of one job and pool, in order, each as if alone: what a
+# `generate_many` call's records cost Redis and the producer per request is its id, its
+# deadline and one JSON array of its fields (CREATE's field, value, ...: strings, as redis-py
+# would send them), not CREATE's ~38 arguments, each packed by redis-py in Python. KEYS[1]
+# deadline index, KEYS[2] job hash, KEYS[3] job's pending set, KEYS[4] pool's job set, KEYS[5]
+# jobs zset, KEYS[6] pool's pending set. ARGV: job, now, own_queue, max pending per job, max
+# pending per pool, the record key's prefix (app/state/keys.py `request` without the id), then
+# request_id, deadline_at, fields JSON per request. -> CREATE's answer per request, in order.
+CREATE_MANY = """
+local max_job, max_pool = tonumber(ARGV[4]), tonumber(ARGV[5])
+local deleted = redis.call('HGET', KEYS[2], 'state') == 'deleted'
+local answers = {}
+for i = 7, #ARGV, 3 do
+  local rid = ARGV[i]
+  local rec = ARGV[6] .. rid
+  local answer = 1
+  if redis.call('EXISTS', rec) == 1 then answer = 0
+  elseif deleted then answer = -1
+  elseif max_job > 0 and redis.call('SCARD', KEYS[3]) >= max_job then answer = -2
+  elseif max_pool > 0 and redis.call('SCARD', KEYS[6]) >= max_pool then answer = -3
+  else
+    redis.call('HSET', rec, unpack(cjson.decode(ARGV[i + 2])))
+    redis.call('ZADD', KEYS[1], ARGV[i + 1], rid)
+    redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
+    redis.call('HSET', KEYS[2], 'name', ARGV[1], 'last_active', ARGV[2])
+    redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
+    redis.call('SADD', KEYS[3], rid)
+    redis.call('SADD', KEYS[6], rid)
+    if ARGV[3] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then answer = 2 end
+  end
+  answers[#answers + 1] = answer
+end
+return answers
+"""
+
 # KEYS[1] record, KEYS[2] inflight set of this instance, KEYS[3] stats, KEYS[4] worker registry
 # zset. ARGV: request_id, dispatch, worker, instance, now, max_attempts, inflight key prefix,
 # claim token (a claim retried after its reply was lost returns its own run again), live window

@@ -22,7 +22,8 @@ from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect
 from app.state.health import HealthLedger
-from app.state.lua_records import BEGIN, CREATE, FINISH, FINISH_FAILED_MANY, RELEASE, REQUEUE, UNLOCK
+from app.state.lua_records import (BEGIN, CREATE, CREATE_MANY, FINISH, FINISH_FAILED_MANY,
+                                   RELEASE, REQUEUE, UNLOCK)
 from app.state.queues import DEFAULT_JOB, pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
@@ -110,6 +111,7 @@ class RequestStore(HoldCalls, ManyCalls):
         self.housekeeping = HousekeepingView(client, self._call)
         self.fleet = FleetView(client, self._call)
         self._create = client.register_script(CREATE)
+        self._create_many = client.register_script(CREATE_MANY)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)
         self._finish_failed_many = client.register_script(FINISH_FAILED_MANY)

@@ -2,18 +2,26 @@
 needs (tasks.inference `generate_many`, workers/service.py; submit: app/requests/
 submit.py).
 
-The same Lua scripts as one request's (app/state/lua_records.py: CREATE, BEGIN, FINISH), queued on one
-pipeline: each request's change is as atomic and as set-once as alone, and a pipeline sent
-again after a lost reply is harmless (each script finds its own change). A mixin of
+The same Lua scripts as one request's (app/state/lua_records.py: BEGIN, FINISH), queued on one
+pipeline, and CREATE's loop over many (CREATE_MANY): each request's change is as atomic and as
+set-once as alone, and a pipeline sent again after a lost reply is harmless (each script finds
+its own change). A mixin of
 `RequestStore` (app/state/store.py), which holds the scripts and the outage policy.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from app.state import keys
+from app.state.queues import DEFAULT_JOB
 from app.state.results import ResultKey
+
+# The most requests one CREATE_MANY call creates: Redis runs a script alone, so a call of
+# thousands would hold every other client (a worker's BEGIN, a result's write) for its length.
+CREATE_RUN = 256
 
 
 class ManyCalls:
@@ -25,13 +33,19 @@ class ManyCalls:
                     max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
         """`create` for each (request id, record fields), in one round trip; the answers in
         order (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_*), each request
-        under the caps as if created alone, in this order."""
+        under the caps as if created alone, in this order. Consecutive requests of one job and
+        pool go as one CREATE_MANY call (up to CREATE_RUN of them), each request's fields as
+        one argument."""
         calls = []
-        for rid, fields in items:
-            script_keys, args = self.create_call(rid, fields, now, max_per_job=max_per_job,
-                                                 max_per_pool=max_per_pool)
-            calls.append((self._create, script_keys, args))
-        return [int(x) for x in self._pipelined(calls)]
+        for start, end, job, pool in _runs(items):
+            args: list[Any] = [job, now, "0" if job == DEFAULT_JOB else "1", max_per_job,
+                               max_per_pool, keys.request("")]
+            for rid, fields in items[start:end]:
+                args += [rid, fields.get("deadline_at", "+inf"), _fields_json(fields)]
+            calls.append((self._create_many, [
+                keys.DEADLINES, keys.job(job), keys.job_requests(job), keys.pool_jobs(pool),
+                keys.JOBS, keys.pool_requests(pool)], args))
+        return [int(x) for answers in self._pipelined(calls) for x in answers]
 
     def begin_many(self, deliveries: list[tuple[str, int]], worker: str, instance: int,
                    now: float, max_attempts: int, live_window: float = 0.0):
@@ -84,3 +98,39 @@ class ManyCalls:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+
+def _runs(items: list[tuple[str, dict[str, Any]]]):
+    """(start, end, job, pool) of each run of consecutive `items` of one job and pool, at most
+    CREATE_RUN long."""
+    start = 0
+    while start < len(items):
+        fields = items[start][1]
+        job = str(fields.get("job", DEFAULT_JOB))
+        pool = str(fields.get("pool", fields.get("model", "")))
+        end = start + 1
+        while end < len(items) and end - start < CREATE_RUN:
+            f = items[end][1]
+            if str(f.get("job", DEFAULT_JOB)) != job or \
+                    str(f.get("pool", f.get("model", ""))) != pool:
+                break
+            end += 1
+        yield start, end, job, pool
+        start = end
+
+
+def _fields_json(fields: dict[str, Any]) -> str:
+    """A record's fields as CREATE_MANY takes them: a JSON array field, value, ..., each value
+    the string redis-py would send (a number's repr; a value of another type as JSON, as
+    `create_call` writes it)."""
+    flat: list[str] = []
+    for k, v in fields.items():
+        if isinstance(v, str):
+            flat += [k, v]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            flat += [k, repr(v)]
+        elif isinstance(v, bytes):
+            flat += [k, v.decode()]
+        else:
+            flat += [k, json.dumps(v)]
+    return json.dumps(flat, ensure_ascii=False)
