@@ -37,3 +37,29 @@ def test_the_engines_distributed_init_is_on_loopback_unless_the_operator_says(mo
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")  # an operator's choice wins
     engine_env_defaults()
     assert get_ip() == "10.1.2.3"
+
+
+def test_the_engines_openmp_threads_wait_passively_unless_the_operator_says(monkeypatch):
+    """Given the engine's environment (the worker's and the benches' direct engines'), then the
+    OpenMP runtime a spawned engine process loads (torch's libgomp, the witness: it prints what
+    it read with OMP_DISPLAY_ENV=VERBOSE) spins 0 times before it sleeps (its default is 300,000
+    spins), and an operator's OMP_WAIT_POLICY wins."""
+    import os
+    import subprocess
+    import sys
+
+    from workers.engine.vllm_args import engine_env_defaults
+
+    def spins() -> int:
+        env = dict(os.environ, OMP_DISPLAY_ENV="VERBOSE")
+        out = subprocess.run([sys.executable, "-c", "import torch; torch.ones(64).sum()"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        line = next(x for x in out.stderr.splitlines() if "GOMP_SPINCOUNT" in x)
+        return int(line.split("=", 1)[1].strip().strip("'"))
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    engine_env_defaults()
+    assert spins() == 0
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    engine_env_defaults()
+    assert spins() > 300_000

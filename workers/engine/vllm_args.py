@@ -22,7 +22,7 @@ RESUME_STEPS = "workers.engine.resume_steps:ResumedRuns"
 
 def engine_env_defaults() -> None:
     """Environment vLLM reads at import/start: offline hub, spawn, one logging setup, CPU KV size,
-    distributed init on loopback.
+    distributed init on loopback, OpenMP threads that wait passively.
 
     Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
     """
@@ -47,6 +47,14 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The model's OpenMP threads (torch's intra-op pool) sleep while they wait for work instead
+    # of spinning (libgomp's default). A worker shares its host's cores with its engine: Celery's
+    # threads, the engine host's loop, vLLM's front end, Redis. On the CPU engine the spinning
+    # threads burned what those needed: EngineCore took 175-185% of this 2-core machine for
+    # 512 x 128 tokens and gave the same tokens a second at ~120% waiting passively, and the
+    # short workload ran ~25% faster on both sides of the bench (docs/performance.md, "The
+    # fourth pass"). On a GPU the model's threads barely use OpenMP; nothing changes there.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def engine_args(spec: ModelSpec, plan: MemoryPlan | None = None, *, lora: bool = True,
