@@ -51,9 +51,10 @@ def engine_env_defaults() -> None:
     # of spinning (libgomp's default). A worker shares its host's cores with its engine: Celery's
     # threads, the engine host's loop, vLLM's front end, Redis. On the CPU engine the spinning
     # threads burned what those needed: EngineCore took 175-185% of this 2-core machine for
-    # 512 x 128 tokens and gave the same tokens a second at ~120% waiting passively, and the
-    # short workload ran ~25% faster on both sides of the bench (docs/performance.md, "The
-    # fourth pass"). On a GPU the model's threads barely use OpenMP; nothing changes there.
+    # 512 x 128 tokens, ~120% waiting passively for as many tokens a second through Vigil (the
+    # direct engine's median 9% lower, inside the runs' spread), and the short workload ran
+    # ~30% faster on both sides of the bench (docs/performance.md, "The fourth pass"). On a GPU
+    # the model's threads barely use OpenMP; nothing changes there.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
