@@ -5,8 +5,8 @@ submit.py).
 The same Lua scripts as one request's (app/state/lua_records.py: BEGIN, FINISH), queued on one
 pipeline, and CREATE's loop over many (CREATE_MANY): each request's change is as atomic and as
 set-once as alone, and a pipeline sent again after a lost reply is harmless (each script finds
-its own change). A mixin of
-`RequestStore` (app/state/store.py), which holds the scripts and the outage policy.
+its own change). A mixin of `RequestStore` (app/state/store.py), which holds the scripts and
+the outage policy.
 """
 from __future__ import annotations
 
