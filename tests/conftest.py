@@ -306,6 +306,28 @@ def queued(client, queue: str) -> int:
     return broker.depths(client, [queue])[0]
 
 
+def submit_until_held(store, submit, inst: str, instances, needed: int, rounds: int = 3,
+                      timeout: float = 120) -> list:
+    """Submit batches (`submit()` returns a batch's AsyncResults) until, once every request is
+    taken (`every_request_taken`), worker `inst` holds at least `needed` of them; at most
+    `rounds` batches. Which consumer takes a message is a race: an idle worker with free slots
+    (prefetch = concurrency) may take a whole batch before a just-started one pops any, so a
+    later batch goes to the worker whose slots are still free. Returns every batch's results."""
+    from app.local.embedded import wait_for
+    from app.state import keys
+
+    results: list = []
+    for batch in range(1, rounds + 1):
+        results += submit()
+        wait_for(lambda: every_request_taken(store, results, instances), timeout,
+                 what="every request to be taken")
+        held = len(store.raw.smembers(keys.inflight(inst)))
+        if held >= needed:
+            break
+    print(f"\n{batch} batch(es) of requests: {held} held by {inst}")
+    return results
+
+
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:
     """True once every request of `results` has left the queue and is held by one of the worker
     `instances` (or has ended). Fault tests kill only then: a message a consumer popped in the

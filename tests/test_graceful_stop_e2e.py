@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from app.local.embedded import wait_for
 from app.state import keys
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken, wait_processes_gone)
+                            submit_until_held, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 
@@ -51,11 +50,9 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
     try:
         inst = victim.wait_engine()["instance_id"]
         warm_inst = warm_worker.entry()["instance_id"]
-        rs = [generate.delay(model="tiny-llama", prompt=f"a very long tale {i}", max_tokens=480,
-                             ignore_eos=True) for i in range(24)]
-
-        wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
-                 what="every request to be taken by a worker")
+        rs = submit_until_held(store, lambda: [
+            generate.delay(model="tiny-llama", prompt=f"a very long tale {i}", max_tokens=480,
+                           ignore_eos=True) for i in range(24)], inst, (inst, warm_inst), 1)
         held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
         assert held, "the leaving worker took no request"
         children = engine_processes(victim.proc.pid)
@@ -67,7 +64,7 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         victim.proc.send_signal(signal.SIGTERM)
         outs = [r.get(timeout=300) for r in rs]
         done_s = time.monotonic() - stopped_at
-        print(f"\n{len(held)} requests handed back by SIGTERM; all 24 done {done_s:.1f} s later")
+        print(f"\n{len(held)} requests handed back by SIGTERM; all {len(rs)} done {done_s:.1f} s later")
         by_id = {o["request_id"]: o for o in outs}
         moved = [rid for rid in held if by_id[rid]["worker"] == "warm@testhost"]
         # Each held request (running, or received and not begun yet) either finished on the

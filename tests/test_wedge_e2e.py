@@ -15,7 +15,7 @@ from app.local.embedded import wait_for
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, every_request_taken
+from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, submit_until_held
 
 pytestmark = pytest.mark.worker
 STALL_TIMEOUT_S = 8
@@ -46,10 +46,9 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
     try:
         inst = victim.wait_engine()["instance_id"]
         warm_inst = warm_worker.entry()["instance_id"]
-        rs = [generate.delay(model="tiny-llama", prompt=f"a long tale {i}", max_tokens=300,
-                             ignore_eos=True) for i in range(48)]
-        wait_for(lambda: every_request_taken(store, rs, (inst, warm_inst)), 120,
-                 what="every request to be taken")
+        rs = submit_until_held(store, lambda: [
+            generate.delay(model="tiny-llama", prompt=f"a long tale {i}", max_tokens=300,
+                           ignore_eos=True) for i in range(48)], inst, (inst, warm_inst), 3)
         wait_for(lambda: int(victim.entry()["in_flight"]) >= 3, 60, what="the victim to be busy")
         held = {i.decode() for i in client.smembers(f"vigil:inflight:{inst}")}
         cores = victim.engine_core_pids()
