@@ -64,7 +64,8 @@ def test_sigterm_mid_generation_hands_requests_to_another_worker_at_once(
         victim.proc.send_signal(signal.SIGTERM)
         outs = [r.get(timeout=300) for r in rs]
         done_s = time.monotonic() - stopped_at
-        print(f"\n{len(held)} requests handed back by SIGTERM; all {len(rs)} done {done_s:.1f} s later")
+        print(f"\n{len(held)} requests handed back by SIGTERM; all {len(rs)} done "
+              f"{done_s:.1f} s later")
         by_id = {o["request_id"]: o for o in outs}
         moved = [rid for rid in held if by_id[rid]["worker"] == "warm@testhost"]
         # Each held request (running, or received and not begun yet) either finished on the

@@ -29,7 +29,7 @@ from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
 from app.state.store_holds import HoldCalls
-from app.state.store_many import ManyCalls
+from app.state.store_many import ManyCalls, job_and_pool
 from app.state.streams import TokenStreams
 
 # RequestStore.create outcomes
@@ -137,8 +137,7 @@ class RequestStore(HoldCalls, ManyCalls):
                     max_per_job: int = 0, max_per_pool: int = 0) -> tuple[list[str], list]:
         """The keys and arguments of `create`'s script (CREATE), for a caller that queues many
         creates on one pipeline (`self._create(keys=..., args=..., client=pipe)`)."""
-        job = str(fields.get("job", DEFAULT_JOB))
-        pool = str(fields.get("pool", fields.get("model", "")))
+        job, pool = job_and_pool(fields)
         now = time.time() if now is None else now
         flat: list[Any] = [request_id, fields.get("deadline_at", "+inf"), job, now,
                            "0" if job == DEFAULT_JOB else "1", max_per_job, max_per_pool]

@@ -100,20 +100,20 @@ class ManyCalls:
         return replies
 
 
+def job_and_pool(fields: dict[str, Any]) -> tuple[str, str]:
+    """The job and the pool a record's fields name (the pool defaults to the model)."""
+    return str(fields.get("job", DEFAULT_JOB)), str(fields.get("pool", fields.get("model", "")))
+
+
 def _runs(items: list[tuple[str, dict[str, Any]]]):
     """(start, end, job, pool) of each run of consecutive `items` of one job and pool, at most
     CREATE_RUN long."""
     start = 0
     while start < len(items):
-        fields = items[start][1]
-        job = str(fields.get("job", DEFAULT_JOB))
-        pool = str(fields.get("pool", fields.get("model", "")))
+        job, pool = job_and_pool(items[start][1])
         end = start + 1
-        while end < len(items) and end - start < CREATE_RUN:
-            f = items[end][1]
-            if str(f.get("job", DEFAULT_JOB)) != job or \
-                    str(f.get("pool", f.get("model", ""))) != pool:
-                break
+        while (end < len(items) and end - start < CREATE_RUN
+               and job_and_pool(items[end][1]) == (job, pool)):
             end += 1
         yield start, end, job, pool
         start = end
