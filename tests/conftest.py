@@ -6,6 +6,7 @@ worker-tier tests share database 0 with real `celery worker` processes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -306,26 +307,26 @@ def queued(client, queue: str) -> int:
     return broker.depths(client, [queue])[0]
 
 
-def submit_until_held(store, submit, inst: str, instances, needed: int, rounds: int = 3,
-                      timeout: float = 120) -> list:
-    """Submit batches (`submit()` returns a batch's AsyncResults) until, once every request is
-    taken (`every_request_taken`), worker `inst` holds at least `needed` of them; at most
-    `rounds` batches. Which consumer takes a message is a race: an idle worker with free slots
-    (prefetch = concurrency) may take a whole batch before a just-started one pops any, so a
-    later batch goes to the worker whose slots are still free. Returns every batch's results."""
+@contextlib.contextmanager
+def stepped_aside(name: str, queue: str = "vigil.pool.tiny-llama", timeout: float = 30):
+    """Worker `name` stops consuming `queue` for the block and consumes it again after (each
+    change waited for, as the worker itself reports its queues). A test whose victim must hold
+    the requests sends them inside: which consumer takes a message is otherwise a race, and an
+    idle warm worker with free slots (prefetch = concurrency) may take a whole batch before a
+    just-started one pops any."""
+    from app import app
     from app.local.embedded import wait_for
-    from app.state import keys
 
-    results: list = []
-    for batch in range(1, rounds + 1):
-        results += submit()
-        wait_for(lambda: every_request_taken(store, results, instances), timeout,
-                 what="every request to be taken")
-        held = len(store.raw.smembers(keys.inflight(inst)))
-        if held >= needed:
-            break
-    print(f"\n{batch} batch(es) of requests: {held} held by {inst}")
-    return results
+    bus = app.vigil_ports.bus
+    bus.cancel_consumer(queue, [name])
+    wait_for(lambda: queue not in (bus.active_queues(name) or [queue]), timeout, 0.2,
+             f"{name} to stop consuming {queue}")
+    try:
+        yield
+    finally:
+        bus.add_consumer(queue, [name])
+        wait_for(lambda: queue in (bus.active_queues(name) or []), timeout, 0.2,
+                 f"{name} to consume {queue} again")
 
 
 def every_request_taken(store, results, instances, queue: str = "vigil.pool.tiny-llama") -> bool:

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from app import app
 from app.local.embedded import wait_for
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import RunningWorker, assert_each_ran_to_a_result_once, submit_until_held
+from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, every_request_taken,
+                            stepped_aside)
 
 pytestmark = pytest.mark.worker
 STALL_TIMEOUT_S = 8
@@ -45,10 +45,12 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
                            VIGIL_STALL_TIMEOUT=str(STALL_TIMEOUT_S))
     try:
         inst = victim.wait_engine()["instance_id"]
-        warm_inst = warm_worker.entry()["instance_id"]
-        rs = submit_until_held(store, lambda: [
-            generate.delay(model="tiny-llama", prompt=f"a long tale {i}", max_tokens=300,
-                           ignore_eos=True) for i in range(48)], inst, (inst, warm_inst), 3)
+        # The victim alone takes the requests; the other worker consumes again before the wedge.
+        with stepped_aside(warm_worker.name, POOL_QUEUE):
+            rs = [generate.delay(model="tiny-llama", prompt=f"a long tale {i}", max_tokens=300,
+                                 ignore_eos=True) for i in range(48)]
+            wait_for(lambda: every_request_taken(store, rs, (inst,)), 120,
+                     what="the victim to take every request")
         wait_for(lambda: int(victim.entry()["in_flight"]) >= 3, 60, what="the victim to be busy")
         held = {i.decode() for i in client.smembers(f"vigil:inflight:{inst}")}
         cores = victim.engine_core_pids()
@@ -106,15 +108,10 @@ def test_a_worker_answering_every_probe_but_finishing_no_generation_is_quarantin
               f"{done_s:.1f} s after the wedge")
 
         # It serves again: with the other worker stepping aside, the victim takes new work.
-        app.control.cancel_consumer(POOL_QUEUE, destination=[warm_worker.name], reply=True,
-                                    timeout=10)
-        try:
+        with stepped_aside(warm_worker.name, POOL_QUEUE):
             again = [generate.delay(model="tiny-llama", prompt=f"after {i}", max_tokens=8)
                      for i in range(4)]
             assert all(r.get(timeout=120)["worker"] == victim.name for r in again)
-        finally:
-            app.control.add_consumer(POOL_QUEUE, destination=[warm_worker.name], reply=True,
-                                     timeout=10)
     finally:
         for pid in victim.engine_core_pids():
             try:
