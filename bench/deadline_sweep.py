@@ -29,16 +29,14 @@ from app.state.store import RequestStore
 
 
 def fill(store: RequestStore, n: int, prefix: str) -> None:
-    """N expired PENDING records, written by the producer's own script (CREATE), pipelined."""
+    """N expired PENDING records, written by the producer's own script (CREATE), 1,000 a round
+    trip."""
     req = parse_request({"model": "tiny-llama", "prompt": "a prompt of some length " * 20,
                          "deadline_s": 1})
     fields = record_fields(req, 1000.0, 3600)
     for start in range(0, n, 1000):
-        with store.raw.pipeline(transaction=False) as pipe:
-            for i in range(start, min(n, start + 1000)):
-                script_keys, args = store.create_call(f"{prefix}{i}", fields, 1000.0)
-                store._create(keys=script_keys, args=args, client=pipe)
-            pipe.execute()
+        store.create_many([(f"{prefix}{i}", fields) for i in range(start, min(n, start + 1000))],
+                          1000.0)
 
 
 def count_keys(client, pattern: str) -> int:

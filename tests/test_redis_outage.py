@@ -73,9 +73,10 @@ def flaky(fn, failures: int, after: bool = False):
 def test_a_workers_call_is_retried_through_an_outage_with_growing_pauses(store, clock):
     """Given a worker's store, when Redis refuses three calls in a row, then the call is retried
     after 0.1, 0.2 and 0.4 s and succeeds; nothing is raised."""
-    store._create = flaky(store._create, 3)
     create(store, "r1")
-    assert store.get("r1")["status"] == "PENDING"
+    store._begin = flaky(store._begin, 3)
+    assert store.begin("r1", 0, "w@h", 5, time.time(), 3).action == "run"
+    assert store.get("r1")["status"] == "RUNNING"
     assert clock.slept == [0.1, 0.2, 0.4]
 
 

@@ -45,39 +45,19 @@ local function close_attempt(rec, instance, now, outcome, err)
 end
 """
 
-# KEYS[1] record, KEYS[2] deadline index, KEYS[3] job hash, KEYS[4] job's pending set,
-# KEYS[5] pool's job set, KEYS[6] jobs zset, KEYS[7] pool's pending set. ARGV: request_id,
-# deadline_at, job, now, own_queue (1: the job has its own queue in the pool), max pending per
-# job, max pending per pool (0 = no cap), field, value, ...
-# -> 1 created, 2 created and the job's queue is new in this pool, 0 already there (never
-# overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending set is at its cap
-# (nothing written for any negative answer).
+# Creates records: a run of requests of one job and pool, in order, each as if alone (one
+# request is a run of one). Each request is its id, its deadline and one JSON array of its
+# fields (field, value, ...: strings, as redis-py would send them), not ~38 arguments each
+# packed by redis-py in Python. A record is counted in its job (app/fleet/jobs.py) and its
+# pool. KEYS[1] deadline index, KEYS[2] job hash, KEYS[3] job's pending set, KEYS[4] pool's job
+# set, KEYS[5] jobs zset, KEYS[6] pool's pending set. ARGV: job, now, own_queue (1: the job has
+# its own queue in the pool), max pending per job, max pending per pool (0 = no cap), the
+# record key's prefix (app/state/keys.py `request` without the id), then request_id,
+# deadline_at, fields JSON per request.
+# -> per request, in order: 1 created, 2 created and the job's queue is new in this pool, 0
+# already there (never overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending
+# set is at its cap (nothing written for that request on any negative answer).
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('HGET', KEYS[3], 'state') == 'deleted' then return -1 end
-local max_job, max_pool = tonumber(ARGV[6]), tonumber(ARGV[7])
-if max_job > 0 and redis.call('SCARD', KEYS[4]) >= max_job then return -2 end
-if max_pool > 0 and redis.call('SCARD', KEYS[7]) >= max_pool then return -3 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 8))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('HSETNX', KEYS[3], 'created_at', ARGV[4])
-redis.call('HSET', KEYS[3], 'name', ARGV[3], 'last_active', ARGV[4])
-redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
-redis.call('SADD', KEYS[4], ARGV[1])
-redis.call('SADD', KEYS[7], ARGV[1])
-if ARGV[5] == '1' and redis.call('SADD', KEYS[5], ARGV[3]) == 1 then return 2 end
-return 1
-"""
-
-# CREATE for many requests of one job and pool, in order, each as if alone: what a
-# `generate_many` call's records cost Redis and the producer per request is its id, its
-# deadline and one JSON array of its fields (CREATE's field, value, ...: strings, as redis-py
-# would send them), not CREATE's ~38 arguments, each packed by redis-py in Python. KEYS[1]
-# deadline index, KEYS[2] job hash, KEYS[3] job's pending set, KEYS[4] pool's job set, KEYS[5]
-# jobs zset, KEYS[6] pool's pending set. ARGV: job, now, own_queue, max pending per job, max
-# pending per pool, the record key's prefix (app/state/keys.py `request` without the id), then
-# request_id, deadline_at, fields JSON per request. -> CREATE's answer per request, in order.
-CREATE_MANY = """
 local max_job, max_pool = tonumber(ARGV[4]), tonumber(ARGV[5])
 local deleted = redis.call('HGET', KEYS[2], 'state') == 'deleted'
 local answers = {}

@@ -16,20 +16,20 @@ from typing import Any, Iterator
 import redis
 
 from app.settings import VigilSettings, get_settings
-from app.state import jobs, keys
+from app.state import keys
 from app.state.api_keys import ApiKeys
 from app.state.batches import BatchStore
 from app.state.calls import Calls
 from app.state.conn import connect
 from app.state.health import HealthLedger
-from app.state.lua_records import (BEGIN, CREATE, CREATE_MANY, FINISH, FINISH_FAILED_MANY,
+from app.state.lua_records import (BEGIN, CREATE, FINISH, FINISH_FAILED_MANY,
                                    RELEASE, REQUEUE, UNLOCK)
-from app.state.queues import DEFAULT_JOB, pool_queues
+from app.state.queues import pool_queues
 from app.state.registry import WorkerRegistry
 from app.state.views import BrokerView, FleetView, HousekeepingView, JobsView
 from app.state.results import ResultKey
 from app.state.store_holds import HoldCalls
-from app.state.store_many import ManyCalls, job_and_pool
+from app.state.store_many import ManyCalls
 from app.state.streams import TokenStreams
 
 # RequestStore.create outcomes
@@ -111,7 +111,6 @@ class RequestStore(HoldCalls, ManyCalls):
         self.housekeeping = HousekeepingView(client, self._call)
         self.fleet = FleetView(client, self._call)
         self._create = client.register_script(CREATE)
-        self._create_many = client.register_script(CREATE_MANY)
         self._begin = client.register_script(BEGIN)
         self._finish = client.register_script(FINISH)
         self._finish_failed_many = client.register_script(FINISH_FAILED_MANY)
@@ -128,23 +127,10 @@ class RequestStore(HoldCalls, ManyCalls):
         must be told to consume it), EXISTS (nothing changed, whatever the caps), JOB_DELETED,
         or OVERLOADED_JOB / OVERLOADED_POOL: the job already has `max_per_job`, or the pool
         `max_per_pool`, open requests (0: no cap). Every refusal writes nothing; the count and
-        the write are one script, so concurrent producers cannot overshoot a cap."""
-        script_keys, args = self.create_call(request_id, fields, now, max_per_job=max_per_job,
-                                             max_per_pool=max_per_pool)
-        return int(self._call(self._create, keys=script_keys, args=args))
-
-    def create_call(self, request_id: str, fields: dict[str, Any], now: float | None = None, *,
-                    max_per_job: int = 0, max_per_pool: int = 0) -> tuple[list[str], list]:
-        """The keys and arguments of `create`'s script (CREATE), for a caller that queues many
-        creates on one pipeline (`self._create(keys=..., args=..., client=pipe)`)."""
-        job, pool = job_and_pool(fields)
-        now = time.time() if now is None else now
-        flat: list[Any] = [request_id, fields.get("deadline_at", "+inf"), job, now,
-                           "0" if job == DEFAULT_JOB else "1", max_per_job, max_per_pool]
-        for k, v in fields.items():
-            flat += [k, v if isinstance(v, (str, bytes, int, float)) else json.dumps(v)]
-        return [keys.request(request_id), keys.DEADLINES, keys.job(job), keys.job_requests(job),
-                keys.pool_jobs(pool), keys.JOBS, keys.pool_requests(pool)], flat
+        the write are one script, so concurrent producers cannot overshoot a cap. `create_many`
+        of one request."""
+        return self.create_many([(request_id, fields)], time.time() if now is None else now,
+                                max_per_job=max_per_job, max_per_pool=max_per_pool)[0]
 
     def delete(self, request_id: str) -> None:
         """Remove a record and its place in its job's and pool's pending sets (used to roll

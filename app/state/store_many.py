@@ -3,7 +3,7 @@ needs (tasks.inference `generate_many`, workers/service.py; submit: app/requests
 submit.py).
 
 The same Lua scripts as one request's (app/state/lua_records.py: BEGIN, FINISH), queued on one
-pipeline, and CREATE's loop over many (CREATE_MANY): each request's change is as atomic and as
+pipeline, and CREATE's loop over a run of many: each request's change is as atomic and as
 set-once as alone, and a pipeline sent again after a lost reply is harmless (each script finds
 its own change). A mixin of `RequestStore` (app/state/store.py), which holds the scripts and
 the outage policy.
@@ -19,14 +19,14 @@ from app.state import keys
 from app.state.queues import DEFAULT_JOB
 from app.state.results import ResultKey
 
-# The most requests one CREATE_MANY call creates: Redis runs a script alone, so a call of
+# The most requests one CREATE call creates: Redis runs a script alone, so a call of
 # thousands would hold every other client (a worker's BEGIN, a result's write) for its length.
 CREATE_RUN = 256
 
 
 class ManyCalls:
     """`create_many`, `begin_many`, `finish_many` (module docstring). Needs RequestStore's
-    `create_call`, `begin_call`/`begin_reply`, `finish_call`/`finish_reply`, its scripts and
+    `begin_call`/`begin_reply`, `finish_call`/`finish_reply`, its scripts and
     `_call`."""
 
     def create_many(self, items: list[tuple[str, dict[str, Any]]], now: float, *,
@@ -34,15 +34,15 @@ class ManyCalls:
         """`create` for each (request id, record fields), in one round trip; the answers in
         order (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_*), each request
         under the caps as if created alone, in this order. Consecutive requests of one job and
-        pool go as one CREATE_MANY call (up to CREATE_RUN of them), each request's fields as
-        one argument."""
+        pool go as one CREATE call (up to CREATE_RUN of them), each request's fields as one
+        argument."""
         calls = []
         for start, end, job, pool in _runs(items):
             args: list[Any] = [job, now, "0" if job == DEFAULT_JOB else "1", max_per_job,
                                max_per_pool, keys.request("")]
             for rid, fields in items[start:end]:
                 args += [rid, fields.get("deadline_at", "+inf"), _fields_json(fields)]
-            calls.append((self._create_many, [
+            calls.append((self._create, [
                 keys.DEADLINES, keys.job(job), keys.job_requests(job), keys.pool_jobs(pool),
                 keys.JOBS, keys.pool_requests(pool)], args))
         return [int(x) for answers in self._pipelined(calls) for x in answers]
@@ -120,9 +120,9 @@ def _runs(items: list[tuple[str, dict[str, Any]]]):
 
 
 def _fields_json(fields: dict[str, Any]) -> str:
-    """A record's fields as CREATE_MANY takes them: a JSON array field, value, ..., each value
-    the string redis-py would send (a number's repr; a value of another type as JSON, as
-    `create_call` writes it)."""
+    """A record's fields as CREATE takes them: a JSON array field, value, ..., each value the
+    string redis-py would send for it (a number's repr), a value of another type (a list, a
+    dict) as JSON."""
     flat: list[str] = []
     for k, v in fields.items():
         if isinstance(v, str):
