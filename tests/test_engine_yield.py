@@ -1,4 +1,4 @@
-"""Unit tier: a preempted run's yield on the real VllmEngine (workers/engine/vllm.py
+"""Unit tier: a preempted run's yield on the real VllmEngine (workers/engine/vllm_pause.py
 `yield_run`) over a stand-in AsyncLLM that records what it is asked, in order. The run is read
 while vLLM is paused and aborted in EngineCore before vLLM goes on, so EngineCore makes no token
 between the read and the abort (the e2e, tests/test_tiers_e2e.py, counts EngineCore's tokens);

@@ -150,8 +150,8 @@ class TierGate:
         boundary. Never a run whose resume would be refused (its tokens would be thrown away:
         workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
         run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
-        An engine that can (`yield_run`: vllm.py) pauses first, so nothing is made between the
-        read and the abort. The line keeps the freed slots for the interactive request. A
+        An engine that can (`yield_run`: vllm_pause.py) pauses first, so nothing is made between
+        the read and the abort. The line keeps the freed slots for the interactive request. A
         short run never yields: its seat is free within a few steps anyway."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
