@@ -17,6 +17,7 @@ import uuid
 from app.celery_ports import CeleryPorts
 from app.drills import parse_drill
 from app.errors import WorkerFatalError
+from app.first_imports import WORKER_MODULES, import_first
 from app.requests.publish import republisher
 from app.requests.version_gate import ADVERTISED
 from app.requests.models import ModelRegistry, ModelSpec, get_registry
@@ -70,6 +71,8 @@ class WorkerRuntime:
             log.warning("VIGIL_ENGINE=%s: this worker answers without a model (benchmarks only)",
                         engine)
         engine_env_defaults()
+        if engine in MODEL_ENGINES:  # on this thread, before any of the worker's threads runs
+            log.info("imported vLLM's modules in %.1f s", import_first(WORKER_MODULES))
         self.engine_kind = engine
         self.device = worker_device()
         # The pools this worker was started with (`vigil worker --pools`, else all it can run:
