@@ -85,6 +85,18 @@ def test_a_failed_start_with_the_full_request_granted_is_the_models_fault():
     assert isinstance(missing, RequestError) and missing.code == "model_not_found"
 
 
+def test_a_start_that_could_not_import_the_engines_code_is_retried_not_the_models_fault():
+    """An ImportError at start (a broken install, or transformers' lazy names raced by two
+    threads: app/first_imports.py) with the memory all there is `engine_error`, retried; before,
+    it was `invalid_model_config` and ended every request waiting for the start."""
+    plan = plan_memory(SPEC, cpu(10))
+    raced = ImportError("cannot import name 'PreTrainedConfig' from 'transformers'")
+    for exc in (raced, ModuleNotFoundError("No module named 'flash_attn'")):
+        err = classify_load_failure(exc, plan, lambda s: plan_memory(s, cpu(10)), SPEC)
+        assert isinstance(err, TransientError) and err.code == "engine_error", err
+        assert type(exc).__name__ in str(err)
+
+
 def test_memory_that_vanished_during_the_start_makes_it_memory_pressure():
     """The probe said there was room, but a fresh measurement after the failure says the memory
     went while the engine was starting: not the model's fault."""

@@ -240,6 +240,8 @@ def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None
       its memory profiling finding free memory grown (`StartFailure.logged`: EngineCore's
       account, or a tensor-parallel WorkerProc's before it) -> TransientError(memory_pressure),
       even with the full request granted: a co-tenant may have come and gone during the start;
+    - an ImportError -> TransientError(engine_error): the worker's install or an import race
+      in it, not the model; retried, bounded by the attempts;
     - otherwise the failure is deterministic: missing weights -> RequestError(model_not_found),
       anything else -> RequestError(invalid_model_config). Neither is retried.
     """
@@ -276,6 +278,12 @@ def classify_load_failure(exc: BaseException, plan=None, planner=None, spec=None
         if again is not None and again.sized_down:
             return TransientError.of(MEMORY_PRESSURE, f"free memory fell during the start "
                                      f"({again.describe()}): {cause}")
+    if isinstance(exc, ImportError):
+        # This process could not import the engine's code: its install, or two of its threads
+        # importing vLLM/transformers at once (app/first_imports.py). Not the model's fault:
+        # retried, bounded; a package truly missing ends `attempts_exhausted` naming it.
+        return TransientError.of(ENGINE_ERROR, f"the engine's code could not be imported in "
+                                 f"this worker: {type(exc).__name__}: {cause}")
     low = cause.lower()
     if isinstance(exc, FileNotFoundError) or any(s in low for s in _MISSING_MODEL) or \
             type(exc).__name__ in ("HFValidationError", "LocalEntryNotFoundError",
