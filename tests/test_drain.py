@@ -117,7 +117,7 @@ def test_a_drain_freezes_the_engine_and_writes_every_token_before_handing_back(s
     at the freeze included; the request is PENDING for its next dispatch, its attempt given
     back, published once; its delivery ends stale; no token is counted discarded."""
     from workers.runtime import WorkerRuntime
-    from workers.streaming import StreamSink
+    from workers.stream_sink import StreamSink
 
     ports = RecordingPorts()
     rt = WorkerRuntime(settings.model_copy(update={"stream_flush_ms": 1000}), "w-drain",

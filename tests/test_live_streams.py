@@ -17,7 +17,7 @@ from app.state.store import RequestStore
 from app.state.streams import APPENDED, FENCED, Chunk, TokenStreams, parse_published
 from tests.conftest import wait_until
 from workers.engine.stream_watch import StreamWatch, WatchedRun
-from workers.streaming import StreamSink
+from workers.stream_sink import StreamSink
 
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 64}
 

@@ -22,7 +22,8 @@ from app.state.store import RequestStore
 from app.state.streams import APPENDED, Checkpoint, TokenStreams
 from workers.engine.resume import Seam, inexact, resumable, unsound
 from workers.engine.stream_watch import StreamWatch, WatchedRun
-from workers.streaming import StreamSink, StreamTap
+from workers.stream_sink import StreamSink
+from workers.streaming import StreamTap
 
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 64, "n": 3, "temperature": 1.0}
 

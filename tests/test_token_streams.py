@@ -26,7 +26,8 @@ from app.state.streams import (APPENDED, FENCED, OFF_SEQUENCE, Checkpoint, Chunk
                                TokenStreams, checkpoint_of)
 from tests.conftest import CACHE_DIR, wait_until
 from tests.redis_servers import LocalRedis
-from workers.streaming import StreamSink, StreamTap
+from workers.stream_sink import StreamSink
+from workers.streaming import StreamTap
 
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 64}
 

@@ -23,7 +23,7 @@ from app.state.store import RequestStore
 from app.state.transport import arriving
 from app.task_names import GENERATE_MANY
 from workers.engine.host import EngineHost
-from workers.streaming import StreamSink
+from workers.stream_sink import StreamSink
 
 log = logging.getLogger("vigil.worker")
 

@@ -34,7 +34,7 @@ from workers.heartbeat import Heartbeat, device_fields
 from workers.held import HeldRequests
 from workers.orphan_guard import OrphanGuard
 from workers.quarantine import QuarantineActions, WorkerHealth
-from workers.streaming import StreamSink
+from workers.stream_sink import StreamSink
 
 log = logging.getLogger("vigil.worker")
 
