@@ -8,6 +8,7 @@ batches (and sent before the channel closes), one client per connection pool.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -82,6 +83,27 @@ def test_a_held_delivery_is_noted_with_its_holder_and_arrives_once_handed_over(c
     assert seen["unacked"] == [seen["tag"].encode()]
     # Both acked: the acker empties kombu's unacked hash and index.
     wait_until(lambda: not r.hlen("unacked") and not r.zcard("unacked_index"))
+
+
+def test_a_message_kombu_puts_back_for_want_of_a_consumer_is_no_longer_held(conn, caplog):
+    """Given a holder, when kombu takes a message for a queue whose consumer was cancelled in
+    the same instant (its own `_deliver` with no callback for the queue: "Requeuing
+    undeliverable message"), then the message is back on its queue, out of kombu's unacked
+    hash, and its id is neither in the holder's set nor arriving (before: both, for good, and
+    the worker's in-flight set kept a request it did not have)."""
+    hold_deliveries(RequestStore.delivery_holder(7, "vigil.generate"))
+    r = conn.default_channel.client
+    publish(conn, "vigil.generate", "r-put-back")
+    raw = r.rpop(QUEUE)  # what the worker's BRPOP took, as the consumer is cancelled
+    with caplog.at_level(logging.WARNING):
+        conn.transport._deliver(json.loads(raw), QUEUE)
+    assert "undeliverable" in caplog.text
+    assert r.llen(QUEUE) == 1 and not r.hlen("unacked") and not r.zcard("unacked_index")
+    assert r.smembers(keys.inflight(7)) == set()
+    assert arriving() == frozenset()
+    # The message put back is taken again and handed over as any other.
+    consume_one(conn, lambda m: m.ack())
+    assert r.smembers(keys.inflight(7)) == {b"r-put-back"} and arriving() == frozenset()
 
 
 def test_a_failed_note_leaves_nothing_arriving(conn):

@@ -119,6 +119,31 @@ class HoldingQoS(kredis.QoS):
         virtual.QoS.append(self, message, delivery_tag)  # kombu's own in-process bookkeeping
         if members:
             message._vigil_held = members
+            message._vigil_held_in = held[0]
+
+    def reject(self, delivery_tag, requeue=False):
+        """kombu's reject. A message put back on its queue before the consumer handed it over
+        is no longer this process's: its members leave the holder's set and `arriving()`.
+
+        kombu does that to a message it took for a queue whose consumer was cancelled in the
+        same instant ("Requeuing undeliverable message ... No consumers"): the hold noted with
+        it stayed in the set, listed as arriving for good, so the worker never let it go (its
+        in-flight set kept a request it did not have, seen in tests/test_jobs_e2e.py when a
+        deleted job's queue was cancelled). A task's own Reject(requeue) comes after the
+        hand-over; the worker lets that one go itself (workers/delivery_answers.py
+        `give_back`)."""
+        message = self._delivered.get(delivery_tag)
+        super().reject(delivery_tag, requeue=requeue)
+        members = getattr(message, "_vigil_held", ())
+        if not requeue or not members or getattr(message, "_vigil_handed_over", False):
+            return
+        try:
+            self.channel._vigil_client_and_scripts()[0].srem(message._vigil_held_in, *members)
+        except Exception as e:  # not arriving any more: the worker's reclaim hands it back
+            log.warning("could not let go of %s put back on its queue: %s", members, e)
+        finally:
+            for m in members:
+                _arrived(m)
 
     def ack(self, delivery_tag):
         """kombu's ack: done in this process at once, and in Redis (the delivery leaves the
@@ -319,6 +344,7 @@ class _SharedClient:
             try:
                 return callback(message)
             finally:
+                message._vigil_handed_over = True
                 for member in getattr(message, "_vigil_held", ()):
                     _arrived(member)
 
