@@ -11,14 +11,13 @@ import time
 
 import pytest
 
-from app import app
 from app.errors import RequestError
 from app.local.embedded import wait_for
 from app.state.queues import pool_queue
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (DRILL_MODEL, RunningWorker, assert_each_ran_to_a_result_once,
-                            every_request_taken)
+                            every_request_taken, stepped_aside)
 
 pytestmark = pytest.mark.worker
 POISON = "POISON-PILL"
@@ -154,12 +153,11 @@ def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_
     try:
         inst = broken.wait_registered()["instance_id"]
         # The healthy worker steps aside so that the broken one takes every request.
-        app.control.cancel_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
-        rs = [generate.delay(model=DRILL_MODEL, prompt=f"request {i}", max_tokens=16)
-              for i in range(16)]
-        wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
-                 what="the broken worker to take every request")
-        app.control.add_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
+        with stepped_aside(healthy, DRILL_QUEUE):
+            rs = [generate.delay(model=DRILL_MODEL, prompt=f"request {i}", max_tokens=16)
+                  for i in range(16)]
+            wait_for(lambda: every_request_taken(store, rs, (inst,), DRILL_QUEUE), 120,
+                     what="the broken worker to take every request")
         outs = [r.get(timeout=600) for r in rs]
         assert broken.proc.wait(timeout=120) == 70
         assert all(o["worker"] == healthy and o["attempts"] == 2 for o in outs)
@@ -170,5 +168,4 @@ def test_a_worker_whose_engine_dies_on_every_start_leaves_and_its_requests_land_
         log = broken.log.read_text()
         assert "repeated_engine_death" in log and "is broken and leaves" in log
     finally:
-        app.control.add_consumer(DRILL_QUEUE, destination=[healthy], reply=True, timeout=10)
         broken.stop()

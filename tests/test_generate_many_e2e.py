@@ -26,7 +26,8 @@ from app.state.queues import pool_queue
 from app.state.store import shared_store
 from tasks.inference import generate_many
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, assert_witnessed,
-                            engine_processes, every_request_taken, wait_processes_gone)
+                            engine_processes, every_request_taken, stepped_aside,
+                            wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 
@@ -76,27 +77,24 @@ def test_a_worker_killed_mid_message_loses_none_of_its_requests(warm_worker, red
     with their tokens streaming, then beat's reaper hands each request on by itself, and every
     one ends exactly once on the survivor (the engines' witness), continuing from the tokens
     it had streamed."""
-    store, bus, queue = shared_store(), app.vigil_ports.bus, pool_queue("tiny-llama")
+    store, queue = shared_store(), pool_queue("tiny-llama")
     beat = None
     victim = RunningWorker(redis_server, "manyvictim@testhost", tmp_path)
     try:
         inst = victim.wait_engine()["instance_id"]
-        bus.cancel_consumer(queue, [warm_worker.name])
-        wait_for(lambda: queue not in (bus.active_queues(warm_worker.name) or [queue]), 30,
-                 0.2, "the warm worker to stop consuming the pool's queue")
-        items = [{"model": "tiny-llama", "prompt": f"a long tale number {i}",
-                  "max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
-                 for i in range(24)]
-        s = get_settings().model_copy(update={"requests_per_message": 8})
-        rs = submit_many(items, settings=s, registry=get_registry(), store=store,
-                         ports=app.vigil_ports)
-        wait_for(lambda: every_request_taken(store, rs, (inst,)), 120,
-                 what="the victim to take all three messages")
-        held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
-        assert held == {r.id for r in rs}
-        wait_for(lambda: any(int((store.get(r.id) or {}).get("streamed") or 0) > 0 for r in rs),
-                 120, 0.05, "a request's first streamed chunk")
-        bus.add_consumer(queue, [warm_worker.name])
+        with stepped_aside(warm_worker.name, queue):
+            items = [{"model": "tiny-llama", "prompt": f"a long tale number {i}",
+                      "max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+                     for i in range(24)]
+            s = get_settings().model_copy(update={"requests_per_message": 8})
+            rs = submit_many(items, settings=s, registry=get_registry(), store=store,
+                             ports=app.vigil_ports)
+            wait_for(lambda: every_request_taken(store, rs, (inst,)), 120,
+                     what="the victim to take all three messages")
+            held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
+            assert held == {r.id for r in rs}
+            wait_for(lambda: any(int((store.get(r.id) or {}).get("streamed") or 0) > 0
+                                 for r in rs), 120, 0.05, "a request's first streamed chunk")
         beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
                               "-s", str(tmp_path / "schedule")],
                              vigil_env(redis_server.url, VIGIL_WORKER_REAP_TIMEOUT="8",
@@ -117,6 +115,5 @@ def test_a_worker_killed_mid_message_loses_none_of_its_requests(warm_worker, red
         assert any(o.get("resumed_at") for o in outs)
         assert_each_ran_to_a_result_once(store, [r.id for r in rs])
     finally:
-        bus.add_consumer(queue, [warm_worker.name])
         victim.stop()
         stop_process(beat)

@@ -20,7 +20,8 @@ from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.state.queues import HOUSEKEEPING_QUEUE, job_queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import WITNESS_DIR, RunningWorker, assert_each_ran_to_a_result_once
+from tests.conftest import (WITNESS_DIR, RunningWorker, assert_each_ran_to_a_result_once,
+                            stepped_aside)
 from workers.engine.witness import finished_generations, read_witness
 from tests.online_gateway import Gateway, assembled, serving_gateway, stream_events
 
@@ -84,34 +85,33 @@ def test_streams_go_on_through_a_sigkilled_worker_and_equal_their_uninterrupted_
         generate.delay(model=MODEL, prompt="open the job", max_tokens=1, job=job).get(timeout=120)
         wait_for(lambda: all(queue in (bus.active_queues(w) or []) for w in (warm, victim.name)),
                  60, 0.5, "both workers to consume the job's queue")
-        bus.cancel_consumer(queue, [warm])
-        wait_for(lambda: queue not in (bus.active_queues(warm) or [queue]), 30, 0.2,
-                 "the warm worker to leave the job's queue")
-        beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
-                              "-s", str(tmp_path / "schedule")],
-                             vigil_env(redis_server.url,
-                                       VIGIL_WORKER_REAP_TIMEOUT=str(REAP_TIMEOUT_S),
-                                       VIGIL_ALLOW_SHORT_REAP_TIMEOUT="1",
-                                       VIGIL_RECONCILE_INTERVAL="3600"), tmp_path / "beat.log")
-        bodies = [body(f"an online story {i}", 160) for i in range(STREAMS)]
-        seen = [0] * STREAMS
-        arrivals: list[list[float]] = [[] for _ in range(STREAMS)]
-        results: list = [None] * STREAMS
+        # The warm worker steps aside until the kill, so the streams run on the victim; it
+        # takes them over after it.
+        with stepped_aside(warm, queue):
+            beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
+                                  "-s", str(tmp_path / "schedule")],
+                                 vigil_env(redis_server.url,
+                                           VIGIL_WORKER_REAP_TIMEOUT=str(REAP_TIMEOUT_S),
+                                           VIGIL_ALLOW_SHORT_REAP_TIMEOUT="1",
+                                           VIGIL_RECONCILE_INTERVAL="3600"), tmp_path / "beat.log")
+            bodies = [body(f"an online story {i}", 160) for i in range(STREAMS)]
+            seen = [0] * STREAMS
+            arrivals: list[list[float]] = [[] for _ in range(STREAMS)]
+            results: list = [None] * STREAMS
 
-        def run(i):
-            def on_event(n, eid, data):
-                arrivals[i].append(time.monotonic())
-                seen[i] = n + 1
-            results[i] = stream_events(gateway.url + "/v1/completions", bodies[i],
-                                       gateway.headers(**{"X-Vigil-Job": job}), on_event)
+            def run(i):
+                def on_event(n, eid, data):
+                    arrivals[i].append(time.monotonic())
+                    seen[i] = n + 1
+                results[i] = stream_events(gateway.url + "/v1/completions", bodies[i],
+                                           gateway.headers(**{"X-Vigil-Job": job}), on_event)
 
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: all(n >= 6 for n in seen), 240, 0.05, "every stream to flow")
-        killed_at = time.monotonic()
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        bus.add_consumer(queue, [warm])
+            threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: all(n >= 6 for n in seen), 240, 0.05, "every stream to flow")
+            killed_at = time.monotonic()
+            os.killpg(victim.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=300)
         assert all(r is not None for r in results), "a stream did not end"
@@ -134,7 +134,6 @@ def test_streams_go_on_through_a_sigkilled_worker_and_equal_their_uninterrupted_
     finally:
         stop_process(beat)
         victim.stop()
-        bus.add_consumer(queue, [warm])
 
 
 def test_a_client_goes_on_at_another_gateway_after_its_gateway_is_sigkilled(

@@ -23,7 +23,7 @@ from app.state.queues import HOUSEKEEPING_QUEUE, job_queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken, wait_processes_gone)
+                            every_request_taken, stepped_aside, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 REAP_TIMEOUT_S = 8
@@ -66,7 +66,7 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
     line recorded once and each line's request finished once by an engine."""
     store = RequestStore(redis_server.client(), 3600)
     bus, warm = app.vigil_ports.bus, warm_worker.name
-    beat = queue = None
+    beat = None
     # The victim's engine steps are slowed (the drill's slow_step, inside EngineCore: logits
     # untouched, so greedy results stay the survivor's), so what it holds is still generating
     # when the kill comes, however long a loaded machine takes to get there: 400 tokens take
@@ -95,32 +95,30 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         wait_for(lambda: all(queue in (bus.active_queues(w) or [])
                              for w in (warm, victim.name)), 60, 0.5,
                  "both workers to consume the job's queue")
-        bus.cancel_consumer(queue, [warm])
-        wait_for(lambda: queue not in (bus.active_queues(warm) or [queue]), 30, 0.2,
-                 "the warm worker to stop consuming the job's queue")
-        bs, now = BatchStore(store.raw), time.time()
-        lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-                  "body": {"model": "tiny-llama", "prompt": f"a batch story {i}",
-                           "max_tokens": 400, "ignore_eos": True}} for i in range(6)]
-        f = batches.upload_file(bs, "".join(json.dumps(x) + "\n" for x in lines).encode(),
-                                "reaper.jsonl", "batch", now, get_settings())
-        bid = batches.create_batch(bs, f["id"], "/v1/completions", "24h", None, now,
-                                   get_settings(), job=job)["id"]
-        batch_ids = [fmt.request_id_for(job, x["custom_id"]) for x in lines]
-        beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l", "INFO",
-                              "-s", str(tmp_path / "schedule")],
-                             vigil_env(redis_server.url,
-                                       VIGIL_WORKER_REAP_TIMEOUT=str(REAP_TIMEOUT_S),
-                                       VIGIL_ALLOW_SHORT_REAP_TIMEOUT="1",
-                                       VIGIL_BATCH_TICK_INTERVAL="0.5",
-                                       VIGIL_RECONCILE_INTERVAL="3600"),
-                             tmp_path / "beat.log")
-        wait_for(lambda: all((store.get(r) or {}).get("status") == "RUNNING" for r in batch_ids),
-                 120, 0.1, "the batch's lines to run")
-        assert {x.decode() for x in store.raw.smembers(keys.inflight(inst))} >= set(batch_ids)
-        bus.add_consumer(queue, [warm])  # the survivor takes them over after the kill
-        wait_for(lambda: queue in (bus.active_queues(warm) or []), 30, 0.2,
-                 "the warm worker to consume the job's queue again")
+        # The warm worker steps aside while the batch goes out, so the lines are the victim's;
+        # it consumes the job's queue again before the kill, to take them over after it.
+        with stepped_aside(warm, queue):
+            bs, now = BatchStore(store.raw), time.time()
+            lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                      "body": {"model": "tiny-llama", "prompt": f"a batch story {i}",
+                               "max_tokens": 400, "ignore_eos": True}} for i in range(6)]
+            f = batches.upload_file(bs, "".join(json.dumps(x) + "\n" for x in lines).encode(),
+                                    "reaper.jsonl", "batch", now, get_settings())
+            bid = batches.create_batch(bs, f["id"], "/v1/completions", "24h", None, now,
+                                       get_settings(), job=job)["id"]
+            batch_ids = [fmt.request_id_for(job, x["custom_id"]) for x in lines]
+            beat = start_process([sys.executable, "-m", "celery", "-A", "app", "beat", "-l",
+                                  "INFO", "-s", str(tmp_path / "schedule")],
+                                 vigil_env(redis_server.url,
+                                           VIGIL_WORKER_REAP_TIMEOUT=str(REAP_TIMEOUT_S),
+                                           VIGIL_ALLOW_SHORT_REAP_TIMEOUT="1",
+                                           VIGIL_BATCH_TICK_INTERVAL="0.5",
+                                           VIGIL_RECONCILE_INTERVAL="3600"),
+                                 tmp_path / "beat.log")
+            wait_for(lambda: all((store.get(r) or {}).get("status") == "RUNNING"
+                                 for r in batch_ids), 120, 0.1, "the batch's lines to run")
+            held = {x.decode() for x in store.raw.smembers(keys.inflight(inst))}
+            assert held >= set(batch_ids)
         # Greedy: a request resumed on the survivor must come out token-identical.
         kws = [dict(model="tiny-llama", prompt=f"a long story number {i}", max_tokens=400,
                     ignore_eos=True, temperature=0.0) for i in range(32)]
@@ -186,7 +184,5 @@ def test_a_sigkilled_workers_requests_complete_on_another_worker_exactly_once(
         assert "reaped worker victim2@testhost" in (tmp_path / "beat.log").read_text() or \
             "reaped worker victim2@testhost" in warm_worker.log.read_text()
     finally:
-        if queue is not None:
-            bus.add_consumer(queue, [warm])  # the shared warm worker as it was
         victim.stop()
         stop_process(beat)
