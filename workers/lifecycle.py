@@ -1,6 +1,7 @@
 """Celery start-up and shutdown hooks of a Vigil worker process.
 
-worker_init  -> logging for vLLM, the WorkerRuntime (heartbeat, engine loop, orphan guard);
+worker_init  -> logging for vLLM, the WorkerRuntime (vLLM's modules imported on this thread
+                first: app/first_imports.py; heartbeat, engine loop, orphan guard);
                 in a housekeeper, the deadline watch instead (app/fleet/deadlines.py)
 worker_ready -> preload the engines of VIGIL_POOLS in the background; the worker is ready
                 (has_pinged=1 in its registry entry) once that preload ended, or at once
