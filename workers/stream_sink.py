@@ -1,7 +1,7 @@
 """The worker's token-stream flusher: one thread per worker that writes every open tap's due
 chunk (workers/streaming.py) in one pipelined round trip, every `flush_ms`, or as soon as a tap
 has `chunk_tokens` unwritten or a `live` tap has a new step; and the last writes of a request
-that yields or is handed back (`write_now`, `flush_all`).
+that yields or is handed back (`write_now`, `write_all`).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class StreamSink:
              prior: Checkpoint | None, adapter_fingerprint: str = "",
              samples: int = 1, live: bool = False) -> StreamTap:
         """A tap for one attempt (claim `token`) of a request of `samples` samples; `live`:
-        every step's tokens written and published at once (module docstring)."""
+        every step's tokens written and published at once (workers/streaming.py)."""
         tap = StreamTap(self, request_id, token, attempt, pool, prior, adapter_fingerprint,
                         samples, live)
         with self._lock:
