@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("instant", "vllm"), default="instant",
                    help="the worker's engine: no model, or the real one on tiny-llama")
     p.add_argument("--logprobs", type=int, default=0, help="top logprobs asked per token")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens per request (1: the short workload; 128: the main one)")
     p.add_argument("--seconds", type=float, default=20.0, help="sampling time")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--concurrency", type=int, default=64)
@@ -147,7 +149,8 @@ def main(argv=None) -> int:
         from tasks.inference import generate, generate_many
 
         def submit(base: int) -> list:
-            items = [{"model": MODEL, "prompt": f"hello there {base + i}", "max_tokens": 1,
+            items = [{"model": MODEL, "prompt": f"hello there {base + i}", "max_tokens": a.max_tokens,
+                      **({"ignore_eos": True} if a.max_tokens > 1 else {}),
                       **({"logprobs": a.logprobs} if a.logprobs else {})}
                      for i in range(SLICE)]
             if a.side == "many":
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
         feeder.join(timeout=300)
         per = "VIGIL_REQUESTS_PER_MESSAGE a message" if a.side == "many" else "one a message"
         print(f"side: {a.side} ({SLICE} requests a submit, {per}), engine {a.engine}, "
-              f"logprobs {a.logprobs}, {a.seconds:.0f} s sampled; commit {head_commit()}")
+              f"logprobs {a.logprobs}, max_tokens {a.max_tokens}, {a.seconds:.0f} s sampled; commit {head_commit()}")
         for line in summarise(raw, finished, a.rate, a.top):
             print(line)
         if a.keep:
