@@ -298,3 +298,41 @@ def test_a_structured_request_of_two_samples_refuses_resume_counts_it_and_is_abo
     assert [(rid, p.n) for rid, _, p in llm.started] == [("st-2", 2)]
     assert llm.started[0][1] == {"prompt": "the "} and tap.resume_point() is None
     wait_until(lambda: llm.aborted == ["st-2"])
+
+
+def test_only_short_runs_wait_for_the_engines_next_wave():
+    """Given the real VllmEngine with a wave window far longer than the test and a one-token
+    run inside vLLM, when a run of more than SHORT_RUN_TOKENS tokens and another one-token run
+    arrive, then the long run enters vLLM at once (a slot it waited a window for would make
+    nothing: workers/engine/waves.py) and the short one waits for the next wave."""
+    from workers.engine.ticket import SHORT_RUN_TOKENS
+
+    async def started(llm, rid: str) -> bool:
+        for _ in range(500):  # up to ~5 s
+            if any(s[0] == rid for s in llm.started):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def go():
+        llm = SilentLLM(byte_tokenizer())
+        engine = StoppedVllm(llm)
+        engine._waves = Waves(30.0)
+
+        def run(rid: str, max_tokens: int):
+            req = GenerateRequest(model="model-a", prompt="hi", max_tokens=max_tokens)
+            return asyncio.ensure_future(engine.run(req, rid))
+
+        runs = [run("first", 1)]
+        assert await started(llm, "first")
+        runs += [run("long", SHORT_RUN_TOKENS + 1), run("short", 1)]
+        assert await started(llm, "long")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert [s[0] for s in llm.started] == ["first", "long"]
+        assert engine._waves.inside == 2
+        for r in runs:
+            r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+    asyncio.run(go())

@@ -29,6 +29,7 @@ from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.vllm_pause import Pauses
+from workers.engine.ticket import SHORT_RUN_TOKENS
 from workers.engine.waves import Waves
 from workers.engine.witness import Witness
 from workers.engine.token_tap import TokenTap
@@ -164,9 +165,12 @@ class VllmEngine(Pauses):
 
     async def _final(self, prompt: dict, params, request_id: str, adapter, priority: int = 0):
         """One engine request to its end (at vLLM priority `priority`: its tier's,
-        app/requests/tiers.py); its final output."""
+        app/requests/tiers.py); its final output. A short run of a tier that is not interactive
+        enters with the engine's next wave, every other run at once (workers/engine/waves.py)."""
         final = None
-        async with self._waves.entry(priority == engine_priority(INTERACTIVE)):  # waves.py
+        at_once = (priority == engine_priority(INTERACTIVE)
+                   or (params.max_tokens or 0) > SHORT_RUN_TOKENS)
+        async with self._waves.entry(at_once):  # waves.py
             async for out in self._llm.generate(prompt, params, request_id=request_id,
                                                 lora_request=self._lora(adapter),
                                                 priority=priority):
