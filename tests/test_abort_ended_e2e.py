@@ -14,7 +14,8 @@ from app.fleet.deadlines import sweep_deadlines
 from app.local.embedded import wait_for
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import SLOW_START_MODEL, RunningWorker
+from tests.conftest import SLOW_START_MODEL
+from tests.worker_procs import RunningWorker
 
 pytestmark = pytest.mark.worker
 # Every engine step takes this much longer, inside EngineCore (the drill's slow_step), so a

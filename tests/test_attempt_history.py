@@ -15,7 +15,7 @@ from app.state import keys
 from app.state.conn import connect
 from app.state.lua_records import HISTORY_MAX
 from app.state.store import RequestStore
-from tests.conftest import NeverTold
+from tests.unit_helpers import NeverTold
 
 pytestmark = pytest.mark.redis
 T0 = 1_700_000_000.125  # a current Unix time, exact in binary and within cjson's 14 digits

@@ -19,7 +19,7 @@ from app.ops.cli import main
 from app.requests import batch_file as fmt
 from app.state import keys
 from app.state.store import RequestStore
-from tests.conftest import assert_each_ran_to_a_result_once, start_batch_beat
+from tests.worker_procs import assert_each_ran_to_a_result_once, start_batch_beat
 
 pytestmark = pytest.mark.worker
 

@@ -21,7 +21,8 @@ from app.requests.models import TINY_MAX_POSITIONS, get_registry
 from app.state import broker
 from app.state.queues import job_queue_name
 from app.state.store import RequestStore
-from tests.conftest import UNSERVED_MODEL, assert_each_ran_to_a_result_once, start_batch_beat
+from tests.conftest import UNSERVED_MODEL
+from tests.worker_procs import assert_each_ran_to_a_result_once, start_batch_beat
 
 pytestmark = pytest.mark.worker
 

@@ -18,7 +18,7 @@ from app.errors import TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from app.requests.tiers import engine_priority
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.output import EngineOutput
 
 SPEC = ModelSpec(name="m", path="/x")

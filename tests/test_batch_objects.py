@@ -28,7 +28,7 @@ from app.state import keys
 from app.state.batches import BatchStore
 from app.state.store import RequestStore
 from tests.conftest import CACHE_DIR
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.redis

@@ -12,7 +12,8 @@ from app.local.embedded import wait_for
 from app.state.health import HealthLedger
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import CACHE_DIR, RunningWorker, fault_test_models
+from tests.conftest import CACHE_DIR, fault_test_models
+from tests.worker_procs import RunningWorker
 
 pytestmark = pytest.mark.worker
 EXIT_WORKER_BROKEN = 70

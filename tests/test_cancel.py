@@ -18,7 +18,7 @@ from app.local.embedded import vigil_env
 from app.requests.models import get_registry
 from app.requests.submit import submit_request
 from app.state.store import RequestStore
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 
 pytestmark = pytest.mark.redis
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}

@@ -27,7 +27,7 @@ from app.core_log import FAILURE_MARKERS, CoreLog
 from app.errors import RequestError, TransientError, WorkerFatalError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.classify import classify, classify_core_failure, classify_load_failure
 from workers.engine.kinds import StartFailure, with_core_log
 from workers.engine.memory import MemoryProbe, plan_memory

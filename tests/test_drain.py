@@ -16,7 +16,7 @@ from app import metrics
 from app.fleet.handback import hand_back_one
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import RecordingPorts, wait_until
+from tests.unit_helpers import RecordingPorts, wait_until
 from tests.test_store_and_service import create
 from workers.engine.host import EngineHost
 from workers.delivery_answers import StaleDelivery

@@ -16,8 +16,9 @@ from app.local.embedded import wait_for
 from app.state.queues import pool_queue
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (DRILL_MODEL, RunningWorker, assert_each_ran_to_a_result_once,
-                            every_request_taken, stepped_aside)
+from tests.conftest import DRILL_MODEL
+from tests.worker_procs import (RunningWorker, assert_each_ran_to_a_result_once,
+                                every_request_taken, stepped_aside)
 
 pytestmark = pytest.mark.worker
 POISON = "POISON-PILL"

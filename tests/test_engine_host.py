@@ -11,7 +11,7 @@ import pytest
 from app.errors import RequestError, TransientError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from tests.conftest import wait_until as _wait_until
+from tests.unit_helpers import wait_until as _wait_until
 from workers.engine.output import EngineOutput
 
 A = ModelSpec(name="model-a")

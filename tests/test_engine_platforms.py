@@ -356,7 +356,7 @@ def test_the_workers_own_list_of_its_pools_leaves_them_out_too(monkeypatch):
     import os
 
     from app.requests.models import ModelRegistry
-    from tests.conftest import RecordingPorts
+    from tests.unit_helpers import RecordingPorts
     from workers.runtime import WorkerRuntime
 
     monkeypatch.setattr(os, "environ", dict(os.environ))

@@ -14,7 +14,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from app.errors import RequestError, TransientError, WorkerFatalError
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.host import EngineHost, HandedBack
 from workers.engine.output import EngineOutput
 from workers.engine.suspects import DeathStreak, death_signature, split_suspects

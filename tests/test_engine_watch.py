@@ -16,7 +16,7 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from app.retry_policy import rule_for
 from app.state.streams import Checkpoint
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.host import HandedBack
 from workers.engine.output import EngineOutput
 from workers.engine.render import PromptRenderer

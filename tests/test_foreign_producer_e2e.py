@@ -20,7 +20,7 @@ import pytest
 from app.local.embedded import start_process, stop_process, vigil_env
 from app.state import broker
 from app.state.store import RequestStore
-from tests.conftest import assert_each_ran_to_a_result_once
+from tests.worker_procs import assert_each_ran_to_a_result_once
 
 pytestmark = pytest.mark.worker
 

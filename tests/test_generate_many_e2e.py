@@ -25,9 +25,9 @@ from app.state import keys
 from app.state.queues import pool_queue
 from app.state.store import shared_store
 from tasks.inference import generate_many
-from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, assert_witnessed,
-                            engine_processes, every_request_taken, stepped_aside,
-                            wait_processes_gone)
+from tests.worker_procs import (RunningWorker, assert_each_ran_to_a_result_once, assert_witnessed,
+                                engine_processes, every_request_taken, stepped_aside,
+                                wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 

@@ -30,8 +30,9 @@ from app.state import broker, keys
 from app.state.store import RequestStore
 from app.state.streams import TokenStreams
 from tasks.inference import generate
-from tests.conftest import (DRILL_MODEL, WITNESS_DIR, RunningWorker, assert_witnessed,
-                            engine_processes, wait_processes_gone)
+from tests.conftest import DRILL_MODEL, WITNESS_DIR
+from tests.worker_procs import (RunningWorker, assert_witnessed, engine_processes,
+                                wait_processes_gone)
 from tests.ghost_attempt import pieces, resubmit_after_a_ghost_attempt
 from workers.engine.witness import read_witness
 

@@ -132,7 +132,7 @@ def test_a_card_lost_under_a_running_worker_makes_it_leave_once(monkeypatch):
     import threading
 
     from app.settings import load_settings
-    from tests.conftest import RecordingPorts, wait_until
+    from tests.unit_helpers import RecordingPorts, wait_until
     from workers import runtime as runtime_mod
 
     monkeypatch.setattr(os, "environ", {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})

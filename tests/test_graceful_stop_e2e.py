@@ -17,8 +17,8 @@ from app.local.embedded import wait_for
 from app.state import keys
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken, stepped_aside, wait_processes_gone)
+from tests.worker_procs import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
+                                every_request_taken, stepped_aside, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 

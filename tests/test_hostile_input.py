@@ -20,7 +20,7 @@ from app.state import keys
 from workers.consumer import malformed
 from workers.runtime import WorkerRuntime
 from workers.service import serve
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 
 pytestmark = pytest.mark.redis
 GOOD = {"model": "tiny-llama", "prompt": "still serving", "max_tokens": 2}

@@ -19,7 +19,8 @@ from app.requests.submit import submit_request
 from app.settings import load_settings
 from app.state.registry import WorkerRegistry
 from app.state.store import RequestStore
-from tests.conftest import SLOW_START_MODEL, UNSERVED_MODEL, RunningWorker
+from tests.conftest import SLOW_START_MODEL, UNSERVED_MODEL
+from tests.worker_procs import RunningWorker
 from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.worker

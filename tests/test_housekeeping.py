@@ -12,7 +12,8 @@ from app.requests.record_fields import record_fields
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import UNSERVED_MODEL, NeverTold, Told, wait_until
+from tests.conftest import UNSERVED_MODEL
+from tests.unit_helpers import NeverTold, Told, wait_until
 
 pytestmark = pytest.mark.redis
 T0 = 1_000_000.0

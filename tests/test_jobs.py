@@ -16,7 +16,7 @@ from app.state.queues import DEFAULT_JOB
 from app.state.queues import job_queue_name as queue_name
 from app.state.queues import pool_queues
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, RequestStore
-from tests.conftest import Told
+from tests.unit_helpers import Told
 from workers.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,8 @@ from app.state import keys
 from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import UNSERVED_MODEL, WITNESS_DIR, queued
+from tests.conftest import UNSERVED_MODEL, WITNESS_DIR
+from tests.worker_procs import queued
 from workers.engine.witness import finished_generations, read_witness
 
 pytestmark = pytest.mark.worker

@@ -15,7 +15,7 @@ from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
 from app.state.streams import APPENDED, FENCED, Chunk, TokenStreams, parse_published
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.stream_sink import StreamSink
 

@@ -16,8 +16,8 @@ from app.local.embedded import REPO, wait_for
 from app.requests.models import get_registry
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (CORRUPT_MODEL, MISSING_MODEL, ROOMY_MODEL, RunningWorker,
-                            fault_test_models)
+from tests.conftest import CORRUPT_MODEL, MISSING_MODEL, ROOMY_MODEL, fault_test_models
+from tests.worker_procs import RunningWorker
 from workers.engine.memory import GiB, probe_memory, worker_device
 
 pytestmark = pytest.mark.worker

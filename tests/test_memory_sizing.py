@@ -9,7 +9,7 @@ from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
 from workers.engine.host import EngineHost
 from workers.engine.memory import GiB, MemoryProbe, plan_memory, probe_memory, worker_device
-from tests.conftest import callback_events
+from tests.unit_helpers import callback_events
 
 SPEC = ModelSpec(name="m", memory_gib=2.0, kv_cache_gib=1.0, kv_cache_floor_gib=0.25)
 

@@ -24,7 +24,7 @@ from workers.engine.host import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.delivery_answers import StaleDelivery
 from workers.service import serve
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 
 pytestmark = pytest.mark.redis
 POOL = "tiny-llama"

@@ -14,7 +14,8 @@ from app.errors import RequestError
 from app.local.embedded import free_port, wait_for
 from app.state.queues import pool_queue
 from tasks.inference import generate
-from tests.conftest import DRILL_MODEL, RunningWorker, queued
+from tests.conftest import DRILL_MODEL
+from tests.worker_procs import RunningWorker, queued
 
 pytestmark = pytest.mark.worker
 

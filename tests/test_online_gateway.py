@@ -20,7 +20,8 @@ from app.settings import load_settings
 from app.state.api_keys import KEY_CACHE_S, KeyReader
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import CACHE_DIR, RecordingPorts
+from tests.conftest import CACHE_DIR
+from tests.unit_helpers import RecordingPorts
 
 pytestmark = pytest.mark.redis
 MODEL = "tiny-llama"

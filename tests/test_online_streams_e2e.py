@@ -20,8 +20,8 @@ from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.state.queues import HOUSEKEEPING_QUEUE, job_queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (WITNESS_DIR, RunningWorker, assert_each_ran_to_a_result_once,
-                            stepped_aside)
+from tests.conftest import WITNESS_DIR
+from tests.worker_procs import RunningWorker, assert_each_ran_to_a_result_once, stepped_aside
 from workers.engine.witness import finished_generations, read_witness
 from tests.online_gateway import Gateway, assembled, serving_gateway, stream_events
 

@@ -17,7 +17,7 @@ import pytest
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest, parse_request
 from app.state.streams import Checkpoint
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.engine.host import Preempted
 from workers.engine.output import EngineOutput
 from workers.streaming import StreamTap
@@ -275,7 +275,7 @@ def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(sett
     record is PENDING for the next dispatch with its attempt refunded and one preemption
     counted; a request preempted VIGIL_MAX_PREEMPTIONS times is no longer preemptible."""
     from app.errors import TransientError
-    from tests.conftest import RecordingPorts
+    from tests.unit_helpers import RecordingPorts
     from tests.test_store_and_service import create
     from workers.engine.bridge import PREEMPTED
     from workers.engine.host import EngineHost

@@ -18,7 +18,7 @@ from app.local.embedded import free_port
 from app.requests.models import ModelSpec
 from app.settings import load_settings
 from app.state.health import HEALTHY, QUARANTINED, HealthLedger
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 from workers.quarantine import QuarantineActions, WorkerHealth
 
 pytestmark = pytest.mark.redis

@@ -22,8 +22,8 @@ from app.state.batches import BatchStore
 from app.state.queues import HOUSEKEEPING_QUEUE, job_queue_name
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
-                            every_request_taken, stepped_aside, wait_processes_gone)
+from tests.worker_procs import (RunningWorker, assert_each_ran_to_a_result_once, engine_processes,
+                                every_request_taken, stepped_aside, wait_processes_gone)
 
 pytestmark = pytest.mark.worker
 REAP_TIMEOUT_S = 8

@@ -13,7 +13,8 @@ from app.state.queues import job_queue_name as queue_name
 from app.state.store import RequestStore
 from tasks.housekeeping import deadline_sweep, reconcile
 from tasks.inference import generate
-from tests.conftest import HUGE_MODEL, ROOMY_MODEL, RunningWorker, queued
+from tests.conftest import HUGE_MODEL, ROOMY_MODEL
+from tests.worker_procs import RunningWorker, queued
 
 pytestmark = pytest.mark.worker
 

@@ -21,7 +21,7 @@ from app.fleet.reaper import reap_workers
 from app.state import keys
 from app.state.conn import connect
 from app.state.store import RequestStore
-from tests.conftest import Told, wait_until
+from tests.unit_helpers import Told, wait_until
 from tests.test_store_and_service import create
 
 pytestmark = pytest.mark.redis
@@ -326,7 +326,7 @@ def test_a_worker_hands_back_what_its_set_lists_but_it_does_not_hold(settings, m
     (a Redis crash rolled its finish back) and a PENDING one whose delayed retry its consumer
     dropped with the connection, when Redis comes back, then both are moved to their next
     dispatch and published again."""
-    from tests.conftest import RecordingPorts
+    from tests.unit_helpers import RecordingPorts
     from workers.runtime import WorkerRuntime
 
     published = RecordingPorts()

@@ -15,8 +15,8 @@ import pytest
 from app.local.embedded import start_process, stop_process, vigil_env, wait_for
 from app.state import keys
 from app.state.store import RequestStore
-from tests.conftest import (CACHE_DIR, WITNESS_DIR, RunningWorker,
-                            assert_each_ran_to_a_result_once, assert_witnessed)
+from tests.conftest import CACHE_DIR, WITNESS_DIR
+from tests.worker_procs import RunningWorker, assert_each_ran_to_a_result_once, assert_witnessed
 from tests.redis_servers import LocalRedis
 from workers.engine.witness import read_witness
 

@@ -18,7 +18,7 @@ from app.state.broker import queue_lists
 from app.state.conn import connect
 from app.state.queues import job_queue
 from app.state.store import RequestStore
-from tests.conftest import queued
+from tests.worker_procs import queued
 
 pytestmark = pytest.mark.redis
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "job": "resub"}

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from app.errors import TransientError
-from tests.conftest import RecordingPorts, wait_until
+from tests.unit_helpers import RecordingPorts, wait_until
 from tests.test_store_and_service import KW, Scripted, create
 from workers.engine.host import EngineHost
 from workers.engine.output import EngineOutput

@@ -8,7 +8,8 @@ import pytest
 from app.state.health import HEALTHY, HealthLedger
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import SLOW_START_MODEL, RunningWorker
+from tests.conftest import SLOW_START_MODEL
+from tests.worker_procs import RunningWorker
 
 pytestmark = pytest.mark.worker
 # Below an engine start on these 2 cores (9-17 s, longer with two starting together); the drill

@@ -18,7 +18,7 @@ from workers.engine.output import EngineOutput
 from workers.runtime import WorkerRuntime
 from workers.delivery_answers import StaleDelivery
 from workers.service import serve
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 
 pytestmark = pytest.mark.redis
 KW = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
@@ -258,7 +258,7 @@ def test_memory_pressure_waits_by_time_not_attempts_then_ends(runtime):
     attempts (even with max_attempts 1), retried at least every 15 s, the squeeze's start kept
     in its record; once VIGIL_MEMORY_PRESSURE_WINDOW has passed since that start, the next
     refusal ends it attempts_exhausted saying so."""
-    from tests.conftest import wait_until
+    from tests.unit_helpers import wait_until
 
     squeeze = [TransientError.of("memory_pressure", "not enough free memory")] * 5
     rt = runtime(squeeze, max_attempts=1, memory_pressure_window=1.0, retry_backoff=60.0,

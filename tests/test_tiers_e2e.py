@@ -35,8 +35,8 @@ import requests
 from app.local.embedded import free_port, wait_for
 from app.state.store import shared_store
 from tasks.inference import generate, generate_many
-from tests.conftest import (TIERS_MODEL, RunningWorker, assert_each_ran_to_a_result_once,
-                            assert_witnessed)
+from tests.conftest import TIERS_MODEL
+from tests.worker_procs import RunningWorker, assert_each_ran_to_a_result_once, assert_witnessed
 from workers.held import FREEZE_TIMEOUT_S
 
 pytestmark = pytest.mark.worker

@@ -24,7 +24,8 @@ from app.state.conn import connect
 from app.state.store import RequestStore
 from app.state.streams import (APPENDED, FENCED, OFF_SEQUENCE, Checkpoint, Chunk, Entry,
                                TokenStreams, checkpoint_of)
-from tests.conftest import CACHE_DIR, wait_until
+from tests.conftest import CACHE_DIR
+from tests.unit_helpers import wait_until
 from tests.redis_servers import LocalRedis
 from workers.stream_sink import StreamSink
 from workers.streaming import StreamTap

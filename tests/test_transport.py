@@ -18,7 +18,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from app.state import keys
 from app.state.store import RequestStore
 from app.state.transport import Acker, arriving, hold_deliveries
-from tests.conftest import wait_until
+from tests.unit_helpers import wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -264,7 +264,7 @@ def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
     request, Celery does not have it yet), when Redis comes back at that moment and the worker
     hands back what its set names but it does not hold, then that request is not handed back:
     it is arriving. Once the message was handed over and dropped, it is."""
-    from tests.conftest import RecordingPorts
+    from tests.unit_helpers import RecordingPorts
     from tests.test_store_and_service import create
     from workers.runtime import WorkerRuntime
 

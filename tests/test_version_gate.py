@@ -22,7 +22,7 @@ from app.requests.version_gate import (ADVERTISED, VERDICT_CACHE_S, check_served
 from app.state.conn import connect
 from app.state.queues import job_queue_name, pool_queue
 from app.state.store import RequestStore
-from tests.conftest import RecordingPorts
+from tests.unit_helpers import RecordingPorts
 from workers.service import forward
 
 pytestmark = pytest.mark.redis

@@ -14,8 +14,8 @@ from app.local.embedded import wait_for
 from app.state.health import HEALTHY, QUARANTINED, RESTARTING
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import (RunningWorker, assert_each_ran_to_a_result_once, every_request_taken,
-                            stepped_aside)
+from tests.worker_procs import (RunningWorker, assert_each_ran_to_a_result_once,
+                                every_request_taken, stepped_aside)
 
 pytestmark = pytest.mark.worker
 STALL_TIMEOUT_S = 8

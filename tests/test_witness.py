@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app.request_ids import attempt_id, canary_id, run_id
-from tests.conftest import assert_witnessed
+from tests.worker_procs import assert_witnessed
 from workers.engine.witness import (Witness, finished_generations, read_canaries,
                                     read_witness)
 

@@ -13,7 +13,7 @@ from app.local.embedded import wait_for
 from app.state import broker, keys
 from app.state.store import RequestStore
 from tasks.inference import generate
-from tests.conftest import assert_witnessed
+from tests.worker_procs import assert_witnessed
 
 pytestmark = pytest.mark.worker
 
