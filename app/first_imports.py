@@ -23,9 +23,20 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 
 log = logging.getLogger("vigil.imports")
+
+def vllm_env_defaults() -> None:
+    """The environment vLLM and the Hugging Face libraries read when they are imported, in every
+    Vigil process that imports them (a worker: workers/engine/vllm_args.py adds its engine's
+    own; the online API's gateway): the hub offline (models are local files), no usage stats,
+    no tracking. Only defaults: an operator's setting wins. Must run before vLLM is imported."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
 
 # What a worker's task threads, engine loop and preload import (workers/, app/requests/).
 WORKER_MODULES = (

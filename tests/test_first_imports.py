@@ -152,3 +152,27 @@ def test_a_model_engine_worker_imports_first_before_its_runtime_starts_a_thread(
         with pytest.raises(Stop):
             rt_mod.WorkerRuntime(load_settings(engine=engine), "w", ports=None, guard=False)
     assert calls == [WORKER_MODULES, WORKER_MODULES]
+
+
+@pytest.mark.parametrize("apply", ["engine", "gateway"])
+def test_vllms_import_environment_is_set_by_the_engine_and_the_gateway_alike(monkeypatch, apply):
+    """Given none of the settings vLLM and the hub read at import, when a worker's engine
+    defaults (workers/engine/vllm_args.py) or the gateway's render lanes
+    (app/online/render.py, through `vllm_env_defaults`) apply them, then vLLM reads no usage
+    stats and no tracking (vllm.envs, the witness) and the hub is offline; an operator's
+    setting wins."""
+    import vllm.envs as envs
+
+    from app.first_imports import vllm_env_defaults
+    from workers.engine.vllm_args import engine_env_defaults
+
+    names = ("HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    defaults = engine_env_defaults if apply == "engine" else vllm_env_defaults
+    defaults()
+    assert envs.VLLM_NO_USAGE_STATS and envs.VLLM_DO_NOT_TRACK
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    defaults()
+    assert os.environ["HF_HUB_OFFLINE"] == "0"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.errors import MODEL_NOT_FOUND, RequestError
+from app.first_imports import vllm_env_defaults
 from app.requests.models import ModelRegistry, ModelSpec
 
 log = logging.getLogger("vigil.online")
@@ -145,16 +145,9 @@ class Renderers:
         self._stop_warming.set()
 
 
-def render_env_defaults() -> None:
-    """The environment vLLM reads when it is imported for rendering: offline hub, no usage
-    stats. Only defaults (an operator's setting wins); must run before vLLM is imported."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-
-
 def _build(spec: ModelSpec, path: str) -> Lane:
     """vLLM's render state for one model, as vllm/entrypoints/launchers/render builds it."""
-    render_env_defaults()
+    vllm_env_defaults()
 
     import vllm.envs as envs
     from vllm import AsyncEngineArgs

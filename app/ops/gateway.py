@@ -14,8 +14,8 @@ import threading
 
 from app.celery_app import shared_app
 from app.fleet.cancel import cancel_requests
-from app.first_imports import GATEWAY_MODULES, import_first
-from app.online.render import Renderers, render_env_defaults
+from app.first_imports import GATEWAY_MODULES, import_first, vllm_env_defaults
+from app.online.render import Renderers
 from app.online.serving import OnlineCalls
 from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelRegistry, get_registry
@@ -73,7 +73,7 @@ class Gateway:
         """Import vLLM's render modules before any request is served (app/first_imports.py),
         open the async side on the running loop, mark SIGTERM/SIGINT as a stop, and build the
         render lanes on a thread (requests meanwhile wait for their model's lane)."""
-        render_env_defaults()
+        vllm_env_defaults()
         took = await asyncio.to_thread(import_first, GATEWAY_MODULES)
         log.info("online API: imported vLLM's render modules in %.1f s", took)
         client = async_client(self.settings)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from app.errors import INVALID_MODEL_CONFIG, RequestError
+from app.first_imports import vllm_env_defaults
 from app.requests.engine_defaults import batch_defaults, compile_defaults
 from app.requests.models import ModelSpec
 from workers.engine.memory import MemoryPlan
@@ -26,7 +27,7 @@ def engine_env_defaults() -> None:
 
     Only defaults: an operator's explicit setting wins. Must run before vLLM is imported.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    vllm_env_defaults()  # the hub offline, no usage stats (app/first_imports.py)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # No VLLM_CPU_KVCACHE_SPACE default: it would override the KV size that workers/engine/memory.py
     # picks for each engine start (an operator who sets it fixes the size instead).
@@ -44,8 +45,6 @@ def engine_env_defaults() -> None:
     # a GPU"). vLLM reads VLLM_HOST_IP first; VLLM_LOOPBACK_IP is its loopback choice.
     os.environ.setdefault("VLLM_HOST_IP", LOOPBACK)
     os.environ.setdefault("VLLM_LOOPBACK_IP", LOOPBACK)
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The model's OpenMP threads (torch's intra-op pool) sleep while they wait for work instead
     # of spinning (libgomp's default). A worker shares its host's cores with its engine: Celery's
