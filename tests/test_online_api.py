@@ -131,7 +131,7 @@ def test_a_follower_waits_out_redis_errors_and_misses_nothing():
 
     from app.errors import REDIS_UNAVAILABLE, TransientError
     from app.online.relay import Ended, follow
-    from app.state.store import Outcome
+    from app.state.store_reads import Outcome
     from app.state.streams import Entry
 
     class Hub:

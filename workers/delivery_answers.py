@@ -26,7 +26,8 @@ from app.requests.schemas import newer_version
 from app.requests.submit import record_new
 from app.retry_policy import Attempted, End, decide, exhausted, may_preempt, rule_for
 from app.settings import VigilSettings
-from app.state.store import Begin, Outcome
+from app.state.store import Begin
+from app.state.store_reads import Outcome
 from workers.engine.host import Aborted, HandedBack, Preempted
 from workers.runtime import WorkerRuntime
 

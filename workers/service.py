@@ -51,7 +51,8 @@ from app.requests.submit import record_new, resubmit
 from app.retry_policy import Attempted, Retry, decide
 from app.settings import VigilSettings
 from app.state.results import ResultKey
-from app.state.store import Begin, Outcome, RequestStore
+from app.state.store import Begin, RequestStore
+from app.state.store_reads import Outcome
 from workers.delivery_answers import (GiveBack, StaleDelivery, after_run_error, give_back,
                                       not_run, open_tap, outcome, preemptible, publish_next,
                                       refused, tell)

@@ -27,7 +27,8 @@ from app import metrics
 from app.errors import VigilError, error_from_record
 from app.state.keys import FAILED
 from app.state.results import ResultKey, set_and_publish_many
-from app.state.store import Outcome, RequestStore
+from app.state.store import RequestStore
+from app.state.store_reads import Outcome
 
 log = logging.getLogger("vigil.outcomes")
 

@@ -20,7 +20,7 @@ from app.errors import REQUEST_LOST, TerminalError, VigilError, error_from_recor
 from app.requests.stream_cursor import StreamCursor
 from app.state.calls import REDIS_ERRORS
 from app.state.live import CHUNK, LiveHub, entry_key
-from app.state.store import Outcome
+from app.state.store_reads import Outcome
 from app.state.streams import Entry
 
 # How long a follower waits for its channels before it reads the stream and the record anyway:

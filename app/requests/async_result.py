@@ -32,7 +32,8 @@ from celery.result import AsyncResult
 from app import metrics
 from app.errors import REQUEST_LOST, TerminalError, TransientError, error_from_record
 from app.state.queues import DEFAULT_JOB
-from app.state.store import Outcome, RequestStore
+from app.state.store import RequestStore
+from app.state.store_reads import Outcome
 from app.requests.stream_cursor import StreamCursor
 
 # How often a waiting `get()` looks at the request's record (one HMGET).

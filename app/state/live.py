@@ -26,7 +26,7 @@ import redis
 import redis.asyncio as aioredis
 
 from app.state import keys
-from app.state.store import Outcome
+from app.state.store_reads import Outcome
 from app.state.streams import Entry, parse_entry, parse_published
 
 log = logging.getLogger("vigil.live")
