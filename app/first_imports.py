@@ -16,6 +16,9 @@ threads import inside functions. tests/test_first_imports.py reads the code and 
 is missing from these lists. After this, what a thread imports first is the model's own code,
 in the one thread that starts an engine or builds a render lane.
 
+Before those imports, `vllm_env_defaults` sets what vLLM and the hub read as they are
+imported (the worker's engine adds its own: workers/engine/vllm_args.py).
+
 An entry "module:name" imports the module and resolves `name` in it (a lazily resolved name of
 vllm's or transformers' top level).
 """
@@ -27,6 +30,7 @@ import os
 import time
 
 log = logging.getLogger("vigil.imports")
+
 
 def vllm_env_defaults() -> None:
     """The environment vLLM and the Hugging Face libraries read when they are imported, in every
