@@ -14,6 +14,12 @@ from workers.engine.token_tap import TokenTap
 SHORT_RUN_TOKENS = 16
 
 
+def is_short(max_tokens: int | None) -> bool:
+    """Whether a run of `max_tokens` tokens a sample is short: at most SHORT_RUN_TOKENS (none
+    or 0: not short)."""
+    return 0 < int(max_tokens or 0) <= SHORT_RUN_TOKENS
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's passage through the engine host, kept across engine restarts."""
@@ -59,8 +65,8 @@ class Ticket:
 
     @property
     def short(self) -> bool:
-        """A short run: at most SHORT_RUN_TOKENS tokens per sample."""
-        return 0 < int(getattr(self.req, "max_tokens", 0) or 0) <= SHORT_RUN_TOKENS
+        """A short run: at most SHORT_RUN_TOKENS tokens per sample (`is_short`)."""
+        return is_short(getattr(self.req, "max_tokens", 0))
 
     @property
     def urgent(self) -> bool:

@@ -29,7 +29,7 @@ from workers.engine.stream_watch import StreamWatch, WatchedRun
 from workers.engine.vllm_args import engine_args, engine_env_defaults
 from workers.engine.vllm_output import output_of, prompt_logprobs, top_count
 from workers.engine.vllm_pause import Pauses
-from workers.engine.ticket import SHORT_RUN_TOKENS
+from workers.engine.ticket import is_short
 from workers.engine.waves import Waves
 from workers.engine.witness import Witness
 from workers.engine.token_tap import TokenTap
@@ -168,8 +168,7 @@ class VllmEngine(Pauses):
         app/requests/tiers.py); its final output. A short run of a tier that is not interactive
         enters with the engine's next wave, every other run at once (workers/engine/waves.py)."""
         final = None
-        at_once = (priority == engine_priority(INTERACTIVE)
-                   or (params.max_tokens or 0) > SHORT_RUN_TOKENS)
+        at_once = priority == engine_priority(INTERACTIVE) or not is_short(params.max_tokens)
         async with self._waves.entry(at_once):  # waves.py
             async for out in self._llm.generate(prompt, params, request_id=request_id,
                                                 lora_request=self._lora(adapter),
