@@ -117,9 +117,10 @@ class VigilSettings(BaseSettings):
                                  "of them); 0 turns token streams, and resuming from them, off.")
     engine_wave_ms: int = Field(DEFAULT_ENGINE_WAVE_MS, ge=0, le=1000, description="A "
                                   "worker's engine takes the short runs (at most 16 tokens a "
-                                  "sample) that arrive while others are in it in waves at most this far apart, each wave into one "
-                                  "engine step (workers/engine/waves.py); a run that finds the "
-                                  "engine empty enters at once. 0: every run at once.")
+                                  "sample) that arrive while others are in it in waves at "
+                                  "most this far apart, each wave into one engine step "
+                                  "(workers/engine/waves.py); a run that finds the engine "
+                                  "empty enters at once. 0: every run at once.")
     stream_chunk_tokens: int = Field(DEFAULT_STREAM_CHUNK_TOKENS, ge=1, le=65536,
                                      description="A request with this many tokens not yet "
                                      "written to its stream is written at the next flush "

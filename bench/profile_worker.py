@@ -149,7 +149,8 @@ def main(argv=None) -> int:
         from tasks.inference import generate, generate_many
 
         def submit(base: int) -> list:
-            items = [{"model": MODEL, "prompt": f"hello there {base + i}", "max_tokens": a.max_tokens,
+            items = [{"model": MODEL, "prompt": f"hello there {base + i}",
+                      "max_tokens": a.max_tokens,
                       **({"ignore_eos": True} if a.max_tokens > 1 else {}),
                       **({"logprobs": a.logprobs} if a.logprobs else {})}
                      for i in range(SLICE)]
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
         feeder.join(timeout=300)
         per = "VIGIL_REQUESTS_PER_MESSAGE a message" if a.side == "many" else "one a message"
         print(f"side: {a.side} ({SLICE} requests a submit, {per}), engine {a.engine}, "
-              f"logprobs {a.logprobs}, max_tokens {a.max_tokens}, {a.seconds:.0f} s sampled; commit {head_commit()}")
+              f"logprobs {a.logprobs}, max_tokens {a.max_tokens}, {a.seconds:.0f} s sampled; "
+              f"commit {head_commit()}")
         for line in summarise(raw, finished, a.rate, a.top):
             print(line)
         if a.keep:

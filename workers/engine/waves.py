@@ -16,8 +16,8 @@ An interactive run enters at once (its tier is for latency), and so does every r
 window of 0, and every run that is not short (more than SHORT_RUN_TOKENS tokens a sample,
 workers/engine/ticket.py): a long run enters a batch slot a run just left, and each step it
 waits for a wave is a step that slot makes nothing. In the main bench workload (512 x 128
-tokens, a batch of 128 that ends and refills together) long runs held to the waves filled 122-125
-of the 128 slots a step; entering at once, 125-126 (docs/performance.md, "The sixth pass").
+tokens, a batch of 128 that ends and refills together) long runs held to the waves filled
+122-125 of the 128 slots a step; entering at once, 124-126 (docs/performance.md, "The sixth pass").
 
 The wait is part of the run (inside its wedge clock, at most `window`); a run cancelled while
 it waits (aborted, handed back, preempted) leaves at once, without entering vLLM.
