@@ -16,6 +16,7 @@ from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from app.requests.tiers import INTERACTIVE, engine_priority
 from workers.engine.classify import classify_core_failure
+from workers.engine.front_end import lighten, release
 from workers.engine.logprobs import cumulative, sample_entries
 from workers.engine.memory import MemoryPlan
 from workers.engine.output import EngineOutput, Sample
@@ -75,6 +76,7 @@ class VllmEngine(Pauses):
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
         self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
+        self.lightened = lighten(self._llm)  # vLLM's per-request constants, once (front_end.py)
 
     @property
     def progress(self) -> int:
@@ -314,6 +316,7 @@ class VllmEngine(Pauses):
         if self._watch is not None:
             self._watch.stop()
         llm.shutdown(timeout=timeout)
+        release()  # the environment cache `lighten` made (front_end.py)
         del llm
         gc.collect()
 
