@@ -25,6 +25,7 @@ tests/test_generation_contract_e2e.py).
 """
 from __future__ import annotations
 
+import importlib
 import logging
 
 log = logging.getLogger("vigil.engine")
@@ -82,8 +83,6 @@ def release() -> None:
 
 
 def _token_strings(llm) -> bool:
-    import importlib
-
     module = importlib.import_module(LOGPROBS_MODULE)
     convert = getattr(module, CONVERT, None)
     if convert is None:
