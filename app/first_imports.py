@@ -50,6 +50,7 @@ WORKER_MODULES = (
     "vllm:SamplingParams", "vllm.sampling_params", "vllm.config", "vllm.platforms",
     "vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "vllm.v1.executor.uniproc_executor",
     "vllm.v1.engine.logprobs", "vllm.tokenizers.detokenizer_utils", "vllm.lora.request",
+    "vllm.envs",
 )
 
 # What the gateway's event loop and lane threads import (app/online/, app/ops/, app/requests/).
