@@ -76,7 +76,7 @@ class VllmEngine(Pauses):
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
         self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
-        self.lightened = lighten(self._llm)  # vLLM's per-request constants, once (front_end.py)
+        lighten(self._llm)  # vLLM's per-request constants, worked out once (front_end.py)
 
     @property
     def progress(self) -> int:
