@@ -112,6 +112,36 @@ def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_
         last.get(timeout=0.3)
 
 
+def test_a_result_not_stored_yet_is_polled_alone_not_with_its_siblings(settings):
+    """Given 70 results of one generate_many call and the first stored 0.3 s after its
+    `get()` began, then the first read took it and the 63 siblings after it in one MGET and
+    every later poll read it alone, counted by Redis itself (a key read and not found is one
+    keyspace miss). Every poll reading all 64 read 9 of 10 keys in vain in the short-request
+    bench (app/requests/async_result.py `Siblings`)."""
+    import threading
+
+    app = create_app(settings)
+    results = many(app, settings, [{"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1}
+                                   for i in range(70)])
+    other = create_app(settings)  # the worker's side: its own connections
+    raw = app.vigil_store.raw
+    raw.config_resetstat()
+    timer = threading.Timer(0.3, other.backend.store_result,
+                            (results[0].id, {"request_id": results[0].id, "text": "late"},
+                             "SUCCESS"))
+    timer.start()
+    try:
+        got = results[0].get(timeout=4)
+    finally:
+        timer.cancel()
+    polls = raw.info("commandstats")["cmdstat_mget"]["calls"]
+    stats = raw.info("stats")
+    assert got["text"] == "late"
+    assert polls >= 5  # it waited, reading as it went
+    assert stats["keyspace_hits"] == 1
+    assert stats["keyspace_misses"] == SIBLINGS_READ + polls - 2
+
+
 def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(settings):
     """Given a generate_many's results and one stored 0.3 s after its `get()` began (from
     another connection, as a worker's FINISH stores it), then `get()` returns it, having read

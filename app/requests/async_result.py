@@ -238,11 +238,16 @@ class Siblings:
     not cached reads the Celery result keys of it and of up to SIBLINGS_READ - 1 uncached
     siblings after it in one MGET, and caches every one that holds an outcome. So a caller
     that collects in order (`[r.get() for r in rs]`) pays a round trip per SIBLINGS_READ
-    finished results, where Celery's `get` pays three per result."""
+    finished results, where Celery's `get` pays three per result. A result that such a read
+    found not stored is read again alone while its `get()` waits: its siblings after it,
+    mostly sent later, are read once it has ended (every poll of 64 keys read 9 of every 10 of
+    them in vain in the short-request bench: docs/performance.md, "The eighth pass")."""
 
     def __init__(self, results: list):
         self._results = results
         self._at = {r.id: i for i, r in enumerate(results)}
+        self._keys: list = [None] * len(results)  # each result key, built once, when first read
+        self._missed: set[int] = set()  # results a read found not stored
 
     @classmethod
     def link(cls, results: list) -> list:
@@ -270,22 +275,34 @@ class Siblings:
             time.sleep(min(max(POLL_MIN_S, waited / 20), POLL_MAX_S, seconds - waited))
 
     def read_from(self, result: "VigilAsyncResult") -> None:
-        """Cache the outcome of `result` and of the uncached siblings after it, where stored."""
+        """Cache the outcome of `result` and, unless a read found `result` not stored before,
+        of the uncached siblings after it, where stored (class docstring)."""
         start = self._at.get(result.id)
         if start is None:
             result._get_task_meta()
             return
-        batch, results = [result], self._results
-        for i in range(start + 1, len(results)):
-            if len(batch) >= SIBLINGS_READ:
-                break
-            if results[i]._cache is None:
-                batch.append(results[i])
+        batch, results = [start], self._results
+        if start not in self._missed:
+            for i in range(start + 1, len(results)):
+                if len(batch) >= SIBLINGS_READ:
+                    break
+                if results[i]._cache is None:
+                    batch.append(i)
         backend = result.backend
-        values = backend.mget([backend.get_key_for_task(r.id) for r in batch])
-        for r, value in zip(batch, values):
+        values = backend.mget([self._key(i) for i in batch])
+        for i, value in zip(batch, values):
             if value:
-                r._maybe_set_cache(backend.decode_result(value))
+                results[i]._maybe_set_cache(backend.decode_result(value))
+        if result._cache is None:
+            self._missed.add(start)
+
+    def _key(self, i: int):
+        """The Celery result key of result `i`."""
+        key = self._keys[i]
+        if key is None:
+            r = self._results[i]
+            key = self._keys[i] = r.backend.get_key_for_task(r.id)
+        return key
 
 
 def _socket_timeout(streams) -> float:
