@@ -38,7 +38,10 @@ def test_many_requests_are_recorded_each_and_published_k_to_a_message(settings):
     app = create_app(s)
     items = [{"model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 2} for i in range(10)]
     items += [{"model": "tiny-llama", "prompt": "now", "priority": "interactive"}]
+    app.vigil_store.raw.config_resetstat()
     results = many(app, s, items)
+    calls = app.vigil_store.raw.info("commandstats")
+    assert "cmdstat_subscribe" not in calls  # no one waits for a message's own result
     assert len(results) == 11 and len({r.id for r in results}) == 11
     recs = [app.vigil_store.get(r.id) for r in results]
     assert all(rec["status"] == "PENDING" and rec["dispatch"] == "0" for rec in recs)

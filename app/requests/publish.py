@@ -80,9 +80,11 @@ def publish_many(items: list[tuple[str, dict]], *, model: object, job: object, p
     request's id in its `vigil_ids` header (the worker that takes it holds them all), at the
     tier's broker priority, expiring at the latest deadline + EXPIRES_GRACE_S, showing only
     model, job and how many requests. Each request's first dispatch (0); a retry of one goes
-    back alone, as a vigil.generate (workers/service.py). Raises what Celery raises."""
+    back alone, as a vigil.generate (workers/service.py). The message's own result is ignored
+    (no one reads it: each request has its own): Celery neither subscribes to its channel here
+    nor stores it there. Raises what Celery raises."""
     return send_many({"requests": [{"id": rid, "kwargs": kw} for rid, kw in items]},
-                     message_id, queue=job_queue(pool, str(job)),
+                     message_id, ignore_result=True, queue=job_queue(pool, str(job)),
                      expires=expires_at(deadline_at), priority=broker_priority(tier),
                      headers={"vigil_ids": [rid for rid, _ in items]}, argsrepr="()",
                      kwargsrepr=f"{{model: {model!r}, job: {job!r}, requests: {len(items)}}}")
