@@ -60,26 +60,36 @@ end
 CREATE = """
 local max_job, max_pool = tonumber(ARGV[4]), tonumber(ARGV[5])
 local deleted = redis.call('HGET', KEYS[2], 'state') == 'deleted'
+-- The open counts, read once and kept as this run creates (a script runs alone).
+local in_job = max_job > 0 and redis.call('SCARD', KEYS[3]) or 0
+local in_pool = max_pool > 0 and redis.call('SCARD', KEYS[6]) or 0
 local answers = {}
+local created, queue_new = false, false
 for i = 7, #ARGV, 3 do
   local rid = ARGV[i]
   local rec = ARGV[6] .. rid
   local answer = 1
   if redis.call('EXISTS', rec) == 1 then answer = 0
   elseif deleted then answer = -1
-  elseif max_job > 0 and redis.call('SCARD', KEYS[3]) >= max_job then answer = -2
-  elseif max_pool > 0 and redis.call('SCARD', KEYS[6]) >= max_pool then answer = -3
+  elseif max_job > 0 and in_job >= max_job then answer = -2
+  elseif max_pool > 0 and in_pool >= max_pool then answer = -3
   else
     redis.call('HSET', rec, unpack(cjson.decode(ARGV[i + 2])))
     redis.call('ZADD', KEYS[1], ARGV[i + 1], rid)
-    redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
-    redis.call('HSET', KEYS[2], 'name', ARGV[1], 'last_active', ARGV[2])
-    redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
-    redis.call('SADD', KEYS[3], rid)
-    redis.call('SADD', KEYS[6], rid)
-    if ARGV[3] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then answer = 2 end
+    in_job = in_job + redis.call('SADD', KEYS[3], rid)
+    in_pool = in_pool + redis.call('SADD', KEYS[6], rid)
+    if not created then
+      created = true
+      queue_new = ARGV[3] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1
+      if queue_new then answer = 2 end
+    end
   end
   answers[#answers + 1] = answer
+end
+if created then  -- the job's own fields, once per run: every request of it has the same
+  redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
+  redis.call('HSET', KEYS[2], 'name', ARGV[1], 'last_active', ARGV[2])
+  redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 end
 return answers
 """
