@@ -16,13 +16,15 @@ def effective_deadline(req: GenerateRequest, default: float) -> float:
     return req.deadline_s if req.deadline_s is not None else default
 
 
-def record_fields(req: GenerateRequest, now: float, default_deadline: float) -> dict:
-    """The fields of a new PENDING request record (app/state/keys.py lists them)."""
+def record_fields(req: GenerateRequest, now: float, default_deadline: float,
+                  wire: dict | None = None) -> dict:
+    """The fields of a new PENDING request record (app/state/keys.py lists them); `wire` is
+    `wire_kwargs(req)` when the caller made it already."""
     return {
         "status": PENDING, "model": req.model, "pool": req.pool, "job": req.job,
         "priority": req.priority,
         **({"lora": req.lora} if req.lora is not None else {}),
-        "request": json.dumps(wire_kwargs(req)), "created_at": now,
+        "request": json.dumps(wire_kwargs(req) if wire is None else wire), "created_at": now,
         "deadline_at": now + effective_deadline(req, default_deadline),
         "attempts": 0, "dispatch": 0,
     }

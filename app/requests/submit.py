@@ -73,6 +73,7 @@ class _Item:
 
     request_id: str
     admitted: Admitted
+    wire: dict  # its message kwargs (wire_kwargs), made once for its record and its message
     fields: dict
     deadline_at: float = 0.0  # where its message is published, when it is (0: not)
 
@@ -101,8 +102,11 @@ def submit(items: list, task_ids: list[str] | None = None, *, settings: VigilSet
     for req, spec, _ in todo:  # a rolling upgrade's old workers (read once per pool)
         check_served(req, spec.name, store.workers, settings)
     now = time.time()
-    entries = [_Item(rid, a, record_fields(a.req, now, settings.request_deadline))
-               for rid, a in zip(ids, todo)]
+    entries = []
+    for rid, a in zip(ids, todo):
+        wire = wire_kwargs(a.req)
+        entries.append(_Item(rid, a, wire, record_fields(a.req, now, settings.request_deadline,
+                                                         wire)))
     created = _record(entries, store, ports, settings, now)
     if single:
         return [_publish_one(entries[0], created, store, ports, send or ports.send, options)]
@@ -201,7 +205,7 @@ def _publish_one(e: _Item, created: list[str], store: RequestStore, ports: Celer
     if not e.deadline_at:  # the same request again, and a message carries it
         return ports.result(e.request_id)
     try:
-        sent = publish(e.request_id, wire_kwargs(req), model=req.model, job=req.job,
+        sent = publish(e.request_id, e.wire, model=req.model, job=req.job,
                        pool=spec.name, deadline_at=e.deadline_at, send=send, **options)
     except BaseException as err:
         _failed_publish(err, store, created, [], ports, "request")
@@ -220,7 +224,7 @@ def _publish_grouped(todo: list[_Item], store: RequestStore, ports: CeleryPorts,
         for start in range(0, len(members), per_message):
             part = members[start:start + per_message]
             try:
-                publish_many([(e.request_id, wire_kwargs(e.admitted.req)) for e in part],
+                publish_many([(e.request_id, e.wire) for e in part],
                              model=part[0].admitted.req.model, job=job, pool=pool, tier=tier,
                              deadline_at=max(e.deadline_at for e in part),
                              send_many=ports.send_many, message_id=str(uuid.uuid4()))
