@@ -13,7 +13,7 @@ from app.celery_app import create_app
 from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
-from app.requests.submit import submit_many
+from app.requests.submit import GC_DEFERRED_FROM, submit_many
 from app.state import broker
 from app.task_names import GENERATE_MANY
 
@@ -143,6 +143,59 @@ def test_a_result_not_stored_yet_is_polled_alone_not_with_its_siblings(settings)
     assert polls >= 5  # it waited, reading as it went
     assert stats["keyspace_hits"] == 1
     assert stats["keyspace_misses"] == SIBLINGS_READ + polls - 2
+
+
+def test_a_large_submit_runs_no_garbage_collection_and_leaves_the_collector_as_it_was(
+        settings, monkeypatch):
+    """Given Python's cyclic garbage collector set to collect every 10 allocations, a submit of
+    GC_DEFERRED_FROM requests runs no collection from its first request's admission to its
+    last message's publish (counted by gc's own callbacks), and the collector is on again
+    after it; in a process that turned the collector off it stays off. A full collection
+    inside the submit held its first message back (app/requests/submit.py
+    `_hold_collector`)."""
+    import gc
+
+    import app.requests.submit as submit_module
+
+    app = create_app(settings)
+    started: list[int] = []
+    marks: dict[str, int] = {}
+
+    def count(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    def admit(*a, **kw):
+        marks.setdefault("first admitted", len(started))
+        return real_admit(*a, **kw)
+
+    def publish_many(*a, **kw):
+        marks["last published"] = len(started)
+        return real_publish_many(*a, **kw)
+
+    real_admit, real_publish_many = submit_module.admit, submit_module.publish_many
+    monkeypatch.setattr(submit_module, "admit", admit)
+    monkeypatch.setattr(submit_module, "publish_many", publish_many)
+    first, second = [[{"model": "tiny-llama", "prompt": f"{tag}{i}", "max_tokens": 1}
+                      for i in range(GC_DEFERRED_FROM)] for tag in "ab"]
+    threshold = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(10, 1, 1)
+    try:
+        many(app, settings, first)
+        inside = marks["last published"] - marks["first admitted"]
+        on_after = gc.isenabled()
+        _ = [[] for _ in range(100)]  # allocations after the call: the collector runs
+        collected_after = len(started) > marks["last published"]
+        gc.disable()
+        many(app, settings, second)
+        off_after = not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(count)
+    assert inside == 0
+    assert on_after and collected_after and off_after
 
 
 def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(settings):

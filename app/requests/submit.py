@@ -35,6 +35,7 @@ that must go back goes back alone (docs/api.md, "Many requests at once").
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
@@ -65,6 +66,9 @@ log = logging.getLogger("vigil.submit")
 # Records written per round trip.
 CREATE_CHUNK = 1000
 MAX_REQUESTS = 100_000
+# A many submit of this many requests or more holds the cyclic garbage collector off
+# (`_hold_collector`).
+GC_DEFERRED_FROM = 256
 
 
 @dataclass
@@ -128,9 +132,31 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
 def submit_many(items: list, task_ids: list[str] | None = None, *, settings: VigilSettings,
                 registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
                 priority: int | None = None) -> list[Any]:
-    """`submit` of many requests as few messages (what `generate_many` runs)."""
-    return submit(items, task_ids, settings=settings, registry=registry, store=store,
-                  ports=ports, priority=priority)
+    """`submit` of many requests as few messages (what `generate_many` runs). In a call of
+    GC_DEFERRED_FROM requests or more, Python's cyclic garbage collector waits until the call
+    returns (`_hold_collector`)."""
+    held = _hold_collector(items)
+    try:
+        return submit(items, task_ids, settings=settings, registry=registry, store=store,
+                      ports=ports, priority=priority)
+    finally:
+        if held:
+            gc.enable()
+
+
+def _hold_collector(items: object) -> bool:
+    """Turn Python's cyclic garbage collector off for a submit of `items` when they are
+    GC_DEFERRED_FROM requests or more and the process has it on; True when it did (the caller
+    turns it on again when the submit returns). Such a call makes tens of thousands of
+    objects, and a full collection it triggered ran inside it, before its first message was
+    published (35-90 ms in a bare producer, more in the bench's, while the workers waited;
+    docs/performance.md, "The eighth pass"). The collection runs at the first allocation after
+    the call, while the workers serve. A process that turned the collector off keeps it off."""
+    if not isinstance(items, (list, tuple)) or len(items) < GC_DEFERRED_FROM \
+            or not gc.isenabled():
+        return False
+    gc.disable()
+    return True
 
 
 def _ids(items: object, task_ids: list[str] | None, single: bool) -> list[str]:
