@@ -25,6 +25,7 @@ from pydantic_settings import NoDecode
 
 from app import settings_defaults as defaults_module
 from app.settings import SECRET_FIELDS, VigilSettings
+from app.settings_derived import DerivedSettings
 from app.settings_defaults import ENV_PREFIX
 
 COMMAND = "python -m app.ops.config_doc > docs/configuration.md"
@@ -182,9 +183,10 @@ def field_rows() -> list[dict[str, str]]:
 
 
 def derived_rows() -> list[tuple[str, str]]:
-    """(property, docstring) of every derived value of the settings (its properties)."""
+    """(property, docstring) of every derived value of the settings (its properties, most on
+    DerivedSettings)."""
     out = []
-    for name, member in sorted(vars(VigilSettings).items()):
+    for name, member in sorted((vars(DerivedSettings) | vars(VigilSettings)).items()):
         if isinstance(member, property) and not name.startswith("_") and member.__doc__:
             out.append((name, " ".join(inspect.getdoc(member).split())))
     return out
