@@ -27,7 +27,8 @@ from tasks.base import VigilRequest, VigilTask
 from workers import lifecycle
 from workers.runtime import get_runtime
 from workers.delivery_answers import GiveBack, StaleDelivery
-from workers.service import forward, serve, serve_many
+from workers.forwarding import forward
+from workers.service import serve, serve_many
 
 log = logging.getLogger("vigil.service")
 

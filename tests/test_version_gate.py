@@ -23,7 +23,7 @@ from app.state.conn import connect
 from app.state.queues import job_queue_name, pool_queue
 from app.state.store import RequestStore
 from tests.unit_helpers import RecordingPorts
-from workers.service import forward
+from workers.forwarding import forward
 
 pytestmark = pytest.mark.redis
 POOL = "tiny-llama"

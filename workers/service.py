@@ -39,19 +39,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from app import metrics
-from app.celery_ports import CeleryPorts
 from app.errors import (REDIS_UNAVAILABLE, WORKER_LOST, RequestError, TransientError,
                         VigilError, WorkerFatalError)
-from app.fleet.outcomes import end_many, end_request
+from app.fleet.outcomes import end_many
 from app.request_ids import attempt_id
 from app.requests.admit import Admitted, admit
-from app.requests.models import ModelRegistry
 from app.requests.record_fields import record_fields
-from app.requests.submit import record_new, resubmit
+from app.requests.submit import record_new
 from app.retry_policy import Attempted, Retry, decide
-from app.settings import VigilSettings
 from app.state.results import ResultKey
-from app.state.store import Begin, RequestStore
+from app.state.store import Begin
 from app.state.store_reads import Outcome
 from workers.delivery_answers import (GiveBack, StaleDelivery, after_run_error, give_back,
                                       not_run, open_tap, outcome, preemptible, publish_next,
@@ -387,17 +384,3 @@ def _item(item: object) -> tuple[str | None, object]:
     if not isinstance(rid, str) or not rid or len(rid) > 200:
         return None, None
     return rid, item.get("kwargs")
-
-
-def forward(store: RequestStore, registry: ModelRegistry, settings: VigilSettings,
-            ports: CeleryPorts, request_id: str, dispatch: int, kwargs: object) -> None:
-    """A vigil.generate message that reached a queue no pool owns (vigil.housekeeping, where a
-    producer without `queue=` lands, or the housekeeper): sent on to its pool's queue under the
-    same id and dispatch (app/requests/submit.py `resubmit`), running nothing here. Raises the
-    request's stored error when it cannot be served (ended as `serve` would end it)."""
-    try:
-        resubmit(request_id, dispatch, kwargs, settings=settings, registry=registry,
-                 store=store, ports=ports)
-    except RequestError as e:
-        _, stored = end_request(store, request_id, error=e, pool="")
-        outcome(stored)
