@@ -13,8 +13,8 @@ app/, workers/ or tasks/ knows of it. What it counts (calls, requests, seconds s
 - Redis round trips of the store: BEGIN (`begin`, `begin_many`) and FINISH (`finish`,
   `finish_many`, which also write Celery's result key), per call and per request.
 - The engine host: the hop onto its loop (`submit`, `submit_many`), the task thread's wait for a
-  run's end (`result`), the loop's time per request from `_generate` (admission, batch slots)
-  and inside `VllmEngine.run` (vLLM's add, the step, the output).
+  run's end (`result`), the loop's time per request from `TicketRuns.generate` (admission,
+  batch slots) and inside `VllmEngine.run` (vLLM's add, the step, the output).
 - vLLM's front end: `AsyncLLM.add_request` calls, and its output handler's
   `OutputProcessor.process_outputs` (detokenizing, logprobs, the per-request queues): calls,
   outputs and seconds.
@@ -107,6 +107,7 @@ def install() -> None:
     _celery_signals()
     from app.state.store import RequestStore
     from workers.engine.host import EngineHost
+    from workers.engine.ticket_run import TicketRuns
     from workers.engine.vllm import VllmEngine
 
     n1 = lambda a: len(a[1])  # noqa: E731  the list argument's length
@@ -117,7 +118,7 @@ def install() -> None:
     _wrap(EngineHost, "submit", "host hop onto the loop (one)")
     _wrap(EngineHost, "submit_many", "host hop onto the loop (many)", n1)
     _wrap(EngineHost, "result", "task thread waits for the run")
-    _wrap(EngineHost, "_generate", "loop: request in the host (admission, slots, run)")
+    _wrap(TicketRuns, "generate", "loop: request in the host (admission, slots, run)")
     _wrap(VllmEngine, "run", "loop: request in VllmEngine.run (add, step, output)")
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import OutputProcessor

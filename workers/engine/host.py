@@ -20,31 +20,29 @@ loop, holding that condition. Its parts, by job:
   (`HostEvents`) and its counters (`HostStats`), both in workers/engine/host_state.py.
 Its collaborators have state of their own: the loop bridge (the thread, the futures, aborting),
 the stall watchdog (workers/engine/watchdog.py) and the adapter cache (workers/engine/lora.py).
-This module runs one request (admit, gate its adapter, run, account for the outcome) and offers
-the thread-safe entry points.
+One request's run (admit, gate its adapter, run, account for the outcome) is
+workers/engine/ticket_run.py; this module offers the thread-safe entry points.
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
 from typing import Callable
 
-from app.errors import WEDGED, TransientError, WorkerFatalError
 from app.requests.adapters import AdapterRef
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from workers.engine.admission import Admission
 from workers.engine.bridge import STALLED, Aborted, HandedBack, LoopBridge, Preempted
-from workers.engine.classify import classify, death_cause, is_engine_dead
 from workers.engine.host_state import HostEvents, HostState, HostStats
-from workers.engine.lora import AdapterCache, lane_of
+from workers.engine.lora import AdapterCache
 from workers.engine.output import EngineOutput
 from workers.engine.pending import Pending
 from workers.engine.recovery import Recovery
 from workers.engine.slot import EngineFactory, EngineSlot
 from workers.engine.ticket import Ticket
+from workers.engine.ticket_run import TicketRuns
 from workers.engine.tier_gate import TierGate
 from workers.engine.watchdog import StallWatchdog, Watched
 from workers.engine.token_tap import TokenTap
@@ -81,6 +79,8 @@ class EngineHost:
         self._loop = self._bridge.loop
         self._tiers = TierGate(self._st, self._bridge)
         self._adapters = AdapterCache()
+        self._runs = TicketRuns(self._st, self._admission, self._tiers, self._recovery,
+                                self._adapters)
         self._watchdog = (StallWatchdog(stall_timeout, self._watched, self._stalled, clock)
                           if stall_timeout > 0 else None)
 
@@ -143,7 +143,8 @@ class EngineHost:
         arrived = self._st.clock()
         t = Ticket(req, engine_request_id, adapter=adapter, timeout=timeout, tap=tap,
                    preemptible=preemptible)
-        fut = self._bridge.submit(lambda: self._generate(t, spec, arrived), engine_request_id)
+        fut = self._bridge.submit(lambda: self._runs.generate(t, spec, arrived),
+                                  engine_request_id)
         bound = timeout + timeout + self.start_bound(spec)
         return Pending(fut, engine_request_id, time.monotonic() + bound, bound, t)
 
@@ -154,7 +155,7 @@ class EngineHost:
         arrived = self._st.clock()
         tickets = [Ticket(r[0], r[2], adapter=r[4], timeout=r[3], tap=r[5], preemptible=r[6])
                    for r in runs]
-        calls = [((lambda t=t, r=r: self._generate(t, r[1], arrived)), r[2])
+        calls = [((lambda t=t, r=r: self._runs.generate(t, r[1], arrived)), r[2])
                  for t, r in zip(tickets, runs)]
         futures = self._bridge.submit_many(calls)
         now = time.monotonic()
@@ -303,99 +304,6 @@ class EngineHost:
         """Processes of the current engine, for the orphan guard."""
         eng = self._st.engine
         return eng.child_pids() if eng is not None else []
-
-    # -- one request, on the loop ---------------------------------------------------------------
-    async def _generate(self, t: Ticket, spec: ModelSpec, arrived: float) -> EngineOutput:
-        lane = lane_of(spec, t.adapter, t.req, t.attempt_id)
-        engine = await self._admission.acquire(spec, arrived, lane)
-        self._tiers.join(t)
-        if t.urgent:
-            self._tiers.preempt_for(t, engine)
-        try:
-            while True:
-                # Every run takes its slots: a re-run after an engine death too, so the suspects
-                # never enter the fresh engine past its batch (they keep their place in line).
-                await self._tiers.seat(t)
-                if t.adapter is not None:
-                    await self._gate_or_release(engine, t, spec)
-                outcome, value = await self._run_once(engine, t, spec)
-                if outcome == "ok":
-                    return value
-                if outcome == "error":
-                    if isinstance(value, WorkerFatalError):
-                        self._recovery.go_fatal(value)
-                    elif await self._recovery.rerun_here(t, value):  # vLLM asked for a retry
-                        engine = await self._admission.acquire(spec, self._st.clock(), lane)
-                        continue
-                    raise value
-                engine = await self._recovery.await_turn(t)  # died: the recovery's verdict
-        finally:
-            self._tiers.leave(t)
-            if t.adapter is not None and self._adapters.done(t):
-                self._loop.create_task(self._st.notify())
-
-    async def _run_once(self, engine, t: Ticket, spec: ModelSpec):
-        """One run of a ticket in `engine`: ("ok", output) | ("error", VigilError) | ("died", e).
-        The bookkeeping after the run happens in one locked step, so the recovery never sees
-        the engine empty before every casualty of a death is registered as a suspect."""
-        st = self._st
-        t.runs += 1
-        self._tiers.hold(t)
-        st.run_started(t, time.monotonic())
-        outcome, value = "cancelled", None
-        args = (t.req, t.engine_request_id()) + ((t.adapter,) if t.adapter is not None else ())
-        try:
-            # The request's own timeout counts inside the running engine only.
-            # Only an engine that streams (`streams = True`) gets the tap.
-            kw = {"tap": t.tap} if t.tap is not None and getattr(engine, "streams", False) else {}
-            # In this task, not wait_for's task of its own: one task and hop less per request.
-            async with asyncio.timeout(t.timeout):
-                value = await engine.run(*args, **kw)
-            outcome = "ok"
-        except asyncio.CancelledError:
-            raise
-        except TimeoutError:  # vLLM aborted the request when the timeout cancelled it
-            outcome, value = "error", TransientError.of(WEDGED, (
-                f"request {t.attempt_id} got no answer from the engine within {t.timeout:g} s"))
-        except BaseException as e:  # classified once, here, at the engine boundary
-            if getattr(engine, "dead", False) or is_engine_dead(e):
-                # EngineCore's own account: a CUDA fault is not the requests' (no suspects).
-                fault = death_cause(engine)
-                outcome, value = ("died", e) if fault is None else ("error", fault)
-                if fault is not None:
-                    value.__cause__ = e
-                    self._recovery.note_death(engine, fault)
-            else:
-                outcome, value = "error", classify(e)
-                value.__cause__ = e
-        finally:
-            st.run_ended(t)
-            self._tiers.leave(t)  # its slots go to the line's head
-            async with st.cond:
-                st.count_out()
-                t.last = outcome
-                t.granted = None
-                if outcome == "ok":
-                    st.stats.served += 1
-                    st.streak.success()
-                elif outcome == "cancelled":
-                    t.gone = True
-                elif outcome == "died":
-                    self._recovery.casualty(engine, t, value, spec)
-                st.cond.notify_all()
-        return outcome, value
-
-    async def _gate_or_release(self, engine, t: Ticket, spec: ModelSpec) -> None:
-        """Make sure `t`'s adapter is loaded in `engine`; on failure count the ticket out of the
-        engine (counted in by admission or the recovery) and raise the classified error."""
-        st = self._st
-        try:
-            await self._adapters.gate(engine, t, spec, st.cond)
-        except BaseException:
-            async with st.cond:
-                st.count_out()
-                st.cond.notify_all()
-            raise
 
     # -- stalls (the watchdog's view and its verdict) ---------------------------------------------
     def _watched(self) -> Watched:
