@@ -101,9 +101,11 @@ DEFAULT_HEALTH_WINDOW_S = 3600.0
 DEFAULT_STREAM_FLUSH_MS = 1000
 # The engine's waves (workers/engine/waves.py): runs that arrive while others are in the engine
 # enter in waves at most this far apart. Chosen by measurement (docs/performance.md, "Where a
-# short request's time goes"): 25 and 60 ms both took generate_many's short workload from
-# ~400 to 620-720 req/s; the shorter one adds less to a request's latency.
-DEFAULT_ENGINE_WAVE_MS = 25
+# short request's time goes" and "The eighth pass"): 25 and 60 ms both took generate_many's
+# short workload from ~400 to 620-720 req/s; once the worker's loop became the limit, 50 and
+# 100 ms made its rounds 6-8% shorter than 25 ms (0: 15% longer); the shorter one adds less
+# to a request's latency.
+DEFAULT_ENGINE_WAVE_MS = 50
 DEFAULT_STREAM_CHUNK_TOKENS = 64
 # Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
 # deadlocked). Far above one engine step (milliseconds to seconds); at most half the request
