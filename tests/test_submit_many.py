@@ -26,6 +26,23 @@ def many(app, settings, items, **kw):
                        store=app.vigil_store, ports=app.vigil_ports, **kw)
 
 
+def stored_while_waiting(settings, result) -> dict:
+    """`result.get()`'s answer when its result is stored 0.3 s after the get began, from
+    another app's connections (as a worker's FINISH stores it); Redis' command counters are
+    reset as the get begins."""
+    import threading
+
+    other = create_app(settings)  # the worker's side: its own connections
+    result.app.vigil_store.raw.config_resetstat()
+    timer = threading.Timer(0.3, other.backend.store_result,
+                            (result.id, {"request_id": result.id, "text": "late"}, "SUCCESS"))
+    timer.start()
+    try:
+        return result.get(timeout=4)
+    finally:
+        timer.cancel()
+
+
 def messages(r, queue):
     out = []
     for key in broker.queue_lists(queue):
@@ -121,22 +138,11 @@ def test_a_result_not_stored_yet_is_polled_alone_not_with_its_siblings(settings)
     every later poll read it alone, counted by Redis itself (a key read and not found is one
     keyspace miss). Every poll reading all 64 read 9 of 10 keys in vain in the short-request
     bench (app/requests/async_result.py `Siblings`)."""
-    import threading
-
     app = create_app(settings)
     results = many(app, settings, [{"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1}
                                    for i in range(70)])
-    other = create_app(settings)  # the worker's side: its own connections
     raw = app.vigil_store.raw
-    raw.config_resetstat()
-    timer = threading.Timer(0.3, other.backend.store_result,
-                            (results[0].id, {"request_id": results[0].id, "text": "late"},
-                             "SUCCESS"))
-    timer.start()
-    try:
-        got = results[0].get(timeout=4)
-    finally:
-        timer.cancel()
+    got = stored_while_waiting(settings, results[0])
     polls = raw.info("commandstats")["cmdstat_mget"]["calls"]
     stats = raw.info("stats")
     assert got["text"] == "late"
@@ -205,22 +211,11 @@ def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(sett
     Subscribed, a collector of thousands built a backlog of their messages on its one reply
     connection and found a result stored long before only at the record check, 5 s later
     (app/requests/async_result.py, module docstring)."""
-    import threading
-
     app = create_app(settings)
     results = many(app, settings, [{"model": "tiny-llama", "prompt": f"w{i}", "max_tokens": 1}
                                    for i in range(3)])
-    other = create_app(settings)  # the worker's side: its own connections
     raw = app.vigil_store.raw
-    raw.config_resetstat()
-    timer = threading.Timer(0.3, other.backend.store_result,
-                            (results[1].id, {"request_id": results[1].id, "text": "late"},
-                             "SUCCESS"))
-    timer.start()
-    try:
-        got = results[1].get(timeout=4)
-    finally:
-        timer.cancel()
+    got = stored_while_waiting(settings, results[1])
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
