@@ -64,7 +64,7 @@ local deleted = redis.call('HGET', KEYS[2], 'state') == 'deleted'
 local in_job = max_job > 0 and redis.call('SCARD', KEYS[3]) or 0
 local in_pool = max_pool > 0 and redis.call('SCARD', KEYS[6]) or 0
 local answers = {}
-local created, queue_new = false, false
+local created = false
 for i = 7, #ARGV, 3 do
   local rid = ARGV[i]
   local rec = ARGV[6] .. rid
@@ -80,8 +80,7 @@ for i = 7, #ARGV, 3 do
     in_pool = in_pool + redis.call('SADD', KEYS[6], rid)
     if not created then
       created = true
-      queue_new = ARGV[3] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1
-      if queue_new then answer = 2 end
+      if ARGV[3] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then answer = 2 end
     end
   end
   answers[#answers + 1] = answer
