@@ -237,6 +237,30 @@ def each_token_once(store, rid: str) -> list[int]:
     return ids
 
 
+def streamed_through_an_outage(server: LocalRedis, caplog, rid: str, outage_grace: float,
+                               logged: str) -> RequestStore:
+    """A worker (its store riding out `outage_grace` s) streams "ab" of `rid` into `server`,
+    which then stops; "cd" arrives, and "e" once `logged` is in the log; the three tokens are
+    still in the tap (asserted). Redis starts again and every token is written; returns the
+    worker's store, its flusher stopped."""
+    caplog.set_level(logging.WARNING)
+    store, sink = worker_sink(server, outage_grace)
+    try:
+        tap = open_tap(sink, store, rid)
+        tap.add([1, 2], "ab")
+        wait_until(lambda: tap.unwritten() == 0)
+        stop_redis(server)
+        tap.add([3, 4], "cd")
+        wait_until(lambda: logged in caplog.text)
+        tap.add([5], "e")
+        assert tap.unwritten() == 3
+        server.start()
+        wait_until(lambda: tap.unwritten() == 0, 30)
+        return store
+    finally:
+        sink.stop()
+
+
 @pytest.mark.redis
 def test_a_flush_while_redis_restarts_waits_for_it_and_writes_every_token_once(
         restartable_redis, caplog):
@@ -245,24 +269,11 @@ def test_a_flush_while_redis_restarts_waits_for_it_and_writes_every_token_once(
     for Redis (the store's outage policy), the tokens stay in the tap meanwhile, and once Redis
     is back every token is in the stream exactly once, in order (the script cache lost with
     the restart is loaded again)."""
-    caplog.set_level(logging.WARNING)
-    store, sink = worker_sink(restartable_redis, outage_grace=30)
-    try:
-        tap = open_tap(sink, store, "o1")
-        tap.add([1, 2], "ab")
-        wait_until(lambda: tap.unwritten() == 0)
-        stop_redis(restartable_redis)
-        tap.add([3, 4], "cd")
-        wait_until(lambda: "cannot reach Redis" in caplog.text)  # the flush is retrying
-        tap.add([5], "e")
-        assert tap.unwritten() == 3
-        restartable_redis.start()
-        wait_until(lambda: tap.unwritten() == 0, 30)
-        assert each_token_once(store, "o1") == [1, 2, 3, 4, 5]
-        assert TokenStreams(store.raw).checkpoint("o1").text == "abcde"
-        assert "could not write token streams" not in caplog.text  # waited, never failed
-    finally:
-        sink.stop()
+    store = streamed_through_an_outage(restartable_redis, caplog, "o1", outage_grace=30,
+                                       logged="cannot reach Redis")  # the flush is retrying
+    assert each_token_once(store, "o1") == [1, 2, 3, 4, 5]
+    assert TokenStreams(store.raw).checkpoint("o1").text == "abcde"
+    assert "could not write token streams" not in caplog.text  # waited, never failed
 
 
 @pytest.mark.redis
@@ -272,22 +283,10 @@ def test_a_flush_failing_past_the_outage_grace_is_logged_and_sent_again(restarta
     (0.5 s here, 120 s by default), then the flush fails with redis_unavailable and says so in
     the log, the tokens stay pending in the tap (the worker goes on), and the next flush after
     Redis is back writes them, each once."""
-    caplog.set_level(logging.WARNING)
-    store, sink = worker_sink(restartable_redis, outage_grace=0.5)
-    try:
-        tap = open_tap(sink, store, "o2")
-        tap.add([1, 2], "ab")
-        wait_until(lambda: tap.unwritten() == 0)
-        stop_redis(restartable_redis)
-        tap.add([3, 4], "cd")
-        wait_until(lambda: "could not write token streams: redis_unavailable" in caplog.text)
-        tap.add([5], "e")
-        assert tap.unwritten() == 3
-        restartable_redis.start()
-        wait_until(lambda: tap.unwritten() == 0, 30)
-        assert each_token_once(store, "o2") == [1, 2, 3, 4, 5]
-    finally:
-        sink.stop()
+    store = streamed_through_an_outage(
+        restartable_redis, caplog, "o2", outage_grace=0.5,
+        logged="could not write token streams: redis_unavailable")
+    assert each_token_once(store, "o2") == [1, 2, 3, 4, 5]
 
 
 def test_a_tap_resumes_from_everything_it_holds_and_a_refusal_starts_over():
