@@ -39,6 +39,27 @@ def _ended(client) -> int:
     return n
 
 
+def _broker_state(client) -> str:
+    """What Redis holds for the worker (for a failed wait): requests by status, the queues'
+    lengths and kombu's unacked deliveries."""
+    statuses: dict[str, int] = {}
+    for key in client.scan_iter("vigil:req:*", count=1000):
+        status = (client.hget(key, "status") or b"-").decode()
+        statuses[status] = statuses.get(status, 0) + 1
+    lists = {k.decode(errors="replace"): client.llen(k) for k in client.scan_iter(count=1000)
+             if client.type(k) == b"list"}
+    return (f"Redis: requests by status {statuses}; lists {lists}; unacked "
+            f"{client.hlen('unacked')}")
+
+
+def _wait(cond, timeout: float, what: str, worker: RunningWorker, client) -> None:
+    """`wait_for`, failing with the worker's log and threads and Redis' state."""
+    try:
+        wait_for(cond, timeout, 0.5, what)
+    except TimeoutError as e:
+        raise worker.explain(e, _broker_state(client)) from None
+
+
 def _accepted(path) -> list[dict]:
     if not path.exists():
         return []
@@ -68,7 +89,7 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
                                   str(N), str(RATE)], vigil_env(rds.url, **env),
                                  tmp_path / "producer.log")
 
-        wait_for(lambda: _ended(client) >= 40, 180, 0.5, "40 requests to end")
+        _wait(lambda: _ended(client) >= 40, 180, "40 requests to end", worker, client)
         clean_at = time.time()
         failed_beats = worker.log.read_text().count("heartbeat failed")
         os.kill(rds.proc.pid, signal.SIGTERM)  # a clean stop: Redis writes its AOF and exits
@@ -80,7 +101,7 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
         rds.start()
         clean_back = time.time()
 
-        wait_for(lambda: _ended(client) >= 120, 240, 0.5, "120 requests to end")
+        _wait(lambda: _ended(client) >= 120, 240, "120 requests to end", worker, client)
         crash_at = time.time()
         failed_beats = worker.log.read_text().count("heartbeat failed")
         rds.kill()  # SIGKILL: what everysec had not written to disk yet is gone
@@ -89,7 +110,7 @@ def test_redis_restarts_mid_run_and_every_accepted_request_still_ends(tmp_path):
         rds.start()
         crash_back = time.time()
 
-        wait_for(lambda: producer.poll() is not None, 420, 0.5, "the producer to finish")
+        _wait(lambda: producer.poll() is not None, 420, "the producer to finish", worker, client)
         assert producer.returncode == 0, (tmp_path / "producer.log").read_text()[-3000:]
         report = json.loads((tmp_path / "outcomes.json").read_text())
         outcomes = report["outcomes"]

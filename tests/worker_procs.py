@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 
@@ -16,6 +17,9 @@ def worker_entry(client, name: str) -> dict[str, str] | None:
             return entry
     return None
 
+
+# The line that closes the dump of a worker's threads (Celery's SIGUSR1 handler, `cry`).
+STACKS_END = "LOCAL VARIABLES"
 
 _zygote = None  # tests/worker_zygote.py: this process' pre-imported parent of its workers
 
@@ -90,6 +94,34 @@ class RunningWorker:
             except psutil.Error:
                 continue
         return out
+
+    def stacks(self, timeout: float = 10) -> str:
+        """Every thread's stack in the worker, as Celery's SIGUSR1 handler writes them to its log
+        (what a hung worker was doing), or a line saying why there are none."""
+        from app.local.embedded import wait_for
+
+        if self.proc.poll() is not None:
+            return f"(worker exited: {self.proc.returncode})"
+        before = self.log.read_text(errors="replace")
+        os.kill(self.proc.pid, signal.SIGUSR1)
+
+        def dumped():
+            text = self.log.read_text(errors="replace")
+            return text[len(before):] if text.count(STACKS_END) > before.count(STACKS_END) \
+                else None
+
+        try:
+            return wait_for(dumped, timeout, 0.2, "the worker's stacks")
+        except TimeoutError:
+            return f"(no stacks in the log {timeout:.0f} s after SIGUSR1)"
+
+    def explain(self, err: Exception, extra: str = "", lines: int = 80) -> AssertionError:
+        """`err` (a wait that timed out) with what the worker was doing: `extra` (what the test
+        saw), the last `lines` lines of its log before the dump, then every thread's stack
+        (`stacks`)."""
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return AssertionError(f"{err}\n{extra}\n--- {self.name}'s log, last {lines} lines ---\n"
+                              f"{tail}\n--- {self.name}'s threads ---\n{self.stacks()}")
 
     def stop(self) -> None:
         from app.local.embedded import stop_process
