@@ -27,7 +27,8 @@ import redis
 from bench.cpu_meter import _errors_note, _fmt_cpu, collect
 from bench.direct_engine import MODEL, make_prompts
 from bench.redis_ops import server_stats as command_counts
-from bench.throughput import Bench, _spread, stop_all
+from bench.throughput import Bench, stop_all
+from bench.throughput_report import spread
 
 TWIN = "tiny-llama-nostream"
 
@@ -142,10 +143,10 @@ class StreamCost(Bench):
             self.say(f"{a.requests} req x {a.max_tokens} tokens, {a.rounds} rounds each, "
                      f"alternating which side goes first:")
             for side, values in rates.items():
-                self.say(f"  {side:10s} {_spread(values, 'req/s')}")
+                self.say(f"  {side:10s} {spread(values, 'req/s')}")
             self.say(f"  stream entries per request (chunks + end) "
-                     f"{_spread(appends, '')}")
-            self.say(f"  ratio streamed/unstreamed per round {_spread(ratios, '')}")
+                     f"{spread(appends, '')}")
+            self.say(f"  ratio streamed/unstreamed per round {spread(ratios, '')}")
             self.say(f"ratio {statistics.median(ratios):.2f}")
             return 0
         finally:

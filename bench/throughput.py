@@ -52,13 +52,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -68,85 +66,11 @@ from bench.cpu_meter import CpuMeter, _errors_note, _fmt_cpu, _tail, collect, re
 from bench.direct_engine import MODEL, DirectEngine, direct_server, make_prompts
 from bench.overhead import overhead
 from bench.step_meter import Steps, scrape_steps
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One workload of part 1: `requests` prompts x `max_tokens` tokens (ignore_eos), every
-    side asking `logprobs` top logprobs per token (None: none), `rounds` rounds with the sides
-    going first in turn, prompts seeded from `round_base` + the round."""
-
-    name: str
-    requests: int
-    max_tokens: int
-    logprobs: int | None
-    rounds: int
-    round_base: int
-    sides: list[str]
-
-    def describe(self) -> str:
-        lp = "" if self.logprobs is None else f", logprobs={self.logprobs}"
-        return f"{self.name}: {self.requests} req x {self.max_tokens} tokens{lp}"
+from bench.throughput_args import Workload, parse_args
+from bench.throughput_report import overhead_summary, summary_lines, worker_kv
 
 
 # -- the orchestrator -------------------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=512, help="requests per round (part 1)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds per side, alternating which goes first (part 1)")
-    p.add_argument("--lora-rounds", type=int, default=3,
-                   help="rounds of the direct engine with vs without LoRA lanes (0: skip)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (part 1)")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="two more sides each round (part 1): celery and direct with K top "
-                        "logprobs per token, so the cost of logprobs is measured in the same run")
-    p.add_argument("--concurrency", type=int, default=160,
-                   help="worker threads (the engine's max_num_seqs is 128 on the CPU)")
-    p.add_argument("--overhead-requests", type=int, default=2000, help="requests per side (part 2)")
-    p.add_argument("--overhead-rounds", type=int, default=2, help="rounds per side (part 2)")
-    p.add_argument("--redis-max-connections", type=int, default=0, metavar="N",
-                   help="raise the worker's Redis connection-pool cap to N (redis-py 8 "
-                        "defaults to 100, below --concurrency); 0 = stock configuration")
-    p.add_argument("--submit-threads", type=int, default=1, metavar="N",
-                   help="producer threads calling generate.delay in part 1 (default 1)")
-    p.add_argument("--worker-loglevel", default=None,
-                   help="the Vigil worker's --loglevel (default: vigil worker's, "
-                        "VIGIL_LOG_LEVEL or INFO)")
-    p.add_argument("--renice-engine", type=int, default=0, metavar="N",
-                   help="EXPERIMENT: nice the vLLM EngineCore/worker processes of both sides "
-                        "to N (validates a suggested fix; not what Vigil does today)")
-    p.add_argument("--one-session", action="store_true",
-                   help="EXPERIMENT: keep every child in this session (one scheduler autogroup) "
-                        "instead of app.local.embedded's one session per process")
-    p.add_argument("--many", action="store_true",
-                   help="one more side in the main workload: the same requests through "
-                        "generate_many (VIGIL_REQUESTS_PER_MESSAGE requests per Celery message: "
-                        "app/requests/submit.py); the short workload always has it")
-    p.add_argument("--workloads", default="main,short",
-                   help="comma-separated, in order: main (--requests x --max-tokens) and short "
-                        "(--short-requests x --short-max-tokens, --short-logprobs on every side)")
-    p.add_argument("--short-requests", type=int, default=4096, help="requests per round (short)")
-    p.add_argument("--short-max-tokens", type=int, default=1, help="tokens per request (short)")
-    p.add_argument("--short-logprobs", type=int, default=5, metavar="K",
-                   help="top logprobs per token on every side of the short workload "
-                        "(-1: none)")
-    p.add_argument("--short-rounds", type=int, default=3, help="rounds per side (short)")
-    p.add_argument("--bare-celery", action="store_true",
-                   help="a third side: a bare Celery worker with a warm vLLM engine in a process "
-                        "global (bench/bare_engine_app.py), what Celery alone reaches here")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="seconds of quiet before each measured segment")
-    p.add_argument("--skip-overhead", action="store_true", help="skip part 2")
-    p.add_argument("--skip-throughput", action="store_true", help="skip part 1 (every workload)")
-    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the logs")
-    p.add_argument("--direct-server", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.short_logprobs is not None and args.short_logprobs < 0:
-        args.short_logprobs = None
-    return args
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -290,7 +214,7 @@ class Bench:
                      f"in {info['ready']} s, max_num_seqs {info['max_num_seqs']}); worker "
                      f"concurrency {a.concurrency}")
             self.say(f"engine args, both sides (workers/engine/vllm_args.py engine_args): "
-                     f"{info['args']}; the worker's KV cache: {_worker_kv(wlog)}")
+                     f"{info['args']}; the worker's KV cache: {worker_kv(wlog)}")
             # warm-up: one small round each (first steps, connections, thread start-up)
             from tasks.inference import generate
 
@@ -469,12 +393,12 @@ class Bench:
             self.say(f"vigil bench {time.strftime('%Y-%m-%d %H:%M')}: {os.cpu_count()} CPUs, "
                      f"logs in {self.tmp}")
             if not a.skip_overhead:
-                summary += _overhead_summary(overhead(self))
+                summary += overhead_summary(overhead(self))
             ratio = None
             if not a.skip_throughput:
                 t = self.throughput()
                 for w in self.workloads():
-                    summary += _summary(w, t[w.name], a)
+                    summary += summary_lines(w, t[w.name], a)
                 first = t.get("main") or next(iter(t.values()))
                 ratio = statistics.median(first["ratios"])
             self.say("-- summary --")
@@ -497,66 +421,6 @@ def stop_all(emb, procs: list, redis, tmp: Path, keep_logs: bool) -> None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _overhead_summary(o: dict) -> list[str]:
-    """The summary's lines for part 2 (bench/overhead.py's figures per round): each side's
-    time and worker CPU per request, median (min-max), then each side against the bare no-op
-    of the same round."""
-    us, ms, rus = o["us"], o["worker_cpu_ms"], o["redis_cpu_us"]
-    out = [f"overhead {side:16s}: {_spread(us[side], 'us/req')}; worker CPU "
-           f"{_spread(ms[side], 'ms/req')}; Redis CPU {_spread(rus[side], 'us/req')}"
-           for side in us]
-    for side in us:
-        if side == "noop-bare":
-            continue
-        t = [x / b for x, b in zip(us[side], us["noop-bare"])]
-        c = [x / b for x, b in zip(ms[side], ms["noop-bare"])]
-        out.append(f"overhead ratio {side}/noop-bare per round: time {_spread(t, '')}; "
-                   f"worker CPU {_spread(c, '')}")
-    return out
-
-
-def _summary(w: Workload, t: dict, a: argparse.Namespace) -> list[str]:
-    """The summary's lines for one workload's figures `t` (Bench._workload)."""
-    out = [f"throughput {w.describe()}, {w.rounds} rounds each, each side going first in turn:"]
-    for side, values in t["rates"].items():
-        out.append(f"  {side:9s} {_spread(values, 'req/s')}")
-    out.append(f"  ratio celery/direct per round {_spread(t['ratios'], '')}")
-    out.append(f"  = engine steps/s celery/direct {_spread(t['step_ratios'], '')}")
-    out.append(f"  x batch (outputs per step) celery/direct {_spread(t['batch_ratios'], '')}")
-    if "lp_ratios" in t:
-        out.append(f"  logprobs={a.logprobs} (the same rounds): with/without celery "
-                   f"{_spread(t['celery_lp_cost'], '')}")
-        out.append(f"  with/without direct {_spread(t['direct_lp_cost'], '')}")
-        out.append(f"  ratio celery/direct with logprobs {_spread(t['lp_ratios'], '')}")
-    if "many_ratios" in t:
-        out.append(f"  ratio many/direct per round {_spread(t['many_ratios'], '')}")
-    if "many_bare_ratios" in t:
-        out.append(f"  ratio many/bare per round {_spread(t['many_bare_ratios'], '')}")
-    if "bare_ratios" in t:
-        out.append(f"  ratio bare/direct per round {_spread(t['bare_ratios'], '')}")
-        out.append(f"  ratio celery/bare per round {_spread(t['celery_bare_ratios'], '')}")
-    if "lora" in t:
-        lr = t["lora"]
-        out.append(f"LoRA lanes (direct engine, {a.lora_rounds} rounds each):")
-        for side, values in lr.items():
-            out.append(f"  {side:13s} {_spread(values, 'req/s')}")
-        out.append(f"  with/without LoRA: {statistics.median(lr['direct+lora']) / statistics.median(lr['direct-nolora']):.2f}")
-    return out
-
-
-def _spread(values: list[float], unit: str) -> str:
-    """'median M (min A - max B, N rounds)' of a list of per-round figures."""
-    unit = f" {unit}" if unit else ""
-    return (f"median {statistics.median(values):.2f}{unit} (min {min(values):.2f} - max "
-            f"{max(values):.2f}, {len(values)} rounds)")
-
-
-def _worker_kv(log: Path) -> str:
-    """The KV cache size the worker's memory planner gave its engine, from its log."""
-    found = re.findall(r"loading engine for model \S+ \(([^\n]*)\)", log.read_text(errors="replace"))
-    return found[-1][:200] if found else "(not in its log)"
 
 
 def _one_session() -> None:
