@@ -119,7 +119,8 @@ class VigilSettings(DerivedSettings, BaseSettings):
     engine_wave_ms: int = Field(DEFAULT_ENGINE_WAVE_MS, ge=0, le=1000, description="A "
                                   "worker's engine takes the short runs (at most 16 tokens a "
                                   "sample) that arrive while others are in it in waves at "
-                                  "most this far apart, each wave into one engine step "
+                                  "most this far apart, or as soon as a wave fills one "
+                                  "engine step, each wave into one step "
                                   "(workers/engine/waves.py); a run that finds the engine "
                                   "empty enters at once. 0: every run at once.")
     stream_chunk_tokens: int = Field(DEFAULT_STREAM_CHUNK_TOKENS, ge=1, le=65536,

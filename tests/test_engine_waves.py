@@ -1,7 +1,8 @@
 """Unit tier: the engine's waves (workers/engine/waves.py): runs that arrive together enter
-vLLM together, those arriving while others are inside wait for the window or for the engine to
-empty, an interactive run enters at once, a run cancelled while it waits never enters. On a
-real asyncio loop; the window is the only clock."""
+vLLM together, those arriving while others are inside wait for the window or until their wave
+fills an engine step (in runs or in prompt tokens), not for the engine to empty; an interactive
+run enters at once, a run cancelled while it waits never enters. On a real asyncio loop; the
+window is the only clock."""
 from __future__ import annotations
 
 import asyncio
@@ -62,22 +63,62 @@ def test_runs_arriving_while_others_are_inside_wait_for_the_window_and_enter_as_
     asyncio.run(main())
 
 
-def test_a_wave_goes_as_soon_as_the_engine_empties():
+async def _hold_tokens(waves: Waves, entered: list, release: asyncio.Event, name: str,
+                       tokens: int) -> None:
+    async with waves.entry(tokens=tokens):
+        entered.append((name, asyncio.get_running_loop().time()))
+        await release.wait()
+
+
+def test_a_wave_waits_for_its_window_even_when_the_engine_empties():
     async def main():
         loop = asyncio.get_running_loop()
-        waves, entered = Waves(10.0), []  # a window far longer than the test
+        waves, entered = Waves(WINDOW, step_runs=100), []
         done, hold = asyncio.Event(), asyncio.Event()
         first = asyncio.ensure_future(_hold(waves, entered, done, "first"))
         await _until(lambda: len(entered) == 1)
-        later = asyncio.ensure_future(_hold(waves, entered, hold, "later"))
-        await asyncio.sleep(0.02)
-        assert len(entered) == 1
         start = loop.time()
-        done.set()  # the only run inside leaves
+        later = asyncio.ensure_future(_hold(waves, entered, hold, "later"))
+        await asyncio.sleep(0)
+        done.set()  # the only run inside leaves: the engine is empty
+        await first
+        assert waves.inside == 0 and len(entered) == 1  # and the wave still waits
         await _until(lambda: len(entered) == 2)
-        assert entered[1][1] - start < 1.0
+        assert entered[1][1] - start >= WINDOW * 0.9  # for its window
         hold.set()
-        await asyncio.gather(first, later)
+        await later
+
+    asyncio.run(main())
+
+
+def test_a_wave_that_fills_an_engine_step_goes_at_once():
+    async def main():
+        loop = asyncio.get_running_loop()
+        release = asyncio.Event()
+        # In runs: a window far longer than the test, a step of 3 runs.
+        waves, entered = Waves(10.0, step_runs=3), []
+        first = asyncio.ensure_future(_hold(waves, entered, release, "first"))
+        await _until(lambda: len(entered) == 1)
+        start = loop.time()
+        full = [asyncio.ensure_future(_hold(waves, entered, release, f"r{i}")) for i in range(3)]
+        await _until(lambda: len(entered) == 4)
+        assert loop.time() - start < 1.0 and waves.waves == 2
+        late = asyncio.ensure_future(_hold(waves, entered, release, "late"))  # the next wave
+        await asyncio.sleep(WINDOW)
+        assert len(entered) == 4
+        late.cancel()
+        # In prompt tokens: a step of 100, runs of 60.
+        by_tokens, in_tokens = Waves(10.0, step_tokens=100), []
+        head = asyncio.ensure_future(_hold(by_tokens, in_tokens, release, "first"))
+        await _until(lambda: len(in_tokens) == 1)
+        one = asyncio.ensure_future(_hold_tokens(by_tokens, in_tokens, release, "a", 60))
+        await asyncio.sleep(WINDOW)
+        assert len(in_tokens) == 1  # 60 tokens: not a step yet
+        two = asyncio.ensure_future(_hold_tokens(by_tokens, in_tokens, release, "b", 60))
+        await _until(lambda: len(in_tokens) == 3)
+        release.set()
+        await asyncio.gather(first, *full, head, one, two)
+        assert waves.inside == 0 and by_tokens.inside == 0
 
     asyncio.run(main())
 

@@ -53,11 +53,10 @@ class VllmEngine(Pauses):
                  wave_window: float = 0.0):
         """Build the engine for `spec` (its recipe: workers/engine/vllm_args.py), with
         `extra_args` over the recipe's (the drill engine's additions). Runs that arrive while
-        others are in it enter in waves at most `wave_window` seconds apart
-        (workers/engine/waves.py; 0: each at once)."""
+        others are in it enter in waves at most `wave_window` seconds apart, or as soon as a
+        wave fills one engine step (workers/engine/waves.py; 0: each at once)."""
         engine_env_defaults()
         self.witness = witness
-        self._waves = Waves(wave_window)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -72,7 +71,9 @@ class VllmEngine(Pauses):
         self._watch: StreamWatch | None = None  # made by the first streamed run
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=ensure_model_files(spec), **args))
         self.max_model_len = self._llm.vllm_config.model_config.max_model_len
-        self.max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        scheduler = self._llm.vllm_config.scheduler_config
+        self.max_num_seqs = scheduler.max_num_seqs
+        self._waves = Waves(wave_window, self.max_num_seqs, scheduler.max_num_batched_tokens)
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
         self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
@@ -171,7 +172,8 @@ class VllmEngine(Pauses):
         enters with the engine's next wave, every other run at once (workers/engine/waves.py)."""
         final = None
         at_once = priority == engine_priority(INTERACTIVE) or not is_short(params.max_tokens)
-        async with self._waves.entry(at_once):  # waves.py
+        tokens = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else 0
+        async with self._waves.entry(at_once, tokens):  # waves.py
             async for out in self._llm.generate(prompt, params, request_id=request_id,
                                                 lora_request=self._lora(adapter),
                                                 priority=priority):
