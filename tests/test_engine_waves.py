@@ -1,6 +1,7 @@
 """Unit tier: the engine's waves (workers/engine/waves.py): runs that arrive together enter
 vLLM together, those arriving while others are inside wait for the window or until their wave
-fills an engine step (in runs or in prompt tokens), not for the engine to empty; an interactive
+fills an engine step (in runs or in prompt tokens), not for the engine to empty (one that has
+just emptied is not idle: the window runs from the last wave); an interactive
 run enters at once, a run cancelled while it waits never enters. On a real asyncio loop; the
 window is the only clock."""
 from __future__ import annotations
@@ -87,6 +88,31 @@ def test_a_wave_waits_for_its_window_even_when_the_engine_empties():
         assert entered[1][1] - start >= WINDOW * 0.9  # for its window
         hold.set()
         await later
+
+    asyncio.run(main())
+
+
+def test_a_run_at_an_engine_that_just_emptied_waits_for_the_window_from_the_last_wave():
+    async def main():
+        loop = asyncio.get_running_loop()
+        waves, entered, release = Waves(WINDOW), [], asyncio.Event()
+        done = asyncio.Event()
+        first = asyncio.ensure_future(_hold(waves, entered, done, "first"))  # an idle engine
+        await _until(lambda: len(entered) == 1)
+        went = loop.time()
+        done.set()
+        await first  # the engine is empty again, but not idle: a wave went just now
+        later = asyncio.ensure_future(_hold(waves, entered, release, "later"))
+        await _until(lambda: len(entered) == 2)
+        assert entered[1][1] - went >= WINDOW * 0.9
+        release.set()
+        await later
+        await asyncio.sleep(WINDOW * 1.2)  # idle for a window: the next one goes at once
+        start = loop.time()
+        lone = asyncio.ensure_future(_hold(waves, entered, release, "lone"))
+        await _until(lambda: len(entered) == 3)
+        assert entered[2][1] - start < WINDOW / 2
+        await lone
 
     asyncio.run(main())
 

@@ -11,9 +11,10 @@ goes"). So runs enter vLLM in waves, each wave in one turn of the loop: EngineCo
 into one step, and their outputs come back together. A run that arrives while others are in
 the engine waits for the next wave: `window` seconds after the first that waited, or as soon as
 the wave holds one engine step's worth (the engine's `max_num_seqs` runs, or its
-`max_num_batched_tokens` prompt tokens), whichever comes first. A run that arrives at an empty
-engine goes at the loop's next turn, with whatever arrived in this one (a lone request waits
-for nothing else).
+`max_num_batched_tokens` prompt tokens), whichever comes first. A run that arrives at an idle
+engine (none inside, no wave for `window`) goes at the loop's next turn, with whatever arrived
+in this one (a lone request waits for nothing else); at an engine that has just emptied, it
+waits for the window from the last wave.
 An interactive run enters at once (its tier is for latency), and so does every run with a
 window of 0, and every run that is not short (more than SHORT_RUN_TOKENS tokens a sample,
 workers/engine/ticket.py): a long run enters a batch slot a run just left, and each step it
@@ -24,8 +25,10 @@ tokens, a batch of 128 that ends and refills together) long runs held to the wav
 A wave does not go because the engine emptied (it did before 2026-12-05): one-token runs empty
 the engine after every step, so each wave was what the worker took in during one step, and
 EngineCore's steps held 55-61 runs through `generate_many` and ~5 through `.delay`, against
-85-100 for a bare AsyncLLM given everything at once, at a fixed cost per step. Held for the
-window or a full step, they hold more, and EngineCore's CPU per request falls
+85-100 for a bare AsyncLLM given everything at once, at a fixed cost per step. For the same
+reason an engine that has just emptied is not idle: its newcomers wait for the window from the
+last wave, or they would go in a small wave of their own after every step. Held for the window
+or a full step, the steps hold more, and EngineCore's CPU per request falls
 (docs/performance.md, "The ninth pass").
 
 The wait is part of the run (inside its wedge clock, at most `window`); a run cancelled while
@@ -53,6 +56,7 @@ class Waves:
         self._wave: asyncio.Future | None = None
         self._runs = 0  # runs the waiting wave holds
         self._tokens = 0  # and their prompt tokens
+        self._released_at = float("-inf")  # the loop's time when the last wave went
 
     @contextlib.asynccontextmanager
     async def entry(self, at_once: bool = False, tokens: int = 0) -> AsyncIterator[None]:
@@ -64,9 +68,14 @@ class Waves:
             if wave is None:
                 loop = asyncio.get_running_loop()
                 wave = self._wave = loop.create_future()
-                if self.inside:
-                    loop.call_later(self.window, self._release, wave)
-                else:  # an empty engine: this turn's arrivals go with it, at the next turn
+                # A busy engine: the window from now. An empty one: the window from the last
+                # wave (the next turn of the loop if that is past: an idle engine's newcomer,
+                # with whatever arrives in this turn, waits for nothing else).
+                wait = self.window if self.inside else \
+                    self.window - (loop.time() - self._released_at)
+                if wait > 0:
+                    loop.call_later(wait, self._release, wave)
+                else:
                     loop.call_soon(self._release, wave)
             self._runs += 1
             self._tokens += tokens
@@ -86,4 +95,5 @@ class Waves:
             self._runs = self._tokens = 0
         if not wave.done():
             self.waves += 1
+            self._released_at = asyncio.get_running_loop().time()
             wave.set_result(None)
