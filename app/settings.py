@@ -122,7 +122,7 @@ class VigilSettings(DerivedSettings, BaseSettings):
                                   "most this far apart, or as soon as a wave fills one "
                                   "engine step, each wave into one step "
                                   "(workers/engine/waves.py); a run that finds the engine "
-                                  "empty enters at once. 0: every run at once.")
+                                  "idle enters at once. 0: every run at once.")
     stream_chunk_tokens: int = Field(DEFAULT_STREAM_CHUNK_TOKENS, ge=1, le=65536,
                                      description="A request with this many tokens not yet "
                                      "written to its stream is written at the next flush "

@@ -105,9 +105,10 @@ DEFAULT_STREAM_FLUSH_MS = 1000
 # short workload from ~400 to 620-720 req/s; once the worker's loop became the limit, 50 and
 # 100 ms made its rounds 6-8% shorter than 25 ms (0: 15% longer). Once a wave no longer went
 # when the engine emptied but after its window or a full step ("The ninth pass"), 100 ms beat
-# 50 (.delay 0.23 against 0.19 of the bare engine, generate_many 0.82 against 0.72, one run
-# each) and 200 ms added nothing. A short request of a tier that is not interactive, arriving
-# while the engine is busy, waits up to this long to enter it.
+# 50 for .delay (0.23 against 0.19 of the bare engine, one run each; its engine steps held
+# 21-23 runs against 10-11), generate_many within its spread, and 200 ms added nothing. A short
+# request of a tier that is not interactive, arriving while the engine is busy, waits up to
+# this long to enter it.
 DEFAULT_ENGINE_WAVE_MS = 100
 DEFAULT_STREAM_CHUNK_TOKENS = 64
 # Requests in flight and no engine step for this long: the engine is stalled (SIGSTOPped,
