@@ -99,7 +99,7 @@ def test_a_run_at_an_engine_that_just_emptied_waits_for_the_window_from_the_last
         done = asyncio.Event()
         first = asyncio.ensure_future(_hold(waves, entered, done, "first"))  # an idle engine
         await _until(lambda: len(entered) == 1)
-        went = loop.time()
+        went = entered[0][1]  # its wave went just before it entered
         done.set()
         await first  # the engine is empty again, but not idle: a wave went just now
         later = asyncio.ensure_future(_hold(waves, entered, release, "later"))
