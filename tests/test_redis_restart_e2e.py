@@ -32,20 +32,24 @@ FSYNC_WINDOW_S = 2.5
 FINISH_LAG_S = 1.0
 
 
-def _ended(client) -> int:
-    n = 0
+def _statuses(client) -> dict[str, int]:
+    """How many request records Redis holds in each status ("-": none written)."""
+    statuses: dict[str, int] = {}
     for key in client.scan_iter("vigil:req:*", count=1000):
-        n += client.hget(key, "status") in (b"SUCCEEDED", b"FAILED")
-    return n
+        status = (client.hget(key, "status") or b"-").decode()
+        statuses[status] = statuses.get(status, 0) + 1
+    return statuses
+
+
+def _ended(client) -> int:
+    statuses = _statuses(client)
+    return statuses.get("SUCCEEDED", 0) + statuses.get("FAILED", 0)
 
 
 def _broker_state(client) -> str:
     """What Redis holds for the worker (for a failed wait): requests by status, the queues'
     lengths and kombu's unacked deliveries."""
-    statuses: dict[str, int] = {}
-    for key in client.scan_iter("vigil:req:*", count=1000):
-        status = (client.hget(key, "status") or b"-").decode()
-        statuses[status] = statuses.get(status, 0) + 1
+    statuses = _statuses(client)
     lists = {k.decode(errors="replace"): client.llen(k) for k in client.scan_iter(count=1000)
              if client.type(k) == b"list"}
     return (f"Redis: requests by status {statuses}; lists {lists}; unacked "
