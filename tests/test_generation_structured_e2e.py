@@ -16,18 +16,13 @@ import pytest
 from app import app
 from app.errors import RequestError, TerminalError
 from app.local.embedded import wait_for
-from app.settings import get_settings
 from app.state import broker
-from app.state.store import RequestStore
 from tasks.inference import generate
 from tests.conftest import WITNESS_DIR
+from tests.contract_witness import store
 from workers.engine.witness import read_witness
 
 pytestmark = pytest.mark.worker
-
-
-def store() -> RequestStore:
-    return RequestStore(app.vigil_store.raw, get_settings().result_ttl)
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -22,7 +22,7 @@ from app.requests.models import get_registry
 from tasks.inference import generate
 from tests.worker_procs import assert_witnessed
 from tests.ghost_attempt import pieces, resubmit_after_a_ghost_attempt
-from tests.test_generation_contract_e2e import PROMPT, TOLERANCE, entries_gap, store
+from tests.contract_witness import PROMPT, TOLERANCE, entries_gap, store
 
 pytestmark = pytest.mark.worker
 MAX = 64
