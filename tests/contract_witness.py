@@ -1,8 +1,8 @@
 """What the generation-contract tests share (tests/test_generation_contract_e2e.py,
-tests/test_generation_structured_e2e.py, tests/test_resume_kinds_e2e.py): their prompt, the
-logprob tolerance, the app's request store, vLLM's own answers as the witness outside Vigil
-(tests/direct_asyncllm.py: an AsyncLLM of its own), and the comparisons of Vigil's logprob
-entries with them."""
+tests/test_generation_structured_e2e.py, tests/test_resume_kinds_e2e.py, and the witness for
+tests/test_online_api_e2e.py): their prompt, the logprob tolerance, the app's request store,
+vLLM's own answers as the witness outside Vigil (tests/direct_asyncllm.py: an AsyncLLM of its
+own), and the comparisons of Vigil's logprob entries with them."""
 from __future__ import annotations
 
 import json
@@ -29,11 +29,12 @@ def store() -> RequestStore:
 
 
 def direct(model: str, requests: list[dict]) -> list[dict]:
-    """vLLM's raw answers from tests/direct_asyncllm.py (an AsyncLLM of its own)."""
+    """vLLM's raw answers to `requests` from tests/direct_asyncllm.py (an AsyncLLM of its
+    own, started for them), one dict per request in order."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, str(REPO / "tests" / "direct_asyncllm.py"), model,
                           json.dumps(requests)], env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=600, cwd=str(REPO))
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

@@ -5,8 +5,6 @@ Streams through worker and gateway deaths: tests/test_online_streams_e2e.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -14,7 +12,7 @@ import requests
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from app.local.embedded import REPO
+from tests.contract_witness import direct
 from tests.online_gateway import TOKEN, assembled, serving_gateway, stream_events
 
 pytestmark = pytest.mark.worker
@@ -116,15 +114,6 @@ def test_errors_have_openais_shape_and_status(client, gateway):
                       max_retries=0).models.list()
 
 
-def _direct(requests_: list[dict]) -> list[dict]:
-    """vLLM's own answers (tests/direct_asyncllm.py: an AsyncLLM of its own), the witness."""
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "direct_asyncllm.py"), MODEL,
-                          json.dumps(requests_)], capture_output=True, text=True, timeout=600,
-                         cwd=str(REPO))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-
-
 def test_lm_eval_harness_request_shapes_get_vllms_own_numbers(client, gateway):
     """Given lm-evaluation-harness' `local-completions` shapes, when a loglikelihood request
     (token-id prompt, echo, logprobs 1, max_tokens 1) and a generate_until request (a stop
@@ -138,11 +127,11 @@ def test_lm_eval_harness_request_shapes_get_vllms_own_numbers(client, gateway):
                                   logprobs=1, temperature=0)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 1
-    (direct,) = _direct([{"prompt_token_ids": ids,
+    (own,) = direct(MODEL, [{"prompt_token_ids": ids,
                           "sampling": {"max_tokens": 1, "temperature": 0, "logprobs": 1,
                                        "prompt_logprobs": 1}}])
     want = [None] + [next(v for i, v, *_ in pos if i == tid)
-                     for tid, pos in zip(ids[1:], direct["prompt_logprobs"][1:])]
+                     for tid, pos in zip(ids[1:], own["prompt_logprobs"][1:])]
     got = lp.token_logprobs[:len(ids)]
     assert got[0] is None
     assert all(abs(a - b) <= 1e-5 for a, b in zip(got[1:], want[1:]))
