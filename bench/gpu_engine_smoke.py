@@ -10,7 +10,7 @@ adapter for it (random, written with safetensors: no peft), then runs Vigil's en
 the real vLLM engine as a worker does (its memory planner over NVML, its engine factory, its
 vLLM logging config): bfloat16 (the CUDA default), LoRA lanes on; one base request, one adapter
 request, then a 400-token request whose EngineCore is SIGKILLed mid-generation and which must
-finish on the recovered engine (`recovered_s`: bench/gpu_check.py's `restart_s` fact, with the
+finish on the recovered engine (`recovered_s`: bench/gpu_facts.py's `restart_s` fact, with the
 same request's time on the warm engine beside it, `long_warm_s`). CUDA graphs are on, as on
 every GPU registry entry (app/requests/engine_defaults.py): their capture is in `start_s` and
 `recovered_s`. Where flashinfer is not importable, its engine runs with

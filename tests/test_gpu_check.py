@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from app.requests.models import ModelSpec
-from bench.gpu_check import (EXIT_NO_GPU, Fact, context_cost, exit_status, no_gpu_reason,
-                             nvml_agrees, request_cpu, same_card, sized_down_start, vllm_rule)
+from bench.gpu_check import EXIT_NO_GPU, no_gpu_reason
+from bench.gpu_facts import (Fact, context_cost, exit_status, nvml_agrees, request_cpu, same_card,
+                             sized_down_start, vllm_rule)
 from tests.fake_nvml import FakeCard, FakeNvml
 from workers.engine.memory import GiB, MiB, plan_memory, probe_memory
 
@@ -144,7 +145,8 @@ def test_the_tiny_builder_takes_a_width_and_keeps_four_heads(tmp_path, hidden):
 
 # -- the deadline: the check ends within its budget, whatever a step does ----------------------
 def test_the_budget_is_the_issues_eight_minutes_and_the_step_limits_fit_in_it():
-    from bench.gpu_check import DEFAULT_BUDGET_S, STEP_FACTS, STEP_LIMITS_S, parse_args
+    from bench.gpu_check import parse_args
+    from bench.gpu_steps import DEFAULT_BUDGET_S, STEP_FACTS, STEP_LIMITS_S
 
     assert sum(STEP_LIMITS_S.values()) <= DEFAULT_BUDGET_S < 8 * 60
     assert list(STEP_FACTS) == list(STEP_LIMITS_S)
@@ -154,7 +156,7 @@ def test_the_budget_is_the_issues_eight_minutes_and_the_step_limits_fit_in_it():
 
 
 def test_a_steps_limit_is_cut_to_what_the_budget_has_left():
-    from bench.gpu_check import MIN_STEP_S, STOP_GRACE_S, step_limit
+    from bench.gpu_steps import MIN_STEP_S, STOP_GRACE_S, step_limit
 
     assert step_limit(60, 400) == 60
     assert step_limit(60, 30) == 30 - STOP_GRACE_S  # its grace stays inside the budget
@@ -188,13 +190,13 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started_and_its_facts_fai
     import os
     import time
 
-    from bench import gpu_check
-    from bench.gpu_check import run_step
+    from bench import gpu_steps
+    from bench.gpu_steps import run_step
 
-    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(gpu_steps, "STOP_GRACE_S", 1.0)
     hang = _py(
         "import signal, subprocess, sys, time\n"
-        "from bench.gpu_check import Fact\n"
+        "from bench.gpu_facts import Fact\n"
         "kid = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
         "open(sys.argv[1], 'w').write(str(kid.pid))\n"
@@ -220,11 +222,11 @@ def test_a_process_that_left_the_steps_group_cannot_hold_the_check_up(tmp_path):
     import signal
     import time
 
-    from bench.gpu_check import run_step
+    from bench.gpu_steps import run_step
 
     escape = _py(
         "import subprocess, sys\n"
-        "from bench.gpu_check import Fact\n"
+        "from bench.gpu_facts import Fact\n"
         "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
         "process_group=0)\n"
         "open(sys.argv[1], 'w').write(str(kid.pid))\n"
@@ -243,7 +245,7 @@ def test_a_process_that_left_the_steps_group_cannot_hold_the_check_up(tmp_path):
 def test_a_step_that_crashed_fails_its_facts_with_its_last_words():
     import os
 
-    from bench.gpu_check import run_step
+    from bench.gpu_steps import run_step
 
     facts = run_step(_py("import sys; sys.exit('NVML said no')"), ("a",), 30.0, 470.0,
                      {**os.environ, "PYTHONPATH": str(REPO)})
@@ -256,12 +258,12 @@ def test_the_check_ends_in_its_budget_and_skips_what_had_no_time(monkeypatch):
     import os
     import time
 
-    from bench import gpu_check
-    from bench.gpu_check import run_steps
+    from bench import gpu_steps
+    from bench.gpu_steps import run_steps
 
-    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 0.5)
-    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1.0)
-    quick = _py("from bench.gpu_check import Fact; print(Fact('q', True, 'x').wire())")
+    monkeypatch.setattr(gpu_steps, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(gpu_steps, "MIN_STEP_S", 1.0)
+    quick = _py("from bench.gpu_facts import Fact; print(Fact('q', True, 'x').wire())")
     hang = _py("import time; time.sleep(600)")
     limits = []
 
@@ -282,7 +284,7 @@ def test_the_check_ends_in_its_budget_and_skips_what_had_no_time(monkeypatch):
     assert "was stopped" in facts[1].detail and "budget was spent" in facts[2].detail
     assert shown == facts
     # A step is told the time it has (the budget less the grace), less a margin to end by itself.
-    assert limits[0] == pytest.approx(6.0 - 0.5 - gpu_check.INNER_MARGIN_S, abs=0.05)
+    assert limits[0] == pytest.approx(6.0 - 0.5 - gpu_steps.INNER_MARGIN_S, abs=0.05)
     assert 0 < limits[1] < limits[0]
 
 
@@ -308,7 +310,7 @@ def test_the_request_cpu_fact_takes_a_carried_redis_server_or_says_how(tmp_path)
     import time
 
     from app.local.embedded import redis_server_path
-    from bench.gpu_check import check_request_cpu
+    from bench.gpu_probes import check_request_cpu
 
     fact = check_request_cpu(10, time.monotonic() + 30, str(tmp_path / "redis-server"))
     assert fact.ok is None and "is not an executable file" in fact.detail
@@ -319,7 +321,7 @@ def test_the_request_cpu_fact_takes_a_carried_redis_server_or_says_how(tmp_path)
 
 
 def test_two_tensor_parallel_ranks_are_held_against_the_headroom():
-    from bench.gpu_check import tp_context_cost
+    from bench.gpu_facts import tp_context_cost
 
     ok = tp_context_cost({"0": 900 * MiB, "1": 880 * MiB}, 1024 * MiB, single=600 * MiB)
     assert ok.ok and "card 0: 900 MiB" in ok.detail and "added 300 MiB" in ok.detail
@@ -331,7 +333,8 @@ def test_two_tensor_parallel_ranks_are_held_against_the_headroom():
 
 def test_the_restart_fact_holds_the_smokes_recovery_against_the_goal():
     # issue 39: SIGKILL of EngineCore -> the killed request finished, <= 10 s on one GPU.
-    from bench.gpu_check import RESTART_GOAL_S, STEP_FACTS, restart_s
+    from bench.gpu_facts import RESTART_GOAL_S, restart_s
+    from bench.gpu_steps import STEP_FACTS
 
     assert RESTART_GOAL_S == 10.0 and STEP_FACTS["engine_smoke"] == ("engine_smoke", "restart_s")
     smoke = {"killed": 1, "recovered_s": 6.4, "long_tokens": 400, "long_asked": 400,

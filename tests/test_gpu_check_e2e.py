@@ -40,7 +40,7 @@ def test_the_engine_smoke_passes_on_the_cpu_build(tmp_path):
     assert smoke["ok"], smoke
     assert smoke["killed"] >= 1 and smoke["restarts"] == 1 and smoke["long_tokens"] == 400
     # the restart_s fact, from the smoke's own figures (its bound is a GPU's: not held here)
-    from bench.gpu_check import restart_s
+    from bench.gpu_facts import restart_s
 
     fact = restart_s(smoke)
     assert fact.name == "restart_s" and fact.ok is not None
