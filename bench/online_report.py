@@ -129,7 +129,7 @@ class Report:
             say(f"vigil vs {base}: TTFT p50 at c={levels[0]} {d:+.1f} ms (goal <= "
                 f"+{GOAL_TTFT_MS:.0f} ms: {'met' if d <= GOAL_TTFT_MS else 'MISSED'})")
             itl = {lv: fig[("vigil", lv)]["itl50"] / fig[(base, lv)]["itl50"] for lv in levels}
-            say(f"  ITL p50 ratio " + ", ".join(
+            say("  ITL p50 ratio " + ", ".join(
                 f"c={lv} {x:.2f}x ({'met' if x <= GOAL_ITL else 'MISSED'})"
                 for lv, x in itl.items()) + f" (goal <= {GOAL_ITL}x)")
             top = levels[-1]
