@@ -318,7 +318,7 @@ def test_the_bulk_gate_holds_a_re_run_after_an_engine_death_too(make_host):
     minimal change to workers/engine/host.py, whose tier gate issue 38's items 1, 4 and 5
     rework.) Before, all four re-runs entered the fresh engine at once, bulk work waiting
     inside vLLM ahead of any interactive request."""
-    from tests.test_engine_recovery import DyingEngine, World
+    from tests.dying_engine import DyingEngine, World
 
     class Batched(DyingEngine):
         max_num_seqs = 2
