@@ -11,6 +11,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from tests.unit_helpers import outcomes
 from workers.engine.output import EngineOutput
 
 A = ModelSpec(name="model-a")
@@ -90,10 +91,5 @@ def run_all(host, prompts, timeout=30):
     with ThreadPoolExecutor(len(prompts)) as pool:
         futs = [pool.submit(host.generate, req(p), A, f"r{i}", timeout)
                 for i, p in enumerate(prompts)]
-        out = []
-        for f in futs:
-            try:
-                out.append(f.result())
-            except Exception as e:
-                out.append(e)
+        out = outcomes(futs)
         return out

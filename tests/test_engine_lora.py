@@ -15,6 +15,7 @@ from app.errors import RequestError, TransientError
 from app.requests.adapters import AdapterRef, AdapterSpec, resolve_adapter
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
+from tests.unit_helpers import outcomes
 from workers.engine.output import EngineOutput
 
 SPEC = ModelSpec(name="model-a", max_loras=2, max_lora_rank=8)
@@ -101,12 +102,7 @@ def submit_all(h, jobs, spec=SPEC, timeout=20):
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = [pool.submit(h.generate, req(), spec, f"r{i}", timeout, a)
                 for i, a in enumerate(jobs)]
-        out = []
-        for f in futs:
-            try:
-                out.append(f.result())
-            except Exception as e:
-                out.append(e)
+        out = outcomes(futs)
         return out
 
 

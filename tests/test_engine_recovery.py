@@ -14,7 +14,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from app.errors import RequestError, TransientError, WorkerFatalError
 from tests.dying_engine import POISON, A, World, req, run_all
-from tests.unit_helpers import wait_until
+from tests.unit_helpers import outcomes, wait_until
 from workers.engine.host import EngineHost, HandedBack
 from workers.engine.output import EngineOutput
 from workers.engine.suspects import DeathStreak, death_signature, split_suspects
@@ -52,12 +52,7 @@ def test_a_poison_request_among_32_innocents_is_the_only_failure(make_host):
         futs = [pool.submit(host.generate, req(p), A, f"r{i}", 60) for i, p in enumerate(prompts)]
         wait_until(lambda: w.engines and len(w.engines[0].in_flight) == 33)
         w.gate.set()
-        outs = []
-        for f in futs:
-            try:
-                outs.append(f.result())
-            except Exception as e:
-                outs.append(e)
+        outs = outcomes(futs)
     poison = outs.pop(17)
     assert isinstance(poison, RequestError) and poison.code == "poison_request"
     assert [o.text for o in outs] == [f"innocent {i}" for i in range(32)]

@@ -1,5 +1,6 @@
-"""Unit-tier helpers (docs/testing.md): waiting on a condition, the engine host's events from
-plain callables, and stand-ins for Celery's result backend and app ports."""
+"""Unit-tier helpers (docs/testing.md): waiting on a condition, many futures' outcomes, the
+engine host's events from plain callables, and stand-ins for Celery's result backend and app
+ports."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,17 @@ def wait_until(cond, timeout: float = 10.0) -> None:
     from app.local.embedded import wait_for
 
     wait_for(cond, timeout, 0.01, "the condition")
+
+
+def outcomes(futures) -> list:
+    """Each future's result, or the exception it raised, in order (waiting for each)."""
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except Exception as e:
+            out.append(e)
+    return out
 
 
 def callback_events(*, on_change=None, on_fatal=None, on_failure=None, on_success=None,
