@@ -48,9 +48,10 @@ class DyingEngine:
         self.dead = world.die_on_start
         self.in_flight: set[str] = set()
         self.peak = 0
+        self.died = False  # killed under a run (by the poison or a scripted kill)
 
     def die(self):
-        self.dead = True
+        self.dead = self.died = True
 
     async def run(self, r: GenerateRequest, rid: str):
         w = self.world
