@@ -1,6 +1,6 @@
 """Fake engines that die like vLLM's (every request in flight gets EngineDeadError, the engine is
 dead for good), the world they share, and a way to run many prompts through an engine host at
-once: tests/test_engine_recovery.py's parts."""
+once: the parts of tests/test_engine_recovery.py (and of a test in tests/test_preemption.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -92,5 +92,4 @@ def run_all(host, prompts, timeout=30):
     with ThreadPoolExecutor(len(prompts)) as pool:
         futs = [pool.submit(host.generate, req(p), A, f"r{i}", timeout)
                 for i, p in enumerate(prompts)]
-        out = outcomes(futs)
-        return out
+        return outcomes(futs)

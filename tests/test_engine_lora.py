@@ -102,8 +102,7 @@ def submit_all(h, jobs, spec=SPEC, timeout=20):
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = [pool.submit(h.generate, req(), spec, f"r{i}", timeout, a)
                 for i, a in enumerate(jobs)]
-        out = outcomes(futs)
-        return out
+        return outcomes(futs)
 
 
 def test_a_refused_adapter_fails_only_its_requests_and_the_engine_lives_on(make_host, tmp_path):
