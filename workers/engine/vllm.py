@@ -15,6 +15,7 @@ from app.requests.model_files import ensure_model_files
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest
 from app.requests.tiers import INTERACTIVE, engine_priority
+from workers.engine.add_batch import AddBatch
 from workers.engine.classify import classify_core_failure
 from workers.engine.front_end import lighten, release
 from workers.engine.logprobs import cumulative, sample_entries
@@ -76,6 +77,8 @@ class VllmEngine(Pauses):
         self._waves = Waves(wave_window, self.max_num_seqs, scheduler.max_num_batched_tokens)
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
+        # A turn's adds reach EngineCore together: its step takes the whole wave (add_batch.py).
+        self.adds = AddBatch.install(self._llm.engine_core)
         self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
         lighten(self._llm)  # vLLM's per-request constants, worked out once (front_end.py)
 
