@@ -15,10 +15,14 @@ in vLLM's front end when the add returns, and its outputs come through it as bef
 
 A dead engine fails an add at once, as vLLM's own send does (`ensure_alive`). One that dies
 between the hold and the send fails the held requests through vLLM's own path: its output
-handler hands EngineDeadError to every request in its front end, the held ones included.
+handler hands EngineDeadError to every request in its front end, the held ones included. A
+send fails only on a socket that is gone, which is an engine dead or shut down (vLLM marks
+both); the held adds after it are not sent either.
 
 It wraps `_send_input_message` of vLLM 0.32's AsyncMPClient (the one door of its async sends:
-adds, aborts, utility calls); `install` leaves a client without that door as it is.
+adds, aborts, utility calls); `install` leaves as it is a client without that door, and a
+data-parallel one (its adds announce a first request on a socket of their own, outside the
+door, so an add held would reach its engine after that announcement).
 """
 from __future__ import annotations
 
@@ -40,16 +44,20 @@ class AddBatch:
         self._held: list[tuple] = []
         self._sent: asyncio.Future | None = None  # a done future: what a held add returns
         self.flushes = 0  # batches sent
-        self.adds = 0  # adds sent in them
+        self.adds = 0  # adds handed to the socket in them
 
     @classmethod
     def install(cls, core) -> AddBatch | None:
         """Put an AddBatch in front of `core`'s sends (an AsyncLLM's `engine_core`); None, and
         `core` left as it is, where it has no `_send_input_message` and `ensure_alive` (another
-        vLLM, or a client that is not the multiprocess one)."""
+        vLLM, or a client that is not the multiprocess one) or is a data-parallel client
+        (module docstring)."""
         send = getattr(core, "_send_input_message", None)
         if not callable(send) or not callable(getattr(core, "ensure_alive", None)):
             log.info("vLLM's engine client sends each add alone (no _send_input_message here)")
+            return None
+        if getattr(core, "first_req_send_socket", None) is not None:
+            log.info("vLLM's data-parallel engine client sends each add alone")
             return None
         batch = cls(core, send)
         core._send_input_message = batch.send
@@ -78,7 +86,6 @@ class AddBatch:
         if not held:
             return
         self.flushes += 1
-        self.adds += len(held)
         for i, (message, engine) in enumerate(held):
             try:
                 sent = self._send_now(message, engine)
@@ -86,6 +93,7 @@ class AddBatch:
                 log.warning("%d held request(s) not sent to EngineCore (%s: %s)",
                             len(held) - i, type(e).__name__, e)
                 return
+            self.adds += 1
             if isinstance(sent, asyncio.Future):
                 sent.add_done_callback(_report)
 

@@ -77,8 +77,9 @@ class VllmEngine(Pauses):
         self._waves = Waves(wave_window, self.max_num_seqs, scheduler.max_num_batched_tokens)
         self.grammar_resumes = grammar_resumes(self._llm.vllm_config)
         self.steps = StepCounter(self._llm)
-        # A turn's adds reach EngineCore together: its step takes the whole wave (add_batch.py).
-        self.adds = AddBatch.install(self._llm.engine_core)
+        # A turn's adds reach EngineCore together: its next step can take the whole wave
+        # (add_batch.py).
+        self.add_batch = AddBatch.install(self._llm.engine_core)
         self._render = PromptRenderer(self._llm)  # a run's prompt for vLLM (render.py)
         lighten(self._llm)  # vLLM's per-request constants, worked out once (front_end.py)
 
