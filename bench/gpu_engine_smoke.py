@@ -1,4 +1,5 @@
-"""The real-engine smoke of bench/gpu_check.py (its fact 6), run by it in a process of its own:
+"""The real-engine smoke of bench/gpu_check.py (its facts 7 and 8), run by it in a process of its
+own:
 
     CUDA_VISIBLE_DEVICES=0 CUDA_DEVICE_ORDER=PCI_BUS_ID python bench/gpu_engine_smoke.py HEADROOM
 

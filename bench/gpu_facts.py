@@ -56,7 +56,8 @@ def exit_status(facts: list[Fact]) -> int:
     return 1 if any(f.ok is False for f in facts) else 0
 
 
-def _gib(b: int | float) -> str:
+def gib(b: int | float) -> str:
+    """`b` bytes as GiB with two decimals ("1.50 GiB")."""
     return f"{b / GiB:.2f} GiB"
 
 
@@ -67,15 +68,15 @@ def nvml_agrees(nvml: dict, torch: dict, smi: dict | None) -> Fact:
     df = abs(nvml["free"] - torch["free"])
     dt = abs(nvml["total"] - torch["total"]) / nvml["total"]
     ok = df <= FREE_TOLERANCE and dt <= TOTAL_TOLERANCE
-    detail = (f"NVML free {_gib(nvml['free'])} / total {_gib(nvml['total'])}; torch free "
-              f"{_gib(torch['free'])} / total {_gib(torch['total'])} (free differs "
+    detail = (f"NVML free {gib(nvml['free'])} / total {gib(nvml['total'])}; torch free "
+              f"{gib(torch['free'])} / total {gib(torch['total'])} (free differs "
               f"{df / MiB:.0f} MiB, total {dt * 100:.2f}%)")
     if smi is None:
         detail += "; nvidia-smi not found"
     else:
         ds = abs(nvml["free"] - smi["free"])
         ok = ok and ds <= SMI_TOLERANCE and abs(nvml["total"] - smi["total"]) <= MiB
-        detail += f"; nvidia-smi free {_gib(smi['free'])} (differs {ds / MiB:.0f} MiB)"
+        detail += f"; nvidia-smi free {gib(smi['free'])} (differs {ds / MiB:.0f} MiB)"
     return Fact("nvml_agrees", ok, detail)
 
 
@@ -109,8 +110,8 @@ def sized_down_start(plan, free_after_context: int, torch_total: int, rule_passe
         and not full_after.sized_down
     return Fact("sized_down_start", ok,
                 f"plan sized down to gpu_memory_utilization={util} ({plan.describe()}); a fresh "
-                f"process saw {_gib(free_after_context)} free after its context, vLLM's rule "
-                f"wants {_gib(math.ceil(torch_total * (util or 0)))}: "
+                f"process saw {gib(free_after_context)} free after its context, vLLM's rule "
+                f"wants {gib(math.ceil(torch_total * (util or 0)))}: "
                 f"{'held' if rule_passed else 'FAILED'}; after the co-tenant left: "
                 + ("full budget" if full_after is not None and not full_after.sized_down
                    else "still sized down"))

@@ -19,7 +19,7 @@ from pathlib import Path
 from app.devices import DEVICE_ORDER, load_nvml, read_cards
 from app.errors import TransientError
 from app.requests.models import ModelSpec
-from bench.gpu_facts import (BACK_TOLERANCE, Fact, _gib, context_cost, nvml_agrees, request_cpu,
+from bench.gpu_facts import (BACK_TOLERANCE, Fact, gib, context_cost, nvml_agrees, request_cpu,
                              restart_s, same_card, sized_down_start, tp_context_cost)
 from bench.gpu_steps import STEP_FACTS
 from workers.engine.memory import MiB, plan_memory, probe_memory
@@ -324,5 +324,5 @@ def check_engine(entry: str, headroom: int, deadline: float) -> list[Fact]:
         after = _free(entry)
     back = baseline - after <= BACK_TOLERANCE
     return [Fact("engine_smoke", bool(smoke["ok"]) and back,
-                 f"{smoke['detail']}; NVML free {_gib(baseline)} before, {_gib(after)} after "
+                 f"{smoke['detail']}; NVML free {gib(baseline)} before, {gib(after)} after "
                  f"shutdown ({'back' if back else 'NOT back'})"), restart_s(smoke)]
