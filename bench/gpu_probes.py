@@ -19,7 +19,7 @@ from pathlib import Path
 from app.devices import DEVICE_ORDER, load_nvml, read_cards
 from app.errors import TransientError
 from app.requests.models import ModelSpec
-from bench.gpu_facts import (BACK_TOLERANCE, Fact, gib, context_cost, nvml_agrees, request_cpu,
+from bench.gpu_facts import (BACK_TOLERANCE, Fact, context_cost, gib, nvml_agrees, request_cpu,
                              restart_s, same_card, sized_down_start, tp_context_cost)
 from bench.gpu_steps import STEP_FACTS
 from workers.engine.memory import MiB, plan_memory, probe_memory
