@@ -42,8 +42,9 @@ log = logging.getLogger("vigil.batches")
 # settings, registry and store (raises RequestError / TerminalError / TransientError).
 Submit = Callable[[str, dict], None]
 # submit_many([(request_id, kwargs)]): app/requests/submit.py's submit_many, all or
-# nothing (raises as `submit` does), except that a TransientError(redis_unavailable) carries
-# `.submitted`, the handles (an `.id` each) of those published before it.
+# nothing (raises as `submit` does), except that an error met after some requests were
+# published (a TransientError(redis_unavailable); in a call of several parts, a cap another
+# producer filled meanwhile) carries `.submitted`, the handles (an `.id` each) of those.
 SubmitMany = Callable[[list[tuple[str, dict]]], None]
 # end_job(job, reason, code): app/fleet/jobs.py's delete_job; -1 when someone else is ending it.
 EndJob = Callable[[str, str, str], int]

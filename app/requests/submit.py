@@ -16,10 +16,10 @@ message sent around the producer records it with `record_new`, the one create of
 2. The request id is the caller's `task_id` or a new uuid4, and stays the Celery task id for
    every retry and redelivery.
 3. The records are created only if new (`record_new`: app/state/store.py `create`, one round
-   trip per thousand), under the backpressure caps (`overloaded`, nothing written) and refused
-   for a deleted job (`job_deleted`). A refusal deletes what this call created and raises: all
-   or nothing. The same id and the same request again returns the existing request (published
-   again only if no message carries it); a different request under that id is
+   trip per CREATE_CHUNK), under the backpressure caps (`overloaded`, nothing written) and
+   refused for a deleted job (`job_deleted`). A refusal deletes what this call created and
+   raises: all or nothing. The same id and the same request again returns the existing request
+   (published again only if no message carries it); a different request under that id is
    `invalid_request`. A job's first request in a pool announces the job's queue to the pool's
    workers.
 4. The messages are published (app/requests/publish.py): one request as one `vigil.generate`
@@ -28,6 +28,14 @@ message sent around the producer records it with `record_new`, the one create of
    records of what was not published are deleted again (no record without a message) and a
    broker error becomes TransientError(redis_unavailable), carrying `.submitted`, the handles
    of what was.
+
+Many requests are recorded and published in parts (FIRST_PART, then CREATE_CHUNK at a time),
+each part's messages out before the next part is written, so the workers start while the rest
+is written (docs/performance.md, "The twelfth pass"). The caps count the parts still to come,
+so a call that would pass one is refused in its first part, nothing written; what only a later
+part can meet (a cap another producer filled meanwhile, the job deleted meanwhile, Redis lost)
+is raised with `.submitted`, the handles of what was published before it. A call naming ids
+of which any has a record already is written whole before anything is published, as in 3.
 
 Why not Celery's `chunks`: a chunk is one task over many argument tuples, with one result and
 one retry for all; here each request keeps its own id, record, result and retry, and a request
@@ -39,6 +47,7 @@ import gc
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +65,16 @@ from app.requests.schemas import newer_version
 from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, RequestStore
+from app.state.store_many import ahead_of
 
 log = logging.getLogger("vigil.submit")
 
 # Records written per round trip.
-CREATE_CHUNK = 1000
+CREATE_CHUNK = 1024
+# A many submit is written and published in parts: the first FIRST_PART requests, then
+# CREATE_CHUNK at a time (a round trip each; both multiples of the messages' size), so the
+# workers start on the first messages while the rest is written.
+FIRST_PART = 256
 MAX_REQUESTS = 100_000
 # A many submit of this many requests or more holds the cyclic garbage collector off
 # (`_hold_collector`).
@@ -107,11 +121,14 @@ def submit(items: list, task_ids: list[str] | None = None, *, settings: VigilSet
         wire = wire_kwargs(a.req)
         entries.append(_Item(rid, a, wire, record_fields(a.req, now, settings.request_deadline,
                                                          wire)))
-    created = _record(entries, store, ports, settings, now)
     if single:
+        created = _record(entries, store, ports, settings, now)
         return [_publish_one(entries[0], created, store, ports, send or ports.send, options)]
-    _publish_grouped([e for e in entries if e.deadline_at], store, ports,
-                     settings.requests_per_message, set(created))
+    parts = _parts(entries)
+    if len(parts) > 1 and task_ids is not None and store.any_recorded(ids):
+        parts = [entries]  # ids seen before: all answered before any is published (an id
+        # reused for a different request refuses the whole call)
+    _record_and_publish(parts, store, ports, settings, now)
     return Siblings.link([ports.result(rid) for rid in ids])
 
 
@@ -170,11 +187,49 @@ def _ids(items: object, task_ids: list[str] | None, single: bool) -> list[str]:
     return ids
 
 
+def _parts(entries: list[_Item]) -> list[list[_Item]]:
+    """`entries` cut into the parts a many submit writes and publishes in turn: FIRST_PART,
+    then CREATE_CHUNK each."""
+    parts, start, size = [], 0, FIRST_PART
+    while start < len(entries):
+        parts.append(entries[start:start + size])
+        start, size = start + size, CREATE_CHUNK
+    return parts
+
+
+def _record_and_publish(parts: list[list[_Item]], store: RequestStore, ports: CeleryPorts,
+                        settings: VigilSettings, now: float) -> None:
+    """Write each part's records, then publish its messages, part after part. The caps count
+    the parts still to come as open (RequestStore.create_many's `ahead`), so a call that would
+    take a job or a pool past its cap is refused in its first part, nothing written. An error
+    in a later part (a cap another producer filled meanwhile, the job deleted meanwhile, Redis
+    lost) deletes the records of that part and is raised with `.submitted`, the handles of
+    what was published before it."""
+    rest = ahead_of([(None, e.fields) for part in parts for e in part])
+    published: list[str] = []
+    for part in parts:
+        rest -= ahead_of([(None, e.fields) for e in part])
+        try:
+            created = _record(part, store, ports, settings, now, rest)
+        except Exception as err:
+            raise _with_submitted(err, published, ports)
+        _publish_grouped([e for e in part if e.deadline_at], store, ports,
+                         settings.requests_per_message, set(created), published)
+
+
+def _with_submitted(err: Exception, published: list[str], ports: CeleryPorts) -> Exception:
+    """`err`, carrying `.submitted` (the handles of `published`) when anything was."""
+    if published:
+        err.submitted = Siblings.link([ports.result(rid) for rid in published])
+    return err
+
+
 def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
-            settings: VigilSettings, now: float) -> list[str]:
-    """Create the records of `entries` under the caps; returns the ids created. Each entry to
-    publish gets its deadline (a new record's, or an existing one's that no message carries).
-    A refusal deletes what was created and raises its error."""
+            settings: VigilSettings, now: float, ahead: Counter | None = None) -> list[str]:
+    """Create the records of `entries` under the caps (`ahead`: RequestStore.create_many's);
+    returns the ids created. Each entry to publish gets its deadline (a new record's, or an
+    existing one's that no message carries). A refusal deletes what was created and raises
+    its error."""
     created: list[str] = []
     try:
         for start in range(0, len(entries), CREATE_CHUNK):
@@ -182,7 +237,7 @@ def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
             answers = record_new(store, ports, [
                 (e.request_id, e.fields, e.admitted.spec.name, e.admitted.req.job)
                 for e in part], now, max_per_job=settings.max_pending_per_job,
-                max_per_pool=settings.max_pending_per_pool)
+                max_per_pool=settings.max_pending_per_pool, ahead=ahead)
             for e, answer in zip(part, answers):
                 if answer in (CREATED, CREATED_NEW_JOB_QUEUE):
                     created.append(e.request_id)
@@ -201,14 +256,16 @@ def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
 
 def record_new(store: RequestStore, ports: CeleryPorts,
                entries: list[tuple[str, dict, str, str]], now: float | None = None, *,
-               max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
+               max_per_job: int = 0, max_per_pool: int = 0,
+               ahead: Counter | None = None) -> list[int]:
     """The one create of request records: each (request id, record fields, pool, job) written
     if new, in one round trip (RequestStore.create_many: the answers in order, under the caps,
-    0 for none), and each job's queue new in its pool announced to the pool's workers
-    (best effort: beat's reconcile repairs a lost announcement)."""
+    0 for none, with `ahead` counted as open), and each job's queue new in its pool announced
+    to the pool's workers (best effort: beat's reconcile repairs a lost announcement)."""
     now = time.time() if now is None else now
     answers = store.create_many([(rid, fields) for rid, fields, _, _ in entries], now,
-                                max_per_job=max_per_job, max_per_pool=max_per_pool)
+                                max_per_job=max_per_job, max_per_pool=max_per_pool,
+                                ahead=ahead)
     announced = set()
     for (_, _, pool, job), answer in zip(entries, answers):
         if answer == CREATED_NEW_JOB_QUEUE and (pool, job) not in announced:
@@ -235,13 +292,14 @@ def _publish_one(e: _Item, created: list[str], store: RequestStore, ports: Celer
 
 
 def _publish_grouped(todo: list[_Item], store: RequestStore, ports: CeleryPorts,
-                     per_message: int, created: set[str]) -> None:
-    """Publish `todo` grouped by queue and tier, `per_message` requests a message."""
+                     per_message: int, created: set[str], done: list[str]) -> None:
+    """Publish `todo` grouped by queue and tier, `per_message` requests a message; each id
+    published is appended to `done` (the call's, from its earlier parts on)."""
     groups: dict[tuple[str, str, str], list[_Item]] = {}
     for e in todo:
         req, spec, _ = e.admitted
         groups.setdefault((spec.name, req.job, req.priority), []).append(e)
-    done: list[str] = []
+    sent: set[str] = set()
     for (pool, job, tier), members in groups.items():
         for start in range(0, len(members), per_message):
             part = members[start:start + per_message]
@@ -252,22 +310,26 @@ def _publish_grouped(todo: list[_Item], store: RequestStore, ports: CeleryPorts,
                              send_many=ports.send_many, message_id=str(uuid.uuid4()))
             except BaseException as err:
                 _failed_publish(err, store, [e.request_id for e in todo
-                                             if e.request_id not in done
+                                             if e.request_id not in sent
                                              and e.request_id in created], done, ports,
                                 "requests")
             done.extend(e.request_id for e in part)
+            sent.update(e.request_id for e in part)
 
 
 def _failed_publish(err: BaseException, store: RequestStore, unpublished: list[str],
                     done: list[str], ports: CeleryPorts, what: str) -> None:
     """A publish raised `err`: the records created and not published are deleted (no record
     without a message); a broker error is raised as TransientError(redis_unavailable) with
-    `.submitted`, the handles of `done`; anything else as it is."""
+    `.submitted`, the handles of `done`; anything else as it is (with `.submitted` when
+    anything was published)."""
     _forget(store, unpublished)
     if isinstance(err, (OperationalError, OSError)):
         raised = TransientError.of(REDIS_UNAVAILABLE, f"could not publish the {what}: {err}")
-        raised.submitted = [ports.result(rid) for rid in done]
+        raised.submitted = Siblings.link([ports.result(rid) for rid in done])
         raise raised from None
+    if isinstance(err, Exception):
+        raise _with_submitted(err, done, ports)
     raise err
 
 

@@ -52,8 +52,10 @@ end
 # pool. KEYS[1] deadline index, KEYS[2] job hash, KEYS[3] job's pending set, KEYS[4] pool's job
 # set, KEYS[5] jobs zset, KEYS[6] pool's pending set. ARGV: job, now, own_queue (1: the job has
 # its own queue in the pool), max pending per job, max pending per pool (0 = no cap), the
-# record key's prefix (app/state/keys.py `request` without the id), then request_id,
-# deadline_at, fields JSON per request.
+# record key's prefix (app/state/keys.py `request` without the id), the requests its caller
+# will write after this call in its job and in its pool (counted against the caps as if open
+# already: a submit written in parts is refused in its first part when the whole would pass a
+# cap), then request_id, deadline_at, fields JSON per request.
 # -> per request, in order: 1 created, 2 created and the job's queue is new in this pool, 0
 # already there (never overwritten), -1 the job was deleted, -2 / -3 the job's / pool's pending
 # set is at its cap (nothing written for that request on any negative answer).
@@ -61,11 +63,11 @@ CREATE = """
 local max_job, max_pool = tonumber(ARGV[4]), tonumber(ARGV[5])
 local deleted = redis.call('HGET', KEYS[2], 'state') == 'deleted'
 -- The open counts, read once and kept as this run creates (a script runs alone).
-local in_job = max_job > 0 and redis.call('SCARD', KEYS[3]) or 0
-local in_pool = max_pool > 0 and redis.call('SCARD', KEYS[6]) or 0
+local in_job = max_job > 0 and redis.call('SCARD', KEYS[3]) + tonumber(ARGV[7]) or 0
+local in_pool = max_pool > 0 and redis.call('SCARD', KEYS[6]) + tonumber(ARGV[8]) or 0
 local answers = {}
 local created = false
-for i = 7, #ARGV, 3 do
+for i = 9, #ARGV, 3 do
   local rid = ARGV[i]
   local rec = ARGV[6] .. rid
   local answer = 1

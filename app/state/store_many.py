@@ -11,6 +11,7 @@ the outage policy.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -30,16 +31,21 @@ class ManyCalls:
     `_call`."""
 
     def create_many(self, items: list[tuple[str, dict[str, Any]]], now: float, *,
-                    max_per_job: int = 0, max_per_pool: int = 0) -> list[int]:
+                    max_per_job: int = 0, max_per_pool: int = 0,
+                    ahead: Counter | None = None) -> list[int]:
         """`create` for each (request id, record fields), in one round trip; the answers in
         order (CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, JOB_DELETED, OVERLOADED_*), each request
-        under the caps as if created alone, in this order. Consecutive requests of one job and
-        pool go as one CREATE call (up to CREATE_RUN of them), each request's fields as one
-        argument."""
-        calls = []
+        under the caps as if created alone, in this order. `ahead` counts requests the caller
+        will write after these, by job and by pool (`ahead_of`): they are counted as open
+        already against the caps, so a call written in parts is refused in its first part when
+        the whole of it would take a job or a pool past its cap. Consecutive requests of one
+        job and pool go as one CREATE call (up to CREATE_RUN of them), each request's fields
+        as one argument."""
+        calls, ahead = [], ahead or Counter()
         for start, end, job, pool in _runs(items):
             args: list[Any] = [job, now, "0" if job == DEFAULT_JOB else "1", max_per_job,
-                               max_per_pool, keys.request("")]
+                               max_per_pool, keys.request(""), ahead[("job", job)],
+                               ahead[("pool", pool)]]
             for rid, fields in items[start:end]:
                 args += [rid, fields.get("deadline_at", "+inf"), _fields_json(fields)]
             calls.append((self._create, [
@@ -98,6 +104,17 @@ class ManyCalls:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+
+def ahead_of(items: list[tuple[Any, dict[str, Any]]]) -> Counter:
+    """How many of `items` (request id, record fields) each job and each pool holds: keys
+    ("job", name) and ("pool", name), what `create_many`'s `ahead` takes."""
+    counts: Counter = Counter()
+    for _, fields in items:
+        job, pool = job_and_pool(fields)
+        counts[("job", job)] += 1
+        counts[("pool", pool)] += 1
+    return counts
 
 
 def job_and_pool(fields: dict[str, Any]) -> tuple[str, str]:

@@ -29,9 +29,9 @@ class Outcome:
 
 
 class ReadCalls:
-    """Reads of records (`get`, `history`, `pool_of`, `created_at`, `look`, `ended`), of the
-    fleet's counters (`stats`) and of the open requests (`open_ids`). Needs RequestStore's `_r`
-    and `_call`."""
+    """Reads of records (`get`, `history`, `pool_of`, `created_at`, `look`, `ended`,
+    `any_recorded`), of the fleet's counters (`stats`) and of the open requests (`open_ids`).
+    Needs RequestStore's `_r` and `_call`."""
 
     def get(self, request_id: str) -> dict[str, str] | None:
         """The record as a str->str dict, or None if there is none."""
@@ -88,6 +88,14 @@ class ReadCalls:
             return [m.decode() for m in self._call(self._r.zrange, keys.DEADLINES, 0, -1)]
         return sorted({m.decode() for p in pools
                        for m in self._call(self._r.smembers, keys.pool_requests(p))})
+
+    def any_recorded(self, request_ids: list[str]) -> bool:
+        """True when any of `request_ids` has a record: one EXISTS of up to 1,000 keys each,
+        in one round trip."""
+        pipe = self._call.pipeline()
+        for start in range(0, len(request_ids), 1000):
+            pipe.exists(*[keys.request(rid) for rid in request_ids[start:start + 1000]])
+        return any(self._call(pipe.execute)) if request_ids else False
 
     def created_at(self, request_id: str) -> float | None:
         """When the request was submitted (None without a record)."""
