@@ -220,3 +220,47 @@ def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(sett
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
     assert "subscribe" not in calls and "psubscribe" not in calls
+
+
+def test_a_collector_reads_stored_results_as_celery_decodes_them_without_its_hook(
+        settings, monkeypatch):
+    """Given stored results of every shape a key holds (a result with nested dicts and text
+    that looks like an envelope, a failure, a value kombu wrapped in an envelope), then
+    `decode_stored` gives what Celery's `decode_result` gives; and a generate_many's collector
+    reads plain results without Celery's decoding (its hook per dict was 37% of a collector's
+    CPU: docs/performance.md, "The twelfth pass"), the wrapped one through it."""
+    import datetime
+
+    from app.requests.async_result import decode_stored
+
+    app = create_app(settings)
+    results = many(app, settings, [{"model": "tiny-llama", "prompt": f"d{i}", "max_tokens": 1}
+                                   for i in range(4)])
+    plain = {"request_id": results[0].id, "text": 'he said "__type__" é',
+             "logprobs": [{"tok": [{"id": 5, "logprob": -0.5}]}], "usage": {"n": 1}}
+    backend, raw = app.backend, app.vigil_store.raw
+    backend.store_result(results[0].id, plain, "SUCCESS")
+    backend.store_result(results[1].id, {"text": "b"}, "SUCCESS")
+    backend.mark_as_failure(results[2].id, TransientError.of("overloaded", "too much"))
+    backend.store_result(results[3].id, {"at": datetime.datetime(2026, 12, 6)}, "SUCCESS")
+    values = [raw.get(backend.get_key_for_task(r.id)) for r in results]
+    for value in values[:2] + values[3:]:
+        assert decode_stored(backend, value) == backend.decode_result(value)
+    failed, celerys = decode_stored(backend, values[2]), backend.decode_result(values[2])
+    assert type(failed["result"]) is type(celerys["result"])
+    assert failed["result"].args == celerys["result"].args
+    assert {k: v for k, v in failed.items() if k != "result"} == {
+        k: v for k, v in celerys.items() if k != "result"}
+
+    decoded: list[bytes] = []
+    real = backend.decode
+
+    def decode(payload):
+        decoded.append(payload)
+        return real(payload)
+
+    monkeypatch.setattr(backend, "decode", decode)
+    got = [r.get(timeout=5, propagate=False) for r in results]
+    assert got[0] == plain and got[1] == {"text": "b"} and "too much" in str(got[2])
+    assert got[3] == {"at": datetime.datetime(2026, 12, 6)}
+    assert decoded == [values[3]]
