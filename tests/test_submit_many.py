@@ -14,11 +14,33 @@ from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
 from app.requests.submit import GC_DEFERRED_FROM, submit_many
+from app.settings import load_settings
 from app.state import broker
 from app.task_names import GENERATE_MANY
+from tests.conftest import CACHE_DIR
+from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.redis
 POOL = "vigil.pool.tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def quiet_redis():
+    """A redis-server of this module's own, for the tests that count with Redis' own counters
+    (calls per command, keyspace hits and misses): they are the server's, and the suite
+    process' warm worker, once started, heartbeats on the shared one (a CI run counted 3 hits
+    for 1)."""
+    rds = LocalRedis().start()
+    yield rds
+    rds.stop()
+
+
+@pytest.fixture()
+def quiet_settings(quiet_redis):
+    """Settings on a flushed database of `quiet_redis`."""
+    url = f"redis://127.0.0.1:{quiet_redis.port}/1"
+    quiet_redis.client().flushall()
+    return load_settings(redis_url=url, cache_dir=CACHE_DIR)
 
 
 def many(app, settings, items, **kw):
@@ -50,8 +72,8 @@ def messages(r, queue):
     return out
 
 
-def test_many_requests_are_recorded_each_and_published_k_to_a_message(settings):
-    s = settings.model_copy(update={"requests_per_message": 4})
+def test_many_requests_are_recorded_each_and_published_k_to_a_message(quiet_settings):
+    s = quiet_settings.model_copy(update={"requests_per_message": 4})
     app = create_app(s)
     items = [{"model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 2} for i in range(10)]
     items += [{"model": "tiny-llama", "prompt": "now", "priority": "interactive"}]
@@ -106,16 +128,17 @@ def test_the_same_ids_again_are_the_same_requests_and_publish_nothing_more(setti
         many(app, settings, [{"model": "tiny-llama", "prompt": "other"}], task_ids=["again-0"])
 
 
-def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_trip(settings):
+def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_trip(
+        quiet_settings):
     """Collecting a generate_many's results in order costs a round trip per SIBLINGS_READ ended
     results (app/requests/async_result.py `Siblings`), counted by Redis itself: no
     subscription to any result's channel, one MGET per 64. Celery's own `get` subscribed, read
     and unsubscribed for every result, a third of the producer's CPU in the short workload
     (docs/performance.md, "Where a short request's time goes"). A result not stored yet is
     left to the wait, and an error is an error."""
-    app = create_app(settings)
+    app = create_app(quiet_settings)
     items = [{"model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 1} for i in range(70)]
-    results = many(app, settings, items)
+    results = many(app, quiet_settings, items)
     ended, last = results[:-1], results[-1]
     for i, r in enumerate(ended[:-1]):
         app.backend.store_result(r.id, {"request_id": r.id, "text": f"t{i}"}, "SUCCESS")
@@ -132,17 +155,17 @@ def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_
         last.get(timeout=0.3)
 
 
-def test_a_result_not_stored_yet_is_polled_alone_not_with_its_siblings(settings):
+def test_a_result_not_stored_yet_is_polled_alone_not_with_its_siblings(quiet_settings):
     """Given 70 results of one generate_many call and the first stored 0.3 s after its
     `get()` began, then the first read took it and the 63 siblings after it in one MGET and
     every later poll read it alone, counted by Redis itself (a key read and not found is one
     keyspace miss). Every poll reading all 64 read 9 of 10 keys in vain in the short-request
     bench (app/requests/async_result.py `Siblings`)."""
-    app = create_app(settings)
-    results = many(app, settings, [{"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1}
-                                   for i in range(70)])
+    app = create_app(quiet_settings)
+    results = many(app, quiet_settings, [{"model": "tiny-llama", "prompt": f"s{i}",
+                                          "max_tokens": 1} for i in range(70)])
     raw = app.vigil_store.raw
-    got = stored_while_waiting(settings, results[0])
+    got = stored_while_waiting(quiet_settings, results[0])
     polls = raw.info("commandstats")["cmdstat_mget"]["calls"]
     stats = raw.info("stats")
     assert got["text"] == "late"
@@ -204,18 +227,18 @@ def test_a_large_submit_runs_no_garbage_collection_and_leaves_the_collector_as_i
     assert on_after and collected_after and off_after
 
 
-def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(settings):
+def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(quiet_settings):
     """Given a generate_many's results and one stored 0.3 s after its `get()` began (from
     another connection, as a worker's FINISH stores it), then `get()` returns it, having read
     the result keys while it waited and subscribed to no channel, counted by Redis itself.
     Subscribed, a collector of thousands built a backlog of their messages on its one reply
     connection and found a result stored long before only at the record check, 5 s later
     (app/requests/async_result.py, module docstring)."""
-    app = create_app(settings)
-    results = many(app, settings, [{"model": "tiny-llama", "prompt": f"w{i}", "max_tokens": 1}
-                                   for i in range(3)])
+    app = create_app(quiet_settings)
+    results = many(app, quiet_settings, [{"model": "tiny-llama", "prompt": f"w{i}",
+                                          "max_tokens": 1} for i in range(3)])
     raw = app.vigil_store.raw
-    got = stored_while_waiting(settings, results[1])
+    got = stored_while_waiting(quiet_settings, results[1])
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
