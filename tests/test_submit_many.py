@@ -116,6 +116,26 @@ def test_a_refusal_mid_way_deletes_what_this_call_created(settings):
     assert messages(app.vigil_store.raw, POOL + ".job.capped") == []
 
 
+def test_a_refusal_deletes_the_records_its_round_trip_created_after_it_too(settings):
+    """Given a call whose first id is already used by another request, and one whose fourth
+    request passes its job's cap with a request of another job after it, each is refused and
+    no request of it keeps a record: the records its one round trip created after the
+    refused answer are deleted too (before, they stayed with no message until the deadline
+    sweep, counted against the caps)."""
+    s = settings.model_copy(update={"max_pending_per_job": 3})
+    app = create_app(s)
+    r = app.vigil_store.raw
+    many(app, s, [{"model": "tiny-llama", "prompt": "other"}], task_ids=["taken"])
+    with pytest.raises(RequestError, match="already used by a different request"):
+        many(app, s, [{"model": "tiny-llama", "prompt": f"p{i}"} for i in range(5)],
+             task_ids=["taken", "t1", "t2", "t3", "t4"])
+    call = [{"model": "tiny-llama", "prompt": f"a{i}", "job": "ja"} for i in range(4)]
+    call.append({"model": "tiny-llama", "prompt": "b", "job": "jb"})
+    with pytest.raises(TransientError, match="^overloaded: "):
+        many(app, s, call, task_ids=["a0", "a1", "a2", "a3", "b0"])
+    assert sorted(k.decode() for k in r.scan_iter("vigil:req:*")) == ["vigil:req:taken"]
+
+
 def test_the_same_ids_again_are_the_same_requests_and_publish_nothing_more(settings):
     app = create_app(settings)
     items = [{"model": "tiny-llama", "prompt": f"p{i}"} for i in range(3)]

@@ -70,7 +70,7 @@ def test_a_call_the_caps_cannot_take_whole_is_refused_in_its_first_part(settings
     s = settings.model_copy(update={"max_pending_per_job": 400})
     app = create_app(s)
     r = app.vigil_store.raw
-    with pytest.raises(TransientError, match="^overloaded: ") as refused:
+    with pytest.raises(TransientError, match="^overloaded: .*nothing was sent") as refused:
         many(app, s, items(401, job="capped"))
     assert not hasattr(refused.value, "submitted")
     assert not list(r.scan_iter("vigil:req:*"))
@@ -101,7 +101,8 @@ def test_a_cap_another_producer_fills_between_parts_raises_with_what_went_out(
             many(other, s, items(200, "o", job="capped"))
 
     on_each_message(monkeypatch, other_producer)
-    with pytest.raises(TransientError, match="^overloaded: ") as refused:
+    with pytest.raises(TransientError, match=f"^overloaded: .*first {FIRST_PART} requests "
+                       "were sent") as refused:
         many(app, s, items(500, job="capped"), task_ids=ids)
     assert [h.id for h in refused.value.submitted] == ids[:FIRST_PART]
     assert recorded(r, ids) == FIRST_PART
@@ -139,7 +140,7 @@ def test_redis_lost_in_a_later_part_raises_with_what_went_out(settings, monkeypa
 def test_ids_seen_before_are_answered_whole_before_anything_is_published(settings):
     """Given an id already used by another request, a call of 1,300 naming it last is refused
     `invalid_request` with nothing of the call recorded or sent: its records are all answered
-    before its first message (in parts, the first 1,024 would have gone out)."""
+    before its first message (in parts, its first two, 1,280 requests, would have gone out)."""
     app = create_app(settings)
     r = app.vigil_store.raw
     ids = [f"seen-{i}" for i in range(1300)]
@@ -178,3 +179,36 @@ def test_create_counts_the_requests_ahead_against_the_caps(settings):
     assert store.get("a2") is None and store.get("b2") is None
     assert store.create_many([("c1", fields("jc"))], time.time(), max_per_job=1) == [
         CREATED_NEW_JOB_QUEUE]  # nothing ahead: as alone
+
+
+def test_a_call_of_several_jobs_is_written_whole_before_any_is_published(settings):
+    """Given 256 requests of one job, then 500 of a job capped at 400, the call is refused
+    `overloaded` with nothing of it recorded or sent: in parts its first part (the other
+    job's, which sees no cap) would have gone out before the capped job's part was refused."""
+    s = settings.model_copy(update={"max_pending_per_job": 400})
+    app = create_app(s)
+    r = app.vigil_store.raw
+    call = items(FIRST_PART, job="free") + items(500, "c", job="capped")
+    with pytest.raises(TransientError, match="^overloaded: .*nothing was sent") as refused:
+        many(app, s, call)
+    assert not hasattr(refused.value, "submitted")
+    assert not list(r.scan_iter("vigil:req:*"))
+    assert messages(r, POOL + ".job.free") == [] and messages(r, CAPPED) == []
+
+
+def test_a_gateway_call_is_recorded_whole_before_any_of_it_is_published(settings, monkeypatch):
+    """Given the online gateway's submit of 300 requests, when its first message is
+    published, then all 300 are recorded: an online call is answered as one, so a refusal
+    met while writing it leaves none of it running."""
+    from app.ops.gateway import Gateway
+    from app.requests.models import get_registry
+
+    app = create_app(settings)
+    r = app.vigil_store.raw
+    gateway = Gateway(settings, app.vigil_store, get_registry(), app.vigil_ports, warm=False)
+    ids = [f"online-{i}" for i in range(300)]
+    seen: list[int] = []
+    on_each_message(monkeypatch, lambda: seen.append(recorded(r, ids)))
+    gateway.submit(items(300), ids)
+    assert seen and set(seen) == {300}
+    assert carried(r, POOL) == ids

@@ -43,8 +43,10 @@ log = logging.getLogger("vigil.batches")
 Submit = Callable[[str, dict], None]
 # submit_many([(request_id, kwargs)]): app/requests/submit.py's submit_many, all or
 # nothing (raises as `submit` does), except that an error met after some requests were
-# published (a TransientError(redis_unavailable); in a call of several parts, a cap another
-# producer filled meanwhile) carries `.submitted`, the handles (an `.id` each) of those.
+# published (a TransientError(redis_unavailable); in a call written in parts, any error of a
+# later part: a cap another producer filled meanwhile, the job deleted, an id taken
+# meanwhile) carries `.submitted`, the handles (an `.id` each) of those. The lines of such a
+# call submitted again one by one re-attach to what went out (their ids are fixed).
 SubmitMany = Callable[[list[tuple[str, dict]]], None]
 # end_job(job, reason, code): app/fleet/jobs.py's delete_job; -1 when someone else is ending it.
 EndJob = Callable[[str, str, str], int]

@@ -53,13 +53,15 @@ class Gateway:
 
     def submit(self, items: list[dict], ids: list[str]) -> None:
         """Submit a call's requests (blocking): one message for one, messages of many for
-        several (app/requests/submit.py)."""
+        several (app/requests/submit.py), all recorded before any is published: a call is
+        answered as one, so a refusal leaves none of it running (its ids are the client's to
+        submit again)."""
         kw = dict(settings=self.settings, registry=self.registry, store=self.store,
                   ports=self.ports)
         if len(items) == 1:
             submit_request(items[0], ids[0], **kw)
         else:
-            submit_many(items, ids, **kw)
+            submit_many(items, ids, in_parts=False, **kw)
 
     def cancel(self, ids: list[str]) -> dict[str, str]:
         """Cancel requests (blocking): ended `cancelled`, aborted in their engines."""

@@ -318,7 +318,8 @@ def decode_stored(backend, value: bytes) -> dict:
     and calls a Python hook for every dict: 37% of a collector's CPU in the short-request
     bench, docs/performance.md "The twelfth pass"); anything else (an envelope, a compressed
     value, a backend not on JSON) goes through Celery's own decoding. Celery's meta handling
-    (an exception's rebuild) is applied either way."""
+    (an exception's rebuild) is applied either way; its accept check is not, and need not be:
+    the fast path takes JSON only, which Vigil's app accepts (`result_accept_content`)."""
     if (value[:1] == b"{" and KOMBU_ENVELOPE not in value
             and backend.content_type == "application/json"):
         return backend.meta_from_decoded(json.loads(value))

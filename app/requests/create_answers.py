@@ -19,11 +19,13 @@ from app.state.store import OVERLOADED_JOB, OVERLOADED_POOL, RequestStore
 log = logging.getLogger("vigil.submit")
 
 
-def refusal(created: int, req: GenerateRequest, settings: VigilSettings) -> Exception:
+def refusal(created: int, req: GenerateRequest, settings: VigilSettings, *, sent: int = 0
+            ) -> Exception:
     """The error of a create the store refused (RequestStore.create's answer): `overloaded` for
-    a job's or a pool's cap, `job_deleted` for a deleted job."""
+    a job's or a pool's cap, `job_deleted` for a deleted job. `sent`: how many requests of the
+    same call were published before it (a later part of a call written in parts)."""
     if created in (OVERLOADED_JOB, OVERLOADED_POOL):
-        return overloaded(req, settings, pool_full=created == OVERLOADED_POOL)
+        return overloaded(req, settings, pool_full=created == OVERLOADED_POOL, sent=sent)
     if created == JOB_REFUSED:
         return TerminalError.of(JOB_DELETED, f"job {req.job!r} was deleted; its requests are "
                                 "refused (use a new job name)")
@@ -59,16 +61,19 @@ def _never_published(store: RequestStore, request_id: str, record: dict, pool: s
     return store.message_missing(request_id, job_queue_name(pool, job))
 
 
-def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool
-               ) -> TransientError:
+def overloaded(req: GenerateRequest, settings: VigilSettings, *, pool_full: bool,
+               sent: int = 0) -> TransientError:
     """The `overloaded` error for a submit refused by backpressure (the job's cap, or with
-    `pool_full` the pool's): says which cap, and when to try again. The advice is the longest
+    `pool_full` the pool's): says which cap, what was sent (`sent` requests of the call before
+    it, its `.submitted`; else nothing), and when to try again. The advice is the longest
     backoff Vigil itself uses (`retry_backoff_max`): a backlog at a cap of thousands of requests
     does not clear faster than that."""
     if pool_full:
         what, cap, var = f"pool {req.pool!r}", settings.max_pending_per_pool, "POOL"
     else:
         what, cap, var = f"job {req.job!r}", settings.max_pending_per_job, "JOB"
+    done = (f"the call's first {sent} requests were sent (the error's .submitted), the rest "
+            "not" if sent else "nothing was sent")
     return TransientError.of(OVERLOADED, f"{what} has {cap} open requests, its cap "
-                             f"(VIGIL_MAX_PENDING_PER_{var}); nothing was sent: retry in "
+                             f"(VIGIL_MAX_PENDING_PER_{var}); {done}: retry in "
                              f"~{settings.retry_backoff_max:g} s")

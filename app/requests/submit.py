@@ -29,13 +29,15 @@ message sent around the producer records it with `record_new`, the one create of
    broker error becomes TransientError(redis_unavailable), carrying `.submitted`, the handles
    of what was.
 
-Many requests are recorded and published in parts (FIRST_PART, then CREATE_CHUNK at a time),
-each part's messages out before the next part is written, so the workers start while the rest
-is written (docs/performance.md, "The twelfth pass"). The caps count the parts still to come,
-so a call that would pass one is refused in its first part, nothing written; what only a later
-part can meet (a cap another producer filled meanwhile, the job deleted meanwhile, Redis lost)
-is raised with `.submitted`, the handles of what was published before it. A call naming ids
-of which any has a record already is written whole before anything is published, as in 3.
+Many requests of one job and pool are recorded and published in parts (FIRST_PART, then
+CREATE_CHUNK at a time), each part's messages out before the next part is written, so the
+workers start while the rest is written (docs/performance.md, "The twelfth pass"). The caps
+count the parts still to come, so a call that would pass one is refused in its first part,
+nothing written; what only a later part can meet (a cap another producer filled meanwhile,
+the job deleted meanwhile, Redis lost) is raised with `.submitted`, the handles of what was
+published before it. A call of several jobs or pools, one naming ids of which any has a
+record already, and the online gateway's calls (answered as one) are written whole before
+anything is published, as in 3.
 
 Why not Celery's `chunks`: a chunk is one task over many argument tuples, with one result and
 one retry for all; here each request keeps its own id, record, result and retry, and a request
@@ -95,12 +97,13 @@ class _Item:
 def submit(items: list, task_ids: list[str] | None = None, *, settings: VigilSettings,
            registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
            priority: int | None = None, single: bool = False, send: Send | None = None,
-           **options) -> list[Any]:
+           in_parts: bool = True, **options) -> list[Any]:
     """Admit, record and publish `items` (request kwargs; module docstring); one AsyncResult
     per item, in order. `task_ids` names their ids (default: new uuid4s); `priority` is
     Celery's priority= for the requests that name no tier. `single`: one request published as
     one vigil.generate message through `send` (default `ports.send`) with `options`
-    (app/requests/publish.py `publish`); else as vigil.generate_many messages. Raises
+    (app/requests/publish.py `publish`); else as vigil.generate_many messages, in parts
+    where it may be (`_in_parts`) unless `in_parts` is False. Raises
     RequestError (naming the item's index among many), TerminalError(job_deleted),
     TransientError(overloaded), TransientError(workers_too_old) (nothing written) or
     TransientError(redis_unavailable)."""
@@ -125,9 +128,8 @@ def submit(items: list, task_ids: list[str] | None = None, *, settings: VigilSet
         created = _record(entries, store, ports, settings, now)
         return [_publish_one(entries[0], created, store, ports, send or ports.send, options)]
     parts = _parts(entries)
-    if len(parts) > 1 and task_ids is not None and store.any_recorded(ids):
-        parts = [entries]  # ids seen before: all answered before any is published (an id
-        # reused for a different request refuses the whole call)
+    if len(parts) > 1 and not (in_parts and _in_parts(entries, task_ids, store)):
+        parts = [entries]
     _record_and_publish(parts, store, ports, settings, now)
     return Siblings.link([ports.result(rid) for rid in ids])
 
@@ -144,14 +146,15 @@ def submit_request(kwargs: object, task_id: str | None = None, *, settings: Vigi
 
 def submit_many(items: list, task_ids: list[str] | None = None, *, settings: VigilSettings,
                 registry: ModelRegistry, store: RequestStore, ports: CeleryPorts,
-                priority: int | None = None) -> list[Any]:
-    """`submit` of many requests as few messages (what `generate_many` runs). In a call of
-    GC_DEFERRED_FROM requests or more, Python's cyclic garbage collector waits until the call
-    returns (`_hold_collector`)."""
+                priority: int | None = None, in_parts: bool = True) -> list[Any]:
+    """`submit` of many requests as few messages (what `generate_many` runs); `in_parts`
+    False writes a call of many parts whole before publishing any (module docstring). In a
+    call of GC_DEFERRED_FROM requests or more, Python's cyclic garbage collector waits until
+    the call returns (`_hold_collector`)."""
     held = _hold_collector(items)
     try:
         return submit(items, task_ids, settings=settings, registry=registry, store=store,
-                      ports=ports, priority=priority)
+                      ports=ports, priority=priority, in_parts=in_parts)
     finally:
         if held:
             gc.enable()
@@ -187,6 +190,19 @@ def _ids(items: object, task_ids: list[str] | None, single: bool) -> list[str]:
     return ids
 
 
+def _in_parts(entries: list[_Item], task_ids: list[str] | None, store: RequestStore) -> bool:
+    """Whether a call of more than one part may be written and published in parts: its
+    requests are of one job and one pool (the first part's write then sees every cap and the
+    job's state the call meets) and none of the ids it names has a record already (else every
+    id is answered before anything is published: one reused for a different request refuses
+    the whole call)."""
+    first = entries[0].fields
+    if any(e.fields["job"] != first["job"] or e.fields["pool"] != first["pool"]
+           for e in entries):
+        return False
+    return task_ids is None or not store.any_recorded([e.request_id for e in entries])
+
+
 def _parts(entries: list[_Item]) -> list[list[_Item]]:
     """`entries` cut into the parts a many submit writes and publishes in turn: FIRST_PART,
     then CREATE_CHUNK each."""
@@ -210,7 +226,7 @@ def _record_and_publish(parts: list[list[_Item]], store: RequestStore, ports: Ce
     for part in parts:
         rest -= ahead_of([(None, e.fields) for e in part])
         try:
-            created = _record(part, store, ports, settings, now, rest)
+            created = _record(part, store, ports, settings, now, rest, sent=len(published))
         except Exception as err:
             raise _with_submitted(err, published, ports)
         _publish_grouped([e for e in part if e.deadline_at], store, ports,
@@ -225,11 +241,13 @@ def _with_submitted(err: Exception, published: list[str], ports: CeleryPorts) ->
 
 
 def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
-            settings: VigilSettings, now: float, ahead: Counter | None = None) -> list[str]:
+            settings: VigilSettings, now: float, ahead: Counter | None = None, *,
+            sent: int = 0) -> list[str]:
     """Create the records of `entries` under the caps (`ahead`: RequestStore.create_many's);
     returns the ids created. Each entry to publish gets its deadline (a new record's, or an
-    existing one's that no message carries). A refusal deletes what was created and raises
-    its error."""
+    existing one's that no message carries). A refusal deletes every record the call's writes
+    created (those after the refused one in the same round trip too) and raises its error
+    (`sent`: how many of the call's requests were published before, for its text)."""
     created: list[str] = []
     try:
         for start in range(0, len(entries), CREATE_CHUNK):
@@ -242,12 +260,13 @@ def _record(entries: list[_Item], store: RequestStore, ports: CeleryPorts,
                 if answer in (CREATED, CREATED_NEW_JOB_QUEUE):
                     created.append(e.request_id)
                     e.deadline_at = e.fields["deadline_at"]
-                elif answer == EXISTS:
+            for e, answer in zip(part, answers):
+                if answer == EXISTS:
                     e.deadline_at = same_request_again(store, e.request_id, e.fields,
                                                        e.admitted.spec.name,
                                                        e.admitted.req.job) or 0.0
-                else:
-                    raise refusal(answer, e.admitted.req, settings)
+                elif answer not in (CREATED, CREATED_NEW_JOB_QUEUE):
+                    raise refusal(answer, e.admitted.req, settings, sent=sent)
     except BaseException:
         _forget(store, created)
         raise
