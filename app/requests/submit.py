@@ -67,7 +67,7 @@ from app.requests.schemas import newer_version
 from app.requests.version_gate import check_served
 from app.settings import VigilSettings
 from app.state.store import CREATED, CREATED_NEW_JOB_QUEUE, EXISTS, RequestStore
-from app.state.store_many import ahead_of
+from app.state.store_many import ahead_of, job_and_pool
 
 log = logging.getLogger("vigil.submit")
 
@@ -196,9 +196,8 @@ def _in_parts(entries: list[_Item], task_ids: list[str] | None, store: RequestSt
     job's state the call meets) and none of the ids it names has a record already (else every
     id is answered before anything is published: one reused for a different request refuses
     the whole call)."""
-    first = entries[0].fields
-    if any(e.fields["job"] != first["job"] or e.fields["pool"] != first["pool"]
-           for e in entries):
+    first = job_and_pool(entries[0].fields)
+    if any(job_and_pool(e.fields) != first for e in entries):
         return False
     return task_ids is None or not store.any_recorded([e.request_id for e in entries])
 
