@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from app.state import keys
 from app.state.store import RequestStore
 from app.state.transport import Acker, arriving, hold_deliveries
+from tests.redis_servers import PrivateRedis
 from tests.unit_helpers import wait_until
 
 pytestmark = pytest.mark.redis
@@ -280,3 +282,65 @@ def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
     # The message was handed over and Celery never took it in (this test's consumer is not
     # Celery's): now it is an orphan of this worker's, handed back.
     assert rt.held.reclaim_orphans() == 1 and published == [("r-arriving", 1)]
+
+
+def test_a_lost_pubsub_connection_is_raised_to_kombu_even_when_redis_is_already_back(settings):
+    """The Redis restart row's pub/sub hang (docs/failure-modes.md), provoked on purpose.
+
+    Given a kombu connection with Vigil's broker options (app/celery_app.py) consuming a fanout
+    queue (Celery's pidbox and events: kombu's pub/sub `LISTEN` connection), when Redis
+    restarts and is back before the event loop reads the closed socket, then that read raises
+    one of kombu's connection errors within the bound, for Celery to reconnect and subscribe
+    again. Never a read that reconnects under kombu: redis-py would retry it on a fresh
+    connection that kombu never subscribed again (it took the connection outside redis-py's
+    `execute_command`, so no re-subscribe callback) and wait there with no timeout (redis-py 8
+    reads pub/sub without the socket timeout): the worker's consumer thread blocked for good
+    and no queue was polled again (seen twice in tests/test_redis_restart_e2e.py)."""
+    from app.celery_app import celery_config
+    from app.requests.models import get_registry
+
+    server = PrivateRedis().start()
+    try:
+        options = celery_config(settings, get_registry())["broker_transport_options"]
+        with Connection(server.url(), transport=TRANSPORT, transport_options=options) as conn:
+            fanout = Queue("vigil.test.fanout", Exchange("vigil.test.fanout", type="fanout"))
+            got = []
+            Consumer(conn, [fanout], callbacks=[lambda body, m: got.append(body)],
+                     accept=["json"]).consume()
+            _drained(conn)  # registers and subscribes the LISTEN connection
+            with Connection(server.url()) as other:
+                Producer(other).publish({"n": 1}, exchange=fanout.exchange,
+                                        declare=[fanout.exchange], serializer="json")
+            wait_until(lambda: _drained(conn) or got == [{"n": 1}])
+
+            server.kill()
+            server.start()  # back before the loop reads the socket the restart closed
+            outcome: list = []
+
+            def read() -> None:
+                try:
+                    conn.drain_events(timeout=2)
+                    outcome.append("drained")
+                except Exception as e:  # noqa: BLE001 - what the read raised is the answer
+                    outcome.append(e)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(LOST_PUBSUB_BOUND_S)
+            assert outcome, (f"the pub/sub read still blocked {LOST_PUBSUB_BOUND_S} s after "
+                             f"Redis came back: reconnected under kombu, never subscribed again")
+            assert isinstance(outcome[0], conn.connection_errors), outcome
+    finally:
+        server.stop()
+
+
+# A lost connection's read raises at once; the bound leaves room for a loaded machine.
+LOST_PUBSUB_BOUND_S = 10.0
+
+
+def _drained(conn) -> bool:
+    try:
+        conn.drain_events(timeout=0.5)
+    except socket.timeout:
+        pass
+    return False

@@ -30,6 +30,8 @@ place kombu's channel is changed).
   (app/state/intake.py).
 - **Guards** against a queue entry that is not a message envelope, and against a channel whose
   connection was closed (`_brpop_read`, `_connparams`).
+- **No retry inside the event loop's reads.** Its BRPOP and pub/sub connections give a lost
+  connection to kombu instead of reconnecting under it (`EVENT_LOOP_NO_RETRY`).
 
 Selected by Celery's `broker_transport` (app/celery_app.py, `transport_for`): the URL keeps its
 own scheme, so everything that reads `redis://` / `sentinel://` URLs reads them unchanged.
@@ -43,6 +45,8 @@ import time
 from typing import Callable
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
@@ -56,6 +60,15 @@ log = logging.getLogger("vigil.transport")
 ACK_BATCH = 500
 # How long closing a channel waits for its queued acks to be sent.
 ACK_FLUSH_TIMEOUT_S = 5.0
+# The event loop's connections (its BRPOP and its pub/sub LISTEN) without redis-py's retry,
+# whatever the broker's `retry_on_timeout`. With it, a pub/sub read that met the socket a Redis
+# restart closed reconnected inside redis-py and read again, with no timeout (redis-py 8 reads
+# pub/sub blocking), on a connection nobody had subscribed again: kombu takes that connection
+# outside redis-py's `execute_command`, so redis-py's re-subscribe callback is never registered.
+# Whenever Redis was back before the loop read the closed socket, the worker's consumer thread
+# waited there for good and no queue was polled again. Raised instead, the loss reaches kombu
+# and Celery, which reconnect and subscribe again.
+EVENT_LOOP_NO_RETRY = {"retry_on_timeout": False, "retry": Retry(NoBackoff(), 0)}
 
 # Given a delivered message's headers, the (set key, member or members) this process holds it
 # under, or None: set by `hold_deliveries`, read on every delivery.
@@ -332,10 +345,17 @@ class _SharedClient:
         lost connection: the messages stay in kombu's unacked hash, a copy of a request still
         running is dropped as busy when it comes back (app/state/lua_records.py BEGIN), and what the
         worker no longer holds it hands back when Redis returns (workers/held.py
-        `reclaim_orphans`)."""
+        `reclaim_orphans`).
+
+        The event loop's connections (BRPOP and the pub/sub LISTEN) never retry inside
+        redis-py (`EVENT_LOOP_NO_RETRY`): a lost one is raised to kombu, which reconnects and
+        subscribes again."""
         if self.connection.client is None:
             raise redis.ConnectionError("the broker connection of this channel was closed")
-        return super()._connparams(asynchronous=asynchronous)
+        params = super()._connparams(asynchronous=asynchronous)
+        if asynchronous:
+            params.update(EVENT_LOOP_NO_RETRY)
+        return params
 
     def basic_consume(self, queue, no_ack, callback, consumer_tag, **kwargs):
         """kombu's, with each held message taken off `arriving()` once the consumer's callback
