@@ -118,6 +118,29 @@ def settings(redis_db1_url):
     return load_settings(redis_url=redis_db1_url, cache_dir=CACHE_DIR)
 
 
+@pytest.fixture(scope="module")
+def quiet_redis():
+    """A redis-server of one module's own, for the tests that count with Redis' own counters
+    (calls per command, keyspace hits and misses): those are the server's, and the suite
+    process' warm worker, once started, heartbeats on the shared one (a CI run counted 3 hits
+    for 1 in tests/test_submit_many.py)."""
+    rds = LocalRedis().start()
+    yield rds
+    rds.stop()
+
+
+@pytest.fixture()
+def quiet_settings(quiet_redis):
+    """Settings on a flushed database 1 of `quiet_redis`, its counters reset."""
+    from app.settings import load_settings
+
+    client = quiet_redis.client()
+    client.flushall()
+    client.config_resetstat()
+    return load_settings(redis_url=f"redis://127.0.0.1:{quiet_redis.port}/1",
+                         cache_dir=CACHE_DIR)
+
+
 # -- pytest-celery (celery.contrib.pytest's fixtures, re-exported by its plugin) ---------------
 @pytest.fixture()
 def celery_config(settings) -> dict:

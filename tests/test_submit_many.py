@@ -14,33 +14,11 @@ from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
 from app.requests.submit import GC_DEFERRED_FROM, submit_many
-from app.settings import load_settings
 from app.state import broker
 from app.task_names import GENERATE_MANY
-from tests.conftest import CACHE_DIR
-from tests.redis_servers import LocalRedis
 
 pytestmark = pytest.mark.redis
 POOL = "vigil.pool.tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def quiet_redis():
-    """A redis-server of this module's own, for the tests that count with Redis' own counters
-    (calls per command, keyspace hits and misses): they are the server's, and the suite
-    process' warm worker, once started, heartbeats on the shared one (a CI run counted 3 hits
-    for 1)."""
-    rds = LocalRedis().start()
-    yield rds
-    rds.stop()
-
-
-@pytest.fixture()
-def quiet_settings(quiet_redis):
-    """Settings on a flushed database of `quiet_redis`."""
-    url = f"redis://127.0.0.1:{quiet_redis.port}/1"
-    quiet_redis.client().flushall()
-    return load_settings(redis_url=url, cache_dir=CACHE_DIR)
 
 
 def many(app, settings, items, **kw):
