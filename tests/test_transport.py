@@ -18,7 +18,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from app.state import keys
 from app.state.store import RequestStore
-from app.state.transport import Acker, arriving, hold_deliveries
+from app.state.acker import Acker
+from app.state.transport import arriving, hold_deliveries
 from tests.redis_servers import PrivateRedis
 from tests.unit_helpers import wait_until
 

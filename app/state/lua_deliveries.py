@@ -29,7 +29,7 @@ return 1
 """
 
 # KEYS[1] kombu's unacked index, KEYS[2] its unacked hash. ARGV: delivery tags (at most
-# transport.ACK_BATCH). Acks them all.
+# acker.ACK_BATCH). Acks them all.
 ACK_DELIVERIES = """
 redis.call('ZREM', KEYS[1], unpack(ARGV))
 redis.call('HDEL', KEYS[2], unpack(ARGV))
