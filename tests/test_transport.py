@@ -17,8 +17,8 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from app.state import keys
-from app.state.store import RequestStore
 from app.state.acker import Acker
+from app.state.store import RequestStore
 from app.state.transport import arriving, hold_deliveries
 from tests.redis_servers import PrivateRedis
 from tests.unit_helpers import wait_until
@@ -285,6 +285,18 @@ def test_a_worker_does_not_hand_back_a_request_whose_message_is_still_arriving(
     assert rt.held.reclaim_orphans() == 1 and published == [("r-arriving", 1)]
 
 
+# A lost connection's read raises at once; the bound leaves room for a loaded machine.
+LOST_PUBSUB_BOUND_S = 10.0
+
+
+def _drained(conn) -> bool:
+    try:
+        conn.drain_events(timeout=0.5)
+    except socket.timeout:
+        pass
+    return False
+
+
 def test_a_lost_pubsub_connection_is_raised_to_kombu_even_when_redis_is_already_back(settings):
     """The Redis restart row's pub/sub hang (docs/failure-modes.md), provoked on purpose.
 
@@ -292,11 +304,12 @@ def test_a_lost_pubsub_connection_is_raised_to_kombu_even_when_redis_is_already_
     queue (Celery's pidbox and events: kombu's pub/sub `LISTEN` connection), when Redis
     restarts and is back before the event loop reads the closed socket, then that read raises
     one of kombu's connection errors within the bound, for Celery to reconnect and subscribe
-    again. Never a read that reconnects under kombu: redis-py would retry it on a fresh
-    connection that kombu never subscribed again (it took the connection outside redis-py's
-    `execute_command`, so no re-subscribe callback) and wait there with no timeout (redis-py 8
-    reads pub/sub without the socket timeout): the worker's consumer thread blocked for good
-    and no queue was polled again (seen twice in tests/test_redis_restart_e2e.py)."""
+    again; and the channel, read again, subscribes a connection it watches. Never a read
+    retried under kombu: redis-py retried it on a fresh connection that kombu never subscribed
+    again (it took the connection outside redis-py's `execute_command`, so no re-subscribe
+    callback) and waited there with no timeout (redis-py 8 reads pub/sub without the socket
+    timeout): the worker's consumer thread blocked for good and no queue was polled again
+    (seen twice in tests/test_redis_restart_e2e.py)."""
     from app.celery_app import celery_config
     from app.requests.models import get_registry
 
@@ -331,17 +344,14 @@ def test_a_lost_pubsub_connection_is_raised_to_kombu_even_when_redis_is_already_
             assert outcome, (f"the pub/sub read still blocked {LOST_PUBSUB_BOUND_S} s after "
                              f"Redis came back: reconnected under kombu, never subscribed again")
             assert isinstance(outcome[0], conn.connection_errors), outcome
+
+            # The same channel read again (as a caller that keeps its kombu connection would)
+            # watches and subscribes a fresh connection: the next fanout message arrives.
+            _drained(conn)
+            with Connection(server.url()) as other:
+                Producer(other).publish({"n": 2}, exchange=fanout.exchange,
+                                        declare=[fanout.exchange], serializer="json")
+            wait_until(lambda: _drained(conn) or got == [{"n": 1}, {"n": 2}])
     finally:
         server.stop()
 
-
-# A lost connection's read raises at once; the bound leaves room for a loaded machine.
-LOST_PUBSUB_BOUND_S = 10.0
-
-
-def _drained(conn) -> bool:
-    try:
-        conn.drain_events(timeout=0.5)
-    except socket.timeout:
-        pass
-    return False

@@ -45,11 +45,11 @@ import time
 from typing import Callable
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from app.state.acker import Acker
 from app.state.intake import brpop_keys, held_capped, intake_limits
@@ -66,7 +66,8 @@ ACK_FLUSH_TIMEOUT_S = 5.0
 # outside redis-py's `execute_command`, so redis-py's re-subscribe callback is never registered.
 # Whenever Redis was back before the loop read the closed socket, the worker's consumer thread
 # waited there for good and no queue was polled again. Raised instead, the loss reaches kombu
-# and Celery, which reconnect and subscribe again.
+# and Celery, which reconnect and subscribe again. (redis-py still reconnects once before it
+# raises: `_receive_one` closes that connection again.)
 EVENT_LOOP_NO_RETRY = {"retry_on_timeout": False, "retry": Retry(NoBackoff(), 0)}
 
 # Given a delivered message's headers, the (set key, member or members) this process holds it
@@ -264,6 +265,20 @@ class _SharedClient:
             log.error("dropped a queue entry that is not a kombu message: %s: %s",
                       type(exc).__name__, str(exc)[:200])
             return True
+
+    def _receive_one(self, c):
+        """kombu's read of one pub/sub reply, except that a connection found lost is left
+        closed. redis-py reconnects it once before raising even with no retry (its failure
+        callback runs first), and kombu would then subscribe that connection again without
+        watching its socket (its poller still lists the old one): the fanout exchanges
+        (Celery's pidbox, its events) went deaf on a channel read again after the error."""
+        try:
+            return super()._receive_one(c)
+        except self.connection_errors:
+            connection = c.connection
+            if connection is not None:
+                connection.disconnect()  # unwatched by kombu's poller; a fresh one next time
+            raise
 
     def _connparams(self, asynchronous=False):
         """kombu's, except that a channel whose connection is already closed raises a
