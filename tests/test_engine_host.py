@@ -333,7 +333,7 @@ def test_a_start_that_fails_for_a_model_another_worker_serves_is_this_workers_fa
 
 
 def test_a_real_engines_heap_is_frozen_while_it_is_up_and_thawed_for_its_shutdown(make_host):
-    """A worker of a real engine freezes its heap once the engine is up (workers/engine/heap.py):
+    """A worker of a real engine freezes its heap once the engine is up (app/heap.py):
     Python's full collections then skip the ~700,000 objects that live as long as the engine,
     each of which stopped the engine's loop for ~0.3 s under short requests. The shutdown thaws
     it, so that the engine's leftovers can be collected."""

@@ -66,7 +66,7 @@ class EngineHost:
         """`events` is what the host tells and asks its worker (HostEvents: changes, the fatal
         end, failures and successes proven by traffic, whether another worker serves a model,
         the memory plan of a start). `freeze_heap`: the process' heap is frozen while an engine
-        is up (workers/engine/heap.py: a worker of a real model engine)."""
+        is up (app/heap.py: a worker of a real model engine)."""
         events = events or HostEvents()
         self._st = HostState(events, clock, death_limit)
         self._idle_cleanup = idle_cleanup

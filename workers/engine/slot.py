@@ -24,7 +24,7 @@ from typing import Callable
 from app.errors import ENGINE_START_FAILED, RequestError, WorkerFatalError
 from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
-from workers.engine.heap import freeze_heap, thaw_heap
+from app.heap import freeze_heap, thaw_heap
 from workers.engine.host_state import HostState
 from workers.engine.memory import MemoryPlan
 from workers.engine.warm_up import warm_lanes, warms_lora
@@ -40,7 +40,7 @@ class EngineSlot:
     def __init__(self, st: HostState, factory: EngineFactory, *, shutdown_timeout: float,
                  engine_start_timeout: float, freeze: bool = False):
         """`freeze`: freeze the process' heap once each engine is up, thaw it before its
-        shutdown (workers/engine/heap.py; a worker of a real model engine)."""
+        shutdown (app/heap.py; a worker of a real model engine)."""
         self._st = st
         self._freeze = freeze
         self.factory = factory

@@ -1,5 +1,5 @@
-"""The worker's Python heap under the garbage collector (one part of the engine slot,
-workers/engine/slot.py).
+"""A long-lived process' Python heap under the garbage collector: a worker's while its engine
+is up (workers/engine/slot.py).
 
 A worker's heap is large and almost all of it lives as long as its engine: the interpreter, its
 imports (torch, transformers, Celery) and the engine's front end, some 700,000 objects. Python's
