@@ -1,5 +1,6 @@
 """A long-lived process' Python heap under the garbage collector: a worker's while its engine
-is up (workers/engine/slot.py).
+is up (workers/engine/slot.py), a `vigil api` process' once its gateway has started
+(app/ops/gateway.py).
 
 A worker's heap is large and almost all of it lives as long as its engine: the interpreter, its
 imports (torch, transformers, Celery) and the engine's front end, some 700,000 objects. Python's
