@@ -27,7 +27,8 @@ GEN0_THRESHOLD = 20_000
 def freeze_heap() -> int:
     """Collect what is garbage now, then freeze every object left (the collector no longer walks
     them) and collect the youngest generation every GEN0_THRESHOLD allocations; returns how many
-    objects are frozen. Call once an engine is up."""
+    objects are frozen. Call once the process' long-lived objects are built (an engine up, a
+    gateway's imports); calling it again freezes what was made since."""
     gc.collect()
     gc.freeze()
     young, older, oldest = gc.get_threshold()

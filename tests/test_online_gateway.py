@@ -139,11 +139,11 @@ async def _revoked(redis_db1_url):
 @pytest.mark.parametrize("warm", [False, True])
 def test_a_vigil_api_gateway_freezes_its_heap_once_started(redis_db1_url, warm):
     """A `vigil api` process' gateway (`freeze_heap`, as `Gateway.from_settings` builds it)
-    freezes the heap once its render modules are imported and, when it warms, its lanes are
-    built (app/heap.py): Python's full collections then skip the ~645,000 objects of vLLM,
-    transformers and torch it holds for good, each walk of which took ~0.3 s of CPU and stopped
-    the event loop relaying every open stream. A gateway built without it (inside another
-    program, these tests) leaves the heap alone."""
+    freezes the heap once its render modules are imported, before it serves, and, when it
+    warms, again once its lanes are built (app/heap.py): Python's full collections then skip
+    the ~645,000 objects of vLLM, transformers and torch it holds for good, each walk of which
+    took ~0.3 s of CPU and stopped the event loop relaying every open stream. A gateway built
+    without it (inside another program, these tests) leaves the heap alone."""
     import gc
 
     settings = load_settings(redis_url=redis_db1_url, cache_dir=CACHE_DIR, api_token=ADMIN)
@@ -156,10 +156,12 @@ def test_a_vigil_api_gateway_freezes_its_heap_once_started(redis_db1_url, warm):
             assert gc.get_freeze_count() == 0
         gw = Gateway(settings, store, get_registry(), Ports(), warm=warm, freeze_heap=True)
         with TestClient(create_api(store.batches(), settings, gateway=gw)):
+            started = gc.get_freeze_count()
+            assert started > 0 and gc.get_threshold()[0] >= 20_000
             if warm:
                 gw._warming.join(120)
-                assert gw.renderers.lane_now(MODEL) is not None
-            assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 20_000
+                assert not gw._warming.is_alive(), "the lanes were not built within 120 s"
+                assert gc.get_freeze_count() > started  # the lanes' objects frozen too
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)

@@ -129,16 +129,18 @@ class Renderers:
                      type(lane.tokenizer).__name__, lane.max_model_len)
             return lane
 
-    def warm(self) -> None:
+    def warm(self) -> bool:
         """Build every model's lane now (at start: the first request then waits for nothing);
-        a model that fails is logged and answers its error per request."""
+        a model that fails is logged and answers its error per request. False when
+        `stop_warming` ended it early."""
         for name in self.registry.names():
             if self._stop_warming.is_set():
-                return
+                return False
             try:
                 self.lane_now(name)
             except RequestError as e:
                 log.warning("online API: %s", e)
+        return True
 
     def stop_warming(self) -> None:
         """`warm` builds no more lanes (the one under way finishes)."""

@@ -15,7 +15,7 @@ import threading
 from app.celery_app import shared_app
 from app.fleet.cancel import cancel_requests
 from app.first_imports import GATEWAY_MODULES, import_first, vllm_env_defaults
-from app.heap import freeze_heap
+from app import heap
 from app.online.render import Renderers
 from app.online.serving import OnlineCalls
 from app.requests.model_files import ensure_model_files
@@ -40,9 +40,9 @@ class Gateway:
                  ports, *, warm: bool = True, freeze_heap: bool = False):
         self.settings, self.store, self.registry, self.ports = settings, store, registry, ports
         self.warm = warm  # build every model's render lane at start (on a thread)
-        # Freeze the process' heap once the render modules (and, warm, the lanes) are built
-        # (app/heap.py): a `vigil api` process, not a gateway inside another program.
-        self.freezes_heap = freeze_heap
+        # Freeze the process' heap once the render modules are imported, and again once warm
+        # lanes are built (app/heap.py): a `vigil api` process, not a gateway in a program.
+        self.freeze_heap = freeze_heap
         self._warming: threading.Thread | None = None
         self.renderers = Renderers(registry, ensure_model_files)
         self.calls: OnlineCalls | None = None
@@ -80,11 +80,14 @@ class Gateway:
     async def start(self) -> None:
         """Import vLLM's render modules before any request is served (app/first_imports.py),
         open the async side on the running loop, mark SIGTERM/SIGINT as a stop, and build the
-        render lanes on a thread (requests meanwhile wait for their model's lane); then, with
-        `freeze_heap`, freeze the heap (`_freeze`)."""
+        render lanes on a thread (requests meanwhile wait for their model's lane). With
+        `freeze_heap`, the heap is frozen after the imports and again after the lanes
+        (`_freeze`)."""
         vllm_env_defaults()
         took = await asyncio.to_thread(import_first, GATEWAY_MODULES)
         log.info("online API: imported vLLM's render modules in %.1f s", took)
+        if self.freeze_heap:  # before any request is served: nothing of one frozen with it
+            self._freeze()
         client = async_client(self.settings)
         backend = self.ports.backend
         self.hub = LiveHub(client, lambda rid: backend.get_key_for_task(rid))
@@ -99,12 +102,11 @@ class Gateway:
             self._warming = threading.Thread(target=self._warm, name="vigil-render-warm",
                                              daemon=True)
             self._warming.start()
-        elif self.freezes_heap:
-            self._freeze()
 
     def _warm(self) -> None:
-        self.renderers.warm()
-        if self.freezes_heap:
+        """Build every render lane; then, with `freeze_heap` and unless stopped meanwhile,
+        freeze what they added (a few requests in flight by then may be frozen with it)."""
+        if self.renderers.warm() and self.freeze_heap:
             self._freeze()
 
     def _freeze(self) -> None:
@@ -113,7 +115,7 @@ class Gateway:
         collection walked them all, ~0.3 s of CPU holding the GIL here, while the event loop
         relaying every open stream stood still."""
         log.info("online API: heap frozen (%d objects out of the collector's sight)",
-                 freeze_heap())
+                 heap.freeze_heap())
 
     def _mark_stops(self) -> None:
         if threading.current_thread() is not threading.main_thread():

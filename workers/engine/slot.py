@@ -22,9 +22,9 @@ import time
 from typing import Callable
 
 from app.errors import ENGINE_START_FAILED, RequestError, WorkerFatalError
+from app.heap import freeze_heap, thaw_heap
 from app.requests.models import ModelSpec
 from workers.engine.classify import classify_load_failure
-from app.heap import freeze_heap, thaw_heap
 from workers.engine.host_state import HostState
 from workers.engine.memory import MemoryPlan
 from workers.engine.warm_up import warm_lanes, warms_lora
