@@ -12,10 +12,10 @@ import logging
 import signal
 import threading
 
+from app import heap
 from app.celery_app import shared_app
 from app.fleet.cancel import cancel_requests
 from app.first_imports import GATEWAY_MODULES, import_first, vllm_env_defaults
-from app import heap
 from app.online.render import Renderers
 from app.online.serving import OnlineCalls
 from app.requests.model_files import ensure_model_files
