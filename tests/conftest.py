@@ -141,6 +141,20 @@ def quiet_settings(quiet_redis):
                          cache_dir=CACHE_DIR)
 
 
+@pytest.fixture()
+def heap_restored():
+    """For a test of app/heap.py's freeze: the test process' heap unfrozen before it, and
+    after it unfrozen again with the collector's thresholds as they were (a frozen heap left
+    behind would keep later tests' garbage from ever being collected)."""
+    import gc
+
+    gc.unfreeze()
+    threshold = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
+
+
 # -- pytest-celery (celery.contrib.pytest's fixtures, re-exported by its plugin) ---------------
 @pytest.fixture()
 def celery_config(settings) -> dict:

@@ -332,25 +332,20 @@ def test_a_start_that_fails_for_a_model_another_worker_serves_is_this_workers_fa
         alone.generate(req(), A, "r2", 5)
 
 
-def test_a_real_engines_heap_is_frozen_while_it_is_up_and_thawed_for_its_shutdown(make_host):
+def test_a_real_engines_heap_is_frozen_while_it_is_up_and_thawed_for_its_shutdown(
+        make_host, heap_restored):
     """A worker of a real engine freezes its heap once the engine is up (app/heap.py):
     Python's full collections then skip the ~700,000 objects that live as long as the engine,
     each of which stopped the engine's loop for ~0.3 s under short requests. The shutdown thaws
     it, so that the engine's leftovers can be collected."""
     import gc
 
-    gc.unfreeze()
-    threshold = gc.get_threshold()
-    try:
-        f = Factory()
-        host = make_host(f, freeze_heap=True)
-        host.preload(A, timeout=10)
-        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 20_000
-        host.shutdown(timeout=1)
-        assert f.log[-1] == ("shutdown", "model-a") and gc.get_freeze_count() == 0
-        plain = make_host(Factory())  # a host of fake engines leaves the heap alone
-        plain.preload(A, timeout=10)
-        assert gc.get_freeze_count() == 0
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
+    f = Factory()
+    host = make_host(f, freeze_heap=True)
+    host.preload(A, timeout=10)
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 20_000
+    host.shutdown(timeout=1)
+    assert f.log[-1] == ("shutdown", "model-a") and gc.get_freeze_count() == 0
+    plain = make_host(Factory())  # a host of fake engines leaves the heap alone
+    plain.preload(A, timeout=10)
+    assert gc.get_freeze_count() == 0

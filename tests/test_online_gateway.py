@@ -137,7 +137,7 @@ async def _revoked(redis_db1_url):
 
 
 @pytest.mark.parametrize("warm", [False, True])
-def test_a_vigil_api_gateway_freezes_its_heap_once_started(redis_db1_url, warm):
+def test_a_vigil_api_gateway_freezes_its_heap_once_started(redis_db1_url, warm, heap_restored):
     """A `vigil api` process' gateway (`freeze_heap`, as `Gateway.from_settings` builds it)
     freezes the heap once its render modules are imported, before it serves, and, when it
     warms, again once its lanes are built (app/heap.py): Python's full collections then skip
@@ -148,20 +148,14 @@ def test_a_vigil_api_gateway_freezes_its_heap_once_started(redis_db1_url, warm):
 
     settings = load_settings(redis_url=redis_db1_url, cache_dir=CACHE_DIR, api_token=ADMIN)
     store = RequestStore(connect(settings), settings.result_ttl)
-    gc.unfreeze()
-    threshold = gc.get_threshold()
-    try:
-        plain = Gateway(settings, store, get_registry(), Ports(), warm=False)
-        with TestClient(create_api(store.batches(), settings, gateway=plain)):
-            assert gc.get_freeze_count() == 0
-        gw = Gateway(settings, store, get_registry(), Ports(), warm=warm, freeze_heap=True)
-        with TestClient(create_api(store.batches(), settings, gateway=gw)):
-            started = gc.get_freeze_count()
-            assert started > 0 and gc.get_threshold()[0] >= 20_000
-            if warm:
-                gw._warming.join(120)
-                assert not gw._warming.is_alive(), "the lanes were not built within 120 s"
-                assert gc.get_freeze_count() > started  # the lanes' objects frozen too
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
+    plain = Gateway(settings, store, get_registry(), Ports(), warm=False)
+    with TestClient(create_api(store.batches(), settings, gateway=plain)):
+        assert gc.get_freeze_count() == 0
+    gw = Gateway(settings, store, get_registry(), Ports(), warm=warm, freeze_heap=True)
+    with TestClient(create_api(store.batches(), settings, gateway=gw)):
+        started = gc.get_freeze_count()
+        assert started > 0 and gc.get_threshold()[0] >= 20_000
+        if warm:
+            gw._warming.join(120)
+            assert not gw._warming.is_alive(), "the lanes were not built within 120 s"
+            assert gc.get_freeze_count() > started  # the lanes' objects frozen too
