@@ -1,7 +1,8 @@
 """Redis tier: submitting many requests at once (app/requests/submit.py) through the real
 app on a real Redis (database 1): each request its own record and result handle, the messages
 carrying up to K requests each, grouped by queue and tier; all or nothing when one is wrong or
-refused."""
+refused; and, on the same counters, when the one request `.delay` sends subscribes to its
+result."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from app.celery_app import create_app
 from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
-from app.requests.submit import GC_DEFERRED_FROM, submit_many
+from app.requests.submit import GC_DEFERRED_FROM, submit_many, submit_request
 from app.state import broker
 from app.task_names import GENERATE_MANY
 
@@ -241,6 +242,30 @@ def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(quie
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
     assert "subscribe" not in calls and "psubscribe" not in calls
+
+
+def test_a_request_sent_alone_subscribes_to_its_result_only_when_its_get_waits(quiet_settings):
+    """Given two requests sent alone (the submit `.delay` runs), then Redis counts no SUBSCRIBE
+    for the sends and no UNSUBSCRIBE when one's handle is dropped unread; and the other's
+    `get()`, its result stored 0.3 s into the wait, subscribes once and returns it. Celery's
+    backend subscribed at every send and unsubscribed at every dropped handle, two commands a
+    `.delay` (app/result_backend.py, module docstring)."""
+    import gc
+
+    app = create_app(quiet_settings)
+    raw = app.vigil_store.raw
+    sent = [submit_request({"model": "tiny-llama", "prompt": f"a{i}", "max_tokens": 1},
+                           settings=quiet_settings, registry=get_registry(),
+                           store=app.vigil_store, ports=app.vigil_ports) for i in range(2)]
+    del sent[1]
+    gc.collect()
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    assert calls.get("lpush") == 2  # both messages went out
+    assert "subscribe" not in calls and "unsubscribe" not in calls
+    got = stored_while_waiting(quiet_settings, sent[0])
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    assert got["text"] == "late"
+    assert calls.get("subscribe") == 1
 
 
 def test_a_collector_reads_stored_results_as_celery_decodes_them_without_its_hook(
