@@ -268,6 +268,23 @@ def test_a_request_sent_alone_subscribes_to_its_result_only_when_its_get_waits(q
     assert calls.get("subscribe") == 1
 
 
+def test_a_callback_given_after_its_result_was_stored_gets_it_at_once(quiet_settings):
+    """Given a request sent alone whose result is stored (from another app's connections, as a
+    worker's FINISH stores it) before `then()` is given a callback, then the callback gets the
+    result at once: nothing had subscribed to the result's channel when it was stored, so its
+    message reached no one, and `then` reads the key after subscribing
+    (app/requests/async_result.py)."""
+    app = create_app(quiet_settings)
+    sent = submit_request({"model": "tiny-llama", "prompt": "early", "max_tokens": 1},
+                          settings=quiet_settings, registry=get_registry(),
+                          store=app.vigil_store, ports=app.vigil_ports)
+    stored = {"request_id": sent.id, "text": "early"}
+    create_app(quiet_settings).backend.store_result(sent.id, stored, "SUCCESS")
+    got = []
+    sent.then(lambda r: got.append(r.result))
+    assert got == [stored]
+
+
 def test_a_collector_reads_stored_results_as_celery_decodes_them_without_its_hook(
         settings, monkeypatch):
     """Given stored results of every shape a key holds (a result with nested dicts and text

@@ -71,6 +71,17 @@ class VigilAsyncResult(AsyncResult):
                                          signal=signal, reply=wait, timeout=timeout)
         return answer.get(self.id) if isinstance(answer, dict) else None
 
+    def then(self, callback, on_error=None, weak=False):
+        """Celery's `then` (it subscribes to the result's channel), which also reads the result
+        key once after subscribing: Vigil's backend subscribes when a caller waits, not at the
+        send (app/result_backend.py), so a result stored before `then` published its message
+        to no one, and the callback gets it from the key, at once. A ResultSet's members (a
+        `group`'s) are given their barrier this way."""
+        promise = super().then(callback, on_error, weak=weak)
+        if self._cache is None:
+            self._get_task_meta()
+        return promise
+
     @property
     def info(self):
         """The result or exception once ready; before that, why_waiting(id) (falling back to
