@@ -285,6 +285,25 @@ def test_a_callback_given_after_its_result_was_stored_gets_it_at_once(quiet_sett
     assert got == [stored]
 
 
+def test_a_result_set_of_results_stored_before_it_was_built_is_joined(quiet_settings):
+    """Given two requests sent alone, both results stored before a Celery ResultSet of their
+    handles is built (as `GroupResult.restore` builds one), then its `get()` returns both, in
+    order: `then` does not read a member's key for the set's barrier (vine's barrier never
+    fires when every member fires while it is built), and the join reads the keys."""
+    from celery.result import ResultSet
+
+    app = create_app(quiet_settings)
+    sent = [submit_request({"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1},
+                           settings=quiet_settings, registry=get_registry(),
+                           store=app.vigil_store, ports=app.vigil_ports) for i in range(2)]
+    other = create_app(quiet_settings)
+    stored = [{"request_id": r.id, "text": f"s{i}"} for i, r in enumerate(sent)]
+    for r, value in zip(sent, stored):
+        other.backend.store_result(r.id, value, "SUCCESS")
+    handles = [app.AsyncResult(r.id) for r in sent]
+    assert ResultSet(handles, app=app).get(timeout=5) == stored
+
+
 def test_a_collector_reads_stored_results_as_celery_decodes_them_without_its_hook(
         settings, monkeypatch):
     """Given stored results of every shape a key holds (a result with nested dicts and text
