@@ -13,8 +13,9 @@ Celery's Redis backend also subscribes to a task's result channel as the task is
 producer's pub/sub connection for every `.delay`, whether anyone waits or not. Waiting
 subscribes anyway: Celery's `get` subscribes first and then reads the result key (its
 `on_wait_for_pending`), so a result stored before the subscription is read, not missed. Vigil's
-backend subscribes only then (`_SubscribeOnWait`): the send costs one round trip less, and a
-producer that sends many and waits later subscribes to each once, while it waits.
+backend subscribes only then (`_SubscribeOnWait`): a send writes one command to Redis less,
+a dropped handle none, and a producer that sends many and waits later subscribes to each once,
+while it waits.
 """
 from __future__ import annotations
 
