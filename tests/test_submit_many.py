@@ -27,6 +27,17 @@ def many(app, settings, items, **kw):
                        store=app.vigil_store, ports=app.vigil_ports, **kw)
 
 
+def one(app, settings, kwargs):
+    """The submit `.delay` runs, of one request: its handle."""
+    return submit_request(kwargs, settings=settings, registry=get_registry(),
+                          store=app.vigil_store, ports=app.vigil_ports)
+
+
+def commands_called(raw) -> dict:
+    """Redis' own count of calls per command since its counters were reset: {name: calls}."""
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+
+
 def stored_while_waiting(settings, result) -> dict:
     """`result.get()`'s answer when its result is stored 0.3 s after the get began, from
     another app's connections (as a worker's FINISH stores it); Redis' command counters are
@@ -145,7 +156,7 @@ def test_reading_one_result_reads_the_ended_siblings_after_it_in_the_same_round_
     raw = app.vigil_store.raw
     raw.config_resetstat()
     got = [r.get(timeout=5, propagate=False) for r in ended]
-    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    calls = commands_called(raw)
     assert [g["text"] for g in got[:-1]] == [f"t{i}" for i in range(len(ended) - 1)]
     assert "too much" in str(got[-1])
     assert calls.get("mget") == -(-len(ended) // SIBLINGS_READ) == 2
@@ -238,7 +249,7 @@ def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(quie
                                           "max_tokens": 1} for i in range(3)])
     raw = app.vigil_store.raw
     got = stored_while_waiting(quiet_settings, results[1])
-    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    calls = commands_called(raw)
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
     assert "subscribe" not in calls and "psubscribe" not in calls
@@ -254,16 +265,15 @@ def test_a_request_sent_alone_subscribes_to_its_result_only_when_its_get_waits(q
 
     app = create_app(quiet_settings)
     raw = app.vigil_store.raw
-    sent = [submit_request({"model": "tiny-llama", "prompt": f"a{i}", "max_tokens": 1},
-                           settings=quiet_settings, registry=get_registry(),
-                           store=app.vigil_store, ports=app.vigil_ports) for i in range(2)]
+    sent = [one(app, quiet_settings, {"model": "tiny-llama", "prompt": f"a{i}", "max_tokens": 1})
+            for i in range(2)]
     del sent[1]
     gc.collect()
-    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    calls = commands_called(raw)
     assert calls.get("lpush") == 2  # both messages went out
     assert "subscribe" not in calls and "unsubscribe" not in calls
     got = stored_while_waiting(quiet_settings, sent[0])
-    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in raw.info("commandstats").items()}
+    calls = commands_called(raw)
     assert got["text"] == "late"
     assert calls.get("subscribe") == 1
 
@@ -275,9 +285,7 @@ def test_a_callback_given_after_its_result_was_stored_gets_it_at_once(quiet_sett
     message reached no one, and `then` reads the key after subscribing
     (app/requests/async_result.py)."""
     app = create_app(quiet_settings)
-    sent = submit_request({"model": "tiny-llama", "prompt": "early", "max_tokens": 1},
-                          settings=quiet_settings, registry=get_registry(),
-                          store=app.vigil_store, ports=app.vigil_ports)
+    sent = one(app, quiet_settings, {"model": "tiny-llama", "prompt": "early", "max_tokens": 1})
     stored = {"request_id": sent.id, "text": "early"}
     create_app(quiet_settings).backend.store_result(sent.id, stored, "SUCCESS")
     got = []
@@ -293,9 +301,8 @@ def test_a_result_set_of_results_stored_before_it_was_built_is_joined(quiet_sett
     from celery.result import ResultSet
 
     app = create_app(quiet_settings)
-    sent = [submit_request({"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1},
-                           settings=quiet_settings, registry=get_registry(),
-                           store=app.vigil_store, ports=app.vigil_ports) for i in range(2)]
+    sent = [one(app, quiet_settings, {"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1})
+            for i in range(2)]
     other = create_app(quiet_settings)
     stored = [{"request_id": r.id, "text": f"s{i}"} for i, r in enumerate(sent)]
     for r, value in zip(sent, stored):
