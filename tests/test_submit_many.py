@@ -1,8 +1,7 @@
 """Redis tier: submitting many requests at once (app/requests/submit.py) through the real
 app on a real Redis (database 1): each request its own record and result handle, the messages
 carrying up to K requests each, grouped by queue and tier; all or nothing when one is wrong or
-refused; and, on the same counters, when the one request `.delay` sends subscribes to its
-result."""
+refused."""
 from __future__ import annotations
 
 import json
@@ -14,7 +13,7 @@ from app.celery_app import create_app
 from app.errors import RequestError, TransientError
 from app.requests.async_result import SIBLINGS_READ
 from app.requests.models import get_registry
-from app.requests.submit import GC_DEFERRED_FROM, submit_many, submit_request
+from app.requests.submit import GC_DEFERRED_FROM, submit_many
 from app.state import broker
 from app.task_names import GENERATE_MANY
 
@@ -25,12 +24,6 @@ POOL = "vigil.pool.tiny-llama"
 def many(app, settings, items, **kw):
     return submit_many(items, settings=settings, registry=get_registry(),
                        store=app.vigil_store, ports=app.vigil_ports, **kw)
-
-
-def one(app, settings, kwargs):
-    """The submit `.delay` runs, of one request: its handle."""
-    return submit_request(kwargs, settings=settings, registry=get_registry(),
-                          store=app.vigil_store, ports=app.vigil_ports)
 
 
 def commands_called(raw) -> dict:
@@ -253,62 +246,6 @@ def test_a_result_stored_while_its_get_waits_is_read_without_a_subscription(quie
     assert got["text"] == "late"
     assert calls.get("mget", 0) >= 2  # read before it was stored, and after
     assert "subscribe" not in calls and "psubscribe" not in calls
-
-
-def test_a_request_sent_alone_subscribes_to_its_result_only_when_its_get_waits(quiet_settings):
-    """Given two requests sent alone (the submit `.delay` runs), then Redis counts no SUBSCRIBE
-    for the sends and no UNSUBSCRIBE when one's handle is dropped unread; and the other's
-    `get()`, its result stored 0.3 s into the wait, subscribes once and returns it. Celery's
-    backend subscribed at every send and unsubscribed at every dropped handle, two commands a
-    `.delay` (app/result_backend.py, module docstring)."""
-    import gc
-
-    app = create_app(quiet_settings)
-    raw = app.vigil_store.raw
-    sent = [one(app, quiet_settings, {"model": "tiny-llama", "prompt": f"a{i}", "max_tokens": 1})
-            for i in range(2)]
-    del sent[1]
-    gc.collect()
-    calls = commands_called(raw)
-    assert calls.get("lpush") == 2  # both messages went out
-    assert "subscribe" not in calls and "unsubscribe" not in calls
-    got = stored_while_waiting(quiet_settings, sent[0])
-    calls = commands_called(raw)
-    assert got["text"] == "late"
-    assert calls.get("subscribe") == 1
-
-
-def test_a_callback_given_after_its_result_was_stored_gets_it_at_once(quiet_settings):
-    """Given a request sent alone whose result is stored (from another app's connections, as a
-    worker's FINISH stores it) before `then()` is given a callback, then the callback gets the
-    result at once: nothing had subscribed to the result's channel when it was stored, so its
-    message reached no one, and `then` reads the key after subscribing
-    (app/requests/async_result.py)."""
-    app = create_app(quiet_settings)
-    sent = one(app, quiet_settings, {"model": "tiny-llama", "prompt": "early", "max_tokens": 1})
-    stored = {"request_id": sent.id, "text": "early"}
-    create_app(quiet_settings).backend.store_result(sent.id, stored, "SUCCESS")
-    got = []
-    sent.then(lambda r: got.append(r.result))
-    assert got == [stored]
-
-
-def test_a_result_set_of_results_stored_before_it_was_built_is_joined(quiet_settings):
-    """Given two requests sent alone, both results stored before a Celery ResultSet of their
-    handles is built (as `GroupResult.restore` builds one), then its `get()` returns both, in
-    order: `then` does not read a member's key for the set's barrier (vine's barrier never
-    fires when every member fires while it is built), and the join reads the keys."""
-    from celery.result import ResultSet
-
-    app = create_app(quiet_settings)
-    sent = [one(app, quiet_settings, {"model": "tiny-llama", "prompt": f"s{i}", "max_tokens": 1})
-            for i in range(2)]
-    other = create_app(quiet_settings)
-    stored = [{"request_id": r.id, "text": f"s{i}"} for i, r in enumerate(sent)]
-    for r, value in zip(sent, stored):
-        other.backend.store_result(r.id, value, "SUCCESS")
-    handles = [app.AsyncResult(r.id) for r in sent]
-    assert ResultSet(handles, app=app).get(timeout=5) == stored
 
 
 def test_a_collector_reads_stored_results_as_celery_decodes_them_without_its_hook(

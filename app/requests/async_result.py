@@ -29,7 +29,6 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from vine import barrier
 
 from app import metrics
 from app.errors import REQUEST_LOST, TerminalError, TransientError, error_from_record
@@ -71,22 +70,6 @@ class VigilAsyncResult(AsyncResult):
         answer = self.app.control.revoke(self.id, connection=connection, terminate=terminate,
                                          signal=signal, reply=wait, timeout=timeout)
         return answer.get(self.id) if isinstance(answer, dict) else None
-
-    def then(self, callback, on_error=None, weak=False):
-        """Celery's `then` (it subscribes to the result's channel), which also reads the result
-        key once after subscribing: Vigil's backend subscribes when a caller waits, not at the
-        send (app/result_backend.py), so a result stored before `then` published its message
-        to no one, and the callback gets it from the key, at once. Not for a ResultSet's
-        barrier (a `group`'s results, a ResultSet built of handles): vine's barrier counts the
-        members that fire while it is being built and never fires when all of them do, and a
-        join reads every member's key after its subscription anyway (Celery's
-        `on_wait_for_pending`). The read follows a SUBSCRIBE whose answer is not awaited, as
-        Celery's `get` does: a result stored between the two is missed by `then`, not by
-        `get`, which reads again (and looks at the record) every RECORD_CHECK_S."""
-        promise = super().then(callback, on_error, weak=weak)
-        if self._cache is None and not isinstance(callback, barrier):
-            self._get_task_meta()
-        return promise
 
     @property
     def info(self):
