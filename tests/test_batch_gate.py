@@ -1,8 +1,9 @@
 """Unit tier: waiting is not wedging, for any tier (docs/failure-modes.md, "Wedges").
 
-The engine host lets a request into the engine only into a free batch seat (the batch gate,
-workers/engine/tier_gate.py), so `VIGIL_REQUEST_TIMEOUT` (the wedge clock) never counts time a
-request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
+The engine host lets at most one batch past the engine's own wait inside vLLM for its slots
+(the batch gate, workers/engine/tier_gate.py, "One batch ahead"), and `VIGIL_REQUEST_TIMEOUT`
+(the wedge clock) of such a run starts only when the gate hands it a slot, so it never counts
+time a request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
 as vLLM does: it runs at most `max_num_seqs` requests, the rest wait inside it in vLLM's
 priority order (tier, then arrival), and each request, once scheduled, takes `work_s`."""
 from __future__ import annotations
@@ -42,11 +43,13 @@ class Queueing:
         self.stepping = threading.Event()
         self.stepping.set()
         self.release: threading.Event | None = None  # set: runs last until it is set instead
+        self.hang: set[str] = set()  # prompts whose runs never end (until aborted)
         self.running: list[str] = []
         self.waiting: list[tuple[int, int, str]] = []
         self.started: list[str] = []
         self.peak_waiting = 0
         self.waited: list[str] = []  # the runs that waited inside it
+        self.inside_at_entry: dict[str, int] = {}  # run -> the runs inside it as it entered
         self._arrivals = 0
         self._turn = None
 
@@ -59,6 +62,7 @@ class Queueing:
         self._arrivals += 1
         me = (engine_priority(r.priority), self._arrivals, rid)
         async with self._turn:
+            self.inside_at_entry[rid] = len(self.running) + len(self.waiting)
             self.waiting.append(me)
             self.waiting.sort()
             self.peak_waiting = max(self.peak_waiting, len(self.waiting) - (
@@ -75,8 +79,8 @@ class Queueing:
             self.started.append(rid)
         try:
             end = time.monotonic() + self.work_s
-            while (time.monotonic() < end if self.release is None
-                   else not self.release.is_set()):
+            while r.prompt in self.hang or (time.monotonic() < end if self.release is None
+                                            else not self.release.is_set()):
                 if self.stepping.is_set():
                     self.progress += 1
                 await asyncio.sleep(0.01)
@@ -96,23 +100,54 @@ class Queueing:
 def test_a_message_of_eight_on_two_slots_waits_for_slots_and_nothing_wedges(make_host):
     """The issue's scenario: an engine of 2 slots, 0.3 s per request, a request timeout of
     0.5 s, one message of 8 (the host's `submit_many`, as workers/service.py starts one).
-    Every request ends ok, no health failure is reported, and none ever waited inside the
-    engine: the wedge clock ran only while each held a slot (eb37a72: 2 ok, 6 wedged, 6
-    failures)."""
+    Every request ends ok and no health failure is reported, though two at a time waited
+    inside the engine (0.3 s) before their run (0.3 s): the wedge clock ran only while each
+    held a slot (eb37a72: 2 ok, 6 wedged, 6 failures; a clock started at the entry into
+    vLLM: the waiting ones wedged)."""
     eng = Queueing(max_num_seqs=2, work_s=0.3)
     failures: list[str] = []
     host = make_host(eng, on_failure=failures.append)
     pendings = host.submit_many([(req(f"p{i}"), SPEC, f"r{i}-1", 0.5, None, None, False)
                                  for i in range(8)])
     assert [host.result(p).text for p in pendings] == [f"p{i}" for i in range(8)]
-    assert failures == [] and eng.peak_waiting == 0
+    assert failures == []
+    assert eng.peak_waiting == 2  # one batch ahead, never more
+    assert eng.waited == [f"r{i}-1" for i in range(2, 8)]
     assert eng.started == [f"r{i}-1" for i in range(8)]  # in arrival order
 
 
-def test_every_tier_gets_slots_in_tier_order_then_arrival_order_outside_the_engine(make_host):
+def test_a_run_waiting_inside_the_engine_starts_its_wedge_clock_when_it_gets_a_slot(make_host):
+    """Given an engine of one slot running a request for 0.8 s and a second request, with a
+    request timeout of 0.5 s, that never finishes once scheduled, then the second waits inside
+    the engine past its timeout without ending, and ends `wedged` only after it got the slot:
+    its clock starts when the gate hands it the slot the first one freed (red when the clock
+    runs from its entry into vLLM: wedged before it ever ran; red when it never starts: no
+    end at all)."""
+    eng = Queueing(max_num_seqs=1, work_s=0.8)
+    eng.hang.add("hang")
+    failures: list[str] = []
+    host = make_host(eng, on_failure=failures.append)
+    first = host.submit(req("first"), SPEC, "first-1", 5)
+    wait_until(lambda: eng.running == ["first-1"])
+    hung = host.submit(req("hang"), SPEC, "hang-1", 0.5)
+    wait_until(lambda: eng.waited == ["hang-1"])
+    assert host.result(first).text == "first"
+    pool = ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(TransientError, match="^wedged: request hang-1 got no answer"):
+            pool.submit(host.result, hung).result(timeout=10)
+    finally:
+        pool.shutdown(wait=False)
+        host.abort_requests({"hang"})
+    assert eng.started == ["first-1", "hang-1"] and len(failures) == 1
+
+
+def test_every_tier_gets_slots_in_tier_order_then_arrival_order(make_host):
     """Given a full batch and default, bulk and interactive requests arriving in that order,
-    then none of them waits inside the engine, and freed slots go to the interactive request
-    first, then the default ones by arrival, then bulk."""
+    then freed slots go to the interactive request first, then the default ones by arrival,
+    then bulk: a bulk run waiting inside the engine does not keep a later default one out of
+    it (the seats a run counts are those of its tier and the more urgent ones), and vLLM's
+    order inside does the rest."""
     eng = Queueing(max_num_seqs=2)
     eng.release = threading.Event()
     host = make_host(eng)
@@ -127,7 +162,7 @@ def test_every_tier_gets_slots_in_tier_order_then_arrival_order_outside_the_engi
     eng.release.set()
     assert [host.result(p).text for p in first + later + [urgent]] == [
         "f0", "f1", "d1", "b1", "d2", "i1"]
-    assert eng.started[2:] == ["i1-1", "d1-1", "d2-1", "b1-1"] and eng.peak_waiting == 0
+    assert eng.started[2:] == ["i1-1", "d1-1", "d2-1", "b1-1"] and eng.peak_waiting == 4
 
 
 def test_waiting_for_a_slot_does_not_use_up_the_wait_for_an_engine(make_host):
@@ -163,14 +198,13 @@ def test_an_engine_that_makes_no_steps_is_still_a_stall_for_the_runs_and_those_w
     wait_until(lambda: eng.running == [] and host.snapshot()["in_flight"] == 0)
 
 
-def test_short_runs_queue_batches_inside_the_engine_and_a_long_run_waits_for_its_size(
-        make_host):
+def test_short_runs_queue_batches_inside_the_engine_and_a_long_run_waits_for_two(make_host):
     """Given an engine of 2 slots, 2 x SHORT_RUN_BATCHES + 2 one-token runs, then a long one,
     then 2 more one-token runs (one message), when they run, then the short runs take
     SHORT_RUN_BATCHES batches (2 run, the rest of those seats wait inside vLLM, never more: the
-    last 2 wait outside until seats free), and the long run enters only into a batch back to
-    its size: it never waits inside the engine, nor does any run behind it."""
-    from workers.engine.tier_gate import SHORT_RUN_BATCHES
+    last 2 wait outside until seats free), and the long run enters only when the runs inside
+    are back within BATCHES_IN_ENGINE batches, as do the short runs behind it."""
+    from workers.engine.tier_gate import BATCHES_IN_ENGINE, SHORT_RUN_BATCHES
 
     seats = 2 * SHORT_RUN_BATCHES
     eng = Queueing(max_num_seqs=2, work_s=0.05)
@@ -186,5 +220,7 @@ def test_short_runs_queue_batches_inside_the_engine_and_a_long_run_waits_for_its
     held.set()
     assert [host.result(p).text for p in pendings] == [r.prompt for r in reqs]
     assert eng.peak_waiting == seats - 2  # the batches short runs may take, and no more
-    assert eng.waited == [f"s{i}-1" for i in range(2, seats + 2)]
+    assert eng.waited == [f"s{i}-1" for i in range(2, seats + 2)] + ["long-1", "t0-1", "t1-1"]
+    assert eng.inside_at_entry["long-1"] < BATCHES_IN_ENGINE * 2
+    assert max(eng.inside_at_entry[f"t{i}-1"] for i in range(2)) < BATCHES_IN_ENGINE * 2
     assert eng.started == [f"{r.prompt}-1" for r in reqs]

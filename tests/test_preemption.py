@@ -2,9 +2,9 @@
 `TierGate.preempt_for`) with a fake engine whose batch holds two requests: an interactive
 request admitted to a full engine makes the preemptible bulk runs cheapest to rebuild (fewest
 prompt and prefix tokens) yield as many slots as it needs (their tokens read first), never a run
-whose resume would be refused, and nothing else is ever picked; work beyond the batch waits at
-the batch gate, outside the engine, so the one that yields holds a batch seat, and the slot it
-frees is kept for the interactive request, also while its LoRA adapter loads."""
+whose resume would be refused, and nothing else is ever picked; one batch beyond the engine's
+waits inside it (vLLM's queue, in tier order), so the one that yields holds a slot, and the slot
+it frees goes to the interactive request, also one whose LoRA adapter had to load first."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,7 @@ import pytest
 
 from app.requests.models import ModelSpec
 from app.requests.schemas import GenerateRequest, parse_request
+from app.requests.tiers import engine_priority
 from app.state.streams import Checkpoint
 from tests.unit_helpers import wait_until
 from workers.engine.host import Preempted
@@ -37,14 +38,17 @@ def tap_of(rid, prompt_tokens, made, made_with="", now=""):
 
 
 class Batch:
-    """An engine whose batch holds `max_num_seqs` requests; a run lasts until `release` is set
-    (or it is cancelled: the abort). It records what it read before each abort."""
+    """An engine whose batch holds `max_num_seqs` requests and queues the rest inside it in
+    vLLM's priority order (tier, then arrival); a run lasts until `release` is set (or it is
+    cancelled: the abort). It records what it read before each abort."""
 
     def __init__(self, max_num_seqs=2):
         self.max_num_seqs = max_num_seqs
         self.dead = False
         self.running: list[str] = []
+        self.waiting: list[tuple[int, int, str]] = []
         self.started: list[str] = []
+        self._arrivals = 0
         self.read: list[str] = []
         self.aborted: list[str] = []
         self.release = threading.Event()
@@ -62,6 +66,18 @@ class Batch:
         pass
 
     async def run(self, r, rid, adapter=None):
+        self._arrivals += 1
+        me = (engine_priority(r.priority), self._arrivals, rid)
+        self.waiting.append(me)
+        self.waiting.sort()
+        try:
+            while not (self.waiting[0] is me and len(self.running) < self.max_num_seqs):
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.aborted.append(rid)
+            raise
+        finally:
+            self.waiting.remove(me)
         self.running.append(rid)
         self.started.append(rid)
         try:
@@ -73,6 +89,11 @@ class Batch:
             raise
         finally:
             self.running.remove(rid)
+
+    @property
+    def queued(self) -> list[str]:
+        """The runs waiting inside it for a slot, in the order it schedules them."""
+        return [w[2] for w in self.waiting]
 
     def read_now(self, rid):
         self.read.append(rid)
@@ -151,7 +172,7 @@ def test_a_run_whose_resume_would_be_refused_is_never_the_victim(make_host):
     assert eng.read == ["dear-1"]
     wait_until(lambda: "now-1" in eng.running)
     again = pool.submit(host.generate, req("again", "interactive"), SPEC, "again-1", 30)
-    wait_until(lambda: host.waiting_for_seats == 1)  # at the gate: nothing yields for it
+    wait_until(lambda: eng.queued == ["again-1"])  # inside, for a slot: nothing yields for it
     assert eng.read == ["dear-1"] and host.stats.preemptions == 1
     eng.release.set()
     assert [f.result(10).text for f in (stale, urgent, again)] == ["stale", "now", "again"]
@@ -183,10 +204,12 @@ def test_an_interactive_request_of_n_samples_frees_as_many_slots(make_host):
 
 def test_the_slot_freed_for_an_interactive_request_loading_its_adapter_stays_its_own(
         make_host, tmp_path):
-    """Given a full batch of bulk runs, a bulk request waiting for a slot, and an interactive
-    request whose LoRA adapter is cold (its load takes a while), then the slot the preemption
-    frees is kept for the interactive request while its adapter loads: it enters the engine
-    before the waiting bulk request (eb37a72: the bulk request took the slot at once)."""
+    """Given a full batch of bulk runs, a bulk request waiting inside the engine for a slot,
+    and an interactive request whose LoRA adapter is cold (its load takes a while), then no run
+    yields while the adapter loads (a slot freed then would go to the bulk request inside the
+    engine), and once the interactive request is in the engine a bulk run yields and the slot
+    is its own: it runs before the waiting bulk request (eb37a72: the bulk request took the
+    slot at once)."""
     from tests.test_engine_lora import make_adapter
 
     spec = ModelSpec(name="model-a", path="/x", max_loras=1, max_lora_rank=8,
@@ -197,14 +220,17 @@ def test_the_slot_freed_for_an_interactive_request_loading_its_adapter_stays_its
     first = [host.submit(req(f"b{i}"), spec, f"b{i}-1", 30, None, None, True) for i in (0, 1)]
     wait_until(lambda: len(eng.running) == 2)
     waiting = host.submit(req("b2"), spec, "b2-1", 30, None, None, True)
-    wait_until(lambda: host.waiting_for_seats == 1)
+    wait_until(lambda: eng.queued == ["b2-1"])
     eng.adapter_loads.clear()
     pool = ThreadPoolExecutor(1)
     urgent = pool.submit(host.generate, req("now", "interactive"), spec, "now-1", 30, adapter)
+    wait_until(lambda: host.snapshot()["in_flight"] == 4)
+    time.sleep(0.2)  # its adapter loads: nothing yields meanwhile
+    assert eng.read == [] and eng.aborted == [] and host.stats.preemptions == 0
+    eng.adapter_loads.set()
     with pytest.raises(Preempted):
         host.result(first[1])
-    wait_until(lambda: eng.aborted == ["b1-1"])
-    eng.adapter_loads.set()
+    assert eng.aborted == ["b1-1"]
     wait_until(lambda: "now-1" in eng.running)
     assert eng.started == ["b0-1", "b1-1", "now-1"]  # the waiting bulk request did not take it
     eng.release.set()
@@ -223,19 +249,20 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
                         None, True)
     wait_until(lambda: len(eng.running) == 2)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
-    wait_until(lambda: host.waiting_for_seats == 1)  # it waits for a slot, outside the engine
+    wait_until(lambda: eng.queued == ["now-1"])  # it waits for a slot, inside the engine
     assert eng.aborted == [] and host.stats.preemptions == 0 and "now-1" not in eng.running
     eng.release.set()
     assert {f.result(10).text for f in (tired, plain, urgent)} == {"tired", "plain", "now"}
     pool.shutdown()
 
 
-def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_slot(make_host):
+def test_bulk_beyond_the_batch_waits_inside_the_engine_and_only_a_running_one_yields(
+        make_host):
     """Given an engine whose batch holds two requests and four bulk requests started together
-    (one message of many), then only two enter the engine and the other two wait at the bulk
-    gate; an interactive request then makes the younger of the two running ones yield (a
-    request in a batch seat, never one that waits), and takes its slot before the waiting bulk
-    work; an abort of a waiting one releases its place; all the rest finish."""
+    (one message of many), then two run and the other two wait inside the engine, one batch
+    ahead; an interactive request then makes the younger of the two running ones yield (a run
+    in the batch, never one that waits: that would free no slot), and takes its slot before
+    the waiting bulk work; an abort of a waiting one ends it; all the rest finish."""
     from workers.engine.host import Aborted
 
     eng = Batch(max_num_seqs=2)
@@ -246,7 +273,7 @@ def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_sl
     rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
     wait_until(lambda: len(eng.running) == 2)
     time.sleep(0.2)
-    assert eng.running == ["b0-1", "b1-1"]  # b2 and b3 wait outside the engine
+    assert eng.running == ["b0-1", "b1-1"] and eng.queued == ["b2-1", "b3-1"]
     assert host.snapshot()["in_flight"] == 4
     pool = ThreadPoolExecutor(1)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
@@ -257,13 +284,14 @@ def test_bulk_beyond_the_batch_waits_outside_the_engine_so_the_victim_holds_a_sl
     wait_until(lambda: eng.running == ["b0-1", "now-1"])
     time.sleep(0.2)
     assert eng.running == ["b0-1", "now-1"]  # the batch is full again: b2, b3 still wait
+    assert eng.queued == ["b2-1", "b3-1"]
     assert host.abort_requests({"b3"}) == 1
     with pytest.raises(Aborted):
         host.result(rest[2])
     eng.release.set()
     assert urgent.result(10).text == "now"
     assert [host.result(p).text for p in (first, rest[1])] == ["b0", "b2"]
-    assert "b3-1" not in eng.aborted  # it never entered the engine
+    assert eng.aborted == ["b1-1", "b3-1"]  # the victim, and the abort of one that waited
     wait_until(lambda: host.snapshot()["in_flight"] == 0)
     pool.shutdown()
 
@@ -312,12 +340,10 @@ def test_a_preempted_attempt_goes_back_at_once_using_no_attempt_and_counted(sett
 
 
 def test_the_bulk_gate_holds_a_re_run_after_an_engine_death_too(make_host):
-    """Given an engine whose batch holds two requests and four bulk requests (two in it, two at
-    the bulk gate), when the engine dies, then the four suspects re-run on the fresh engine
-    still at most two at a time: the gate holds a ticket's every run, not only its first. (A
-    minimal change to workers/engine/host.py, whose tier gate issue 38's items 1, 4 and 5
-    rework.) Before, all four re-runs entered the fresh engine at once, bulk work waiting
-    inside vLLM ahead of any interactive request."""
+    """Given an engine whose batch holds two requests and six bulk requests (four in it: two
+    batches, two at the gate), when the engine dies, then the suspects re-run on the fresh
+    engine still at most two batches at a time: the gate holds a ticket's every run, not only
+    its first. Before, every re-run entered the fresh engine at once."""
     from tests.dying_engine import DyingEngine, World
 
     class Batched(DyingEngine):
@@ -331,17 +357,17 @@ def test_the_bulk_gate_holds_a_re_run_after_an_engine_death_too(make_host):
 
     w = Fleet()
     host = make_host(w)
-    pool = ThreadPoolExecutor(4)
+    pool = ThreadPoolExecutor(6)
     try:
-        futs = [pool.submit(host.generate, req(f"b{i}"), SPEC, f"b{i}-1", 30) for i in range(4)]
-        wait_until(lambda: w.engines and len(w.current().in_flight) == 2)
+        futs = [pool.submit(host.generate, req(f"b{i}"), SPEC, f"b{i}-1", 30) for i in range(6)]
+        wait_until(lambda: w.engines and len(w.current().in_flight) == 4)
         time.sleep(0.1)
-        assert len(w.current().in_flight) == 2  # two wait at the gate, outside the engine
+        assert len(w.current().in_flight) == 4  # two wait at the gate, outside the engine
         w.current().die()
         wait_until(lambda: len(w.engines) == 2)
         w.gate.set()  # the fresh engine's canary and the re-runs may finish
-        assert sorted(f.result(30).text for f in futs) == ["b0", "b1", "b2", "b3"]
-        assert w.engines[1].peak <= 2, w.engines[1].peak
+        assert sorted(f.result(30).text for f in futs) == [f"b{i}" for i in range(6)]
+        assert w.engines[1].peak <= 4, w.engines[1].peak
     finally:
         w.gate.set()
         pool.shutdown()

@@ -108,6 +108,11 @@ class HostState:
         self.seated: set[Ticket] = set()
         self.seated_seqs = 0  # the batch seats the seated tickets take (the gate keeps it)
         self.seated_long = 0  # of them, the seats of runs that are not short (Ticket.short)
+        self.seated_tier = [0, 0, 0]  # of them, the seats of each engine priority (0: first)
+        # Of them, those seated past the engine's batch (`Ticket.ahead`: waiting inside vLLM
+        # for a slot), in their places' order, and their seats.
+        self.ahead: list[Ticket] = []
+        self.ahead_seqs = 0
         self.line: list[Ticket] = []
         self.lined: set[Ticket] = set()  # the line's tickets (asked of thousands at once)
         self.recovery: asyncio.Task | None = None
@@ -283,12 +288,21 @@ class HostState:
         self.lined.discard(head)
         return head
 
-    def seat(self, t: Ticket) -> None:
-        """`t` holds its batch seats."""
+    def seat(self, t: Ticket, ahead: bool = False) -> None:
+        """`t` holds its batch seats; `ahead`: past the engine's batch (it waits inside vLLM
+        for a slot, `Ticket.ahead`)."""
         if t not in self.seated:
             self.seated.add(t)
             self.seated_seqs += t.seqs
             self.seated_long += 0 if t.short else t.seqs
+            self.seated_tier[t.tier] += t.seqs
+            if ahead:
+                t.ahead = True
+                self.ahead_seqs += t.seqs
+                if not self.ahead or self.ahead[-1].place <= t.place:
+                    self.ahead.append(t)
+                else:
+                    bisect.insort(self.ahead, t, key=lambda x: x.place)
 
     def unseat(self, t: Ticket) -> None:
         """`t` gave its batch seats back."""
@@ -296,6 +310,41 @@ class HostState:
             self.seated.discard(t)
             self.seated_seqs -= t.seqs
             self.seated_long -= 0 if t.short else t.seqs
+            self.seated_tier[t.tier] -= t.seqs
+            if t.ahead:
+                self.ahead.remove(t)
+                self.ahead_seqs -= t.seqs
+                t.ahead = False
+
+    @property
+    def running_seqs(self) -> int:
+        """The seats of the seated tickets within the engine's batch (not `ahead`)."""
+        return self.seated_seqs - self.ahead_seqs
+
+    def seats_from(self, tier: int) -> int:
+        """The seats held by seated tickets of engine priority `tier` or a more urgent one
+        (vLLM schedules those first)."""
+        return sum(self.seated_tier[:tier + 1])
+
+    def promote(self, seqs: int | None) -> list[Ticket]:
+        """The `ahead` tickets that now have a slot of the engine's `seqs` (None: every one),
+        no longer ahead: those whose run is inside vLLM (`Ticket.clock` set), in vLLM's order
+        (their places': priority, then arrival), as far as the slots go."""
+        out = []
+        i = 0
+        while i < len(self.ahead):
+            t = self.ahead[i]
+            if seqs is not None:
+                if self.running_seqs + t.seqs > seqs:
+                    break
+                if t.clock is None:  # not inside vLLM yet: vLLM schedules the next one
+                    i += 1
+                    continue
+            self.ahead.pop(i)
+            self.ahead_seqs -= t.seqs
+            t.ahead = False
+            out.append(t)
+        return out
 
     async def notify(self) -> None:
         """Wake every waiter on the condition."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from app.request_ids import request_id_of, run_id
 from app.requests.schemas import GenerateRequest
+from app.requests.tiers import engine_priority
 from workers.engine.token_tap import TokenTap
 
 # A run that asks at most this many tokens per sample ends within a few engine steps of its
@@ -49,6 +50,11 @@ class Ticket:
     place: tuple = ()
     gated: float = 0.0
     gate_since: float | None = None
+    # Seated past the engine's batch: its run waits inside vLLM for a slot, its wedge clock
+    # (`clock`, the run's asyncio timeout while it runs) not started until the gate hands it
+    # a slot (workers/engine/tier_gate.py, "One batch ahead").
+    ahead: bool = False
+    clock: object = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -56,6 +62,12 @@ class Ticket:
         """A bulk request: it may yield its batch seat to an interactive one
         (workers/engine/tier_gate.py)."""
         return getattr(self.req, "priority", None) == "bulk"
+
+    @property
+    def tier(self) -> int:
+        """Its engine priority (0: the most urgent), the first of its `place`."""
+        return self.place[0] if self.place else engine_priority(getattr(self.req, "priority",
+                                                                        None))
 
     @property
     def seqs(self) -> int:

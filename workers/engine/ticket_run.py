@@ -40,8 +40,6 @@ class TicketRuns:
         lane = lane_of(spec, t.adapter, t.req, t.attempt_id)
         engine = await self._admission.acquire(spec, arrived, lane)
         self._tiers.join(t)
-        if t.urgent:
-            self._tiers.preempt_for(t, engine)
         try:
             while True:
                 # Every run takes its slots: a re-run after an engine death too, so the suspects
@@ -80,8 +78,16 @@ class TicketRuns:
             # Only an engine that streams (`streams = True`) gets the tap.
             kw = {"tap": t.tap} if t.tap is not None and getattr(engine, "streams", False) else {}
             # In this task, not wait_for's task of its own: one task and hop less per request.
-            async with asyncio.timeout(t.timeout):
-                value = await engine.run(*args, **kw)
+            # A run seated ahead of the batch waits inside vLLM for a slot: its clock starts
+            # when the gate hands it one (workers/engine/tier_gate.py `_slot_found`).
+            async with asyncio.timeout(None if t.ahead else t.timeout) as clock:
+                t.clock = clock
+                if t.ahead:
+                    self._tiers.entered(t, engine)
+                try:
+                    value = await engine.run(*args, **kw)
+                finally:
+                    t.clock = None
             outcome = "ok"
         except asyncio.CancelledError:
             raise

@@ -1,23 +1,38 @@
-"""The tier gate of the engine host (workers/engine/host.py): every request enters the engine's
-batch only into a free slot, in tier order, and an interactive request admitted to a full batch
-makes the bulk runs cheapest to rebuild yield as many slots as it needs (docs/architecture.md,
-"Tiers"). It decides on the host's one state (workers/engine/host_state.py), on the host's loop.
+"""The tier gate of the engine host (workers/engine/host.py): every request enters the engine
+in tier order, at most one batch past the engine's own waits inside vLLM for its slots, and an
+interactive request admitted to a full batch makes the bulk runs cheapest to rebuild yield as
+many slots as it needs (docs/architecture.md, "Tiers"). It decides on the host's one state
+(workers/engine/host_state.py), on the host's loop.
 
-Why every tier waits here: vLLM runs `max_num_seqs` requests and queues the rest inside it,
-and a request's own timeout (`VIGIL_REQUEST_TIMEOUT`, the wedge clock) runs from its entry into
-the engine, so a request queued in vLLM behind long runs would end `wedged` and report a health
-failure against a healthy engine. Here it waits for its slot outside vLLM, admitted (counted in
-flight, handed back or aborted like any), and its wedge clock starts when it enters; the time it
-waits is not counted against its wait for an engine either (`Ticket.gated`,
-workers/engine/pending.py). The stall watchdog still watches the engine: a batch that makes no
-step aborts the runs and those waiting alike.
+Why a gate: vLLM runs `max_num_seqs` requests and queues the rest inside it, in its priority
+order (tier, then arrival), and a request's own timeout (`VIGIL_REQUEST_TIMEOUT`, the wedge
+clock) runs from its entry into the engine, so a request queued in vLLM behind long runs would
+end `wedged` and report a health failure against a healthy engine; and an interactive request
+must find few runs ahead of it. Here a request waits for its seats outside vLLM, admitted
+(counted in flight, handed back or aborted like any); the time it waits is not counted against
+its wait for an engine either (`Ticket.gated`, workers/engine/pending.py). The stall watchdog
+still watches the engine: a batch that makes no step aborts the runs and those waiting alike.
 
-The line: the tickets admitted and waiting for slots, ordered by tier (interactive, default,
-bulk), then arrival. Slots go to its head only, whenever a run ends or a ticket joins or leaves
+The line: the tickets admitted and waiting for seats, ordered by tier (interactive, default,
+bulk), then arrival. Seats go to its head only, whenever a run ends or a ticket joins or leaves
 the line: a request of n samples at the head (vLLM runs each sample in a slot of its own) waits
-for n free slots and nobody behind passes it; one larger than the whole batch runs alone. A
+for n free seats and nobody behind passes it; one larger than the whole batch runs alone. A
 ticket holds its seat (`HostState.seated`) from the gate until its run ends, also while its LoRA
-adapter loads, so a slot freed for an interactive request stays its own.
+adapter loads, so a slot freed for an interactive request stays its own. The seats a ticket
+counts are those of its own tier and the more urgent ones: vLLM schedules those first.
+
+One batch ahead: a run may enter vLLM with `BATCHES_IN_ENGINE` (2) batches of its tier and the
+more urgent ones seated, so when runs end, the next ones are already inside and EngineCore fills
+their slots in the same step, as a bare AsyncLLM given them all would. Held to one batch, every
+slot stayed empty from the step its run ended until the worker's loop had taken in that run's
+output and added the next run: in 512 runs of 128 tokens (all ending together) the worker's
+engine made 521-535 steps of 122-126 runs against the bare engine's 514-515 of 127.5, and one
+batch ahead made 514-516 of 127.0-127.5 (docs/performance.md, "The fifteenth pass"). A run
+seated past the batch is `ahead`: it waits inside vLLM, and its wedge clock and its wait for
+a slot (`gated`) go on until the gate hands it a slot that a run's end freed (`_slot_found`),
+in the order vLLM schedules them (tier, then arrival). An interactive request enters ahead of
+the bulk runs waiting inside vLLM, and preemption frees the slots it lacks among the runs in
+the batch only.
 
 Short runs (`Ticket.short`: eval scoring, classification, at most 16 tokens a sample) may take
 `SHORT_RUN_BATCHES` times the batch while every seated run is short: the batches past the first
@@ -25,8 +40,8 @@ wait inside vLLM, ready for EngineCore's next steps while this one's outputs com
 would with a bare AsyncLLM given them all. Held to one batch, EngineCore stepped with whatever
 had come back in time: 29-39 one-token runs a step against the bare engine's ~95; with two
 batches 43-59, with four 65-78, with eight no more (docs/performance.md, "Short requests"). A
-run queued there waits a few steps at most, behind short runs only; a run that is not short
-waits in the line until the batch is back to its size.
+run queued there waits a few steps at most, behind short runs only, on its wedge clock; a run
+that is not short waits in the line until they are within `BATCHES_IN_ENGINE` batches.
 """
 from __future__ import annotations
 
@@ -46,6 +61,9 @@ log = logging.getLogger("vigil.engine")
 
 # The batches short runs may take while every seated run is short (module docstring).
 SHORT_RUN_BATCHES = 4
+# The batches every other run may take: the engine's and one more waiting inside vLLM for its
+# slots (module docstring, "One batch ahead").
+BATCHES_IN_ENGINE = 2
 
 
 class TierGate:
@@ -59,14 +77,15 @@ class TierGate:
 
     def room(self, t: Ticket, seqs: int) -> int:
         """The batch seats `t` may be seated within, for an engine of `seqs`: SHORT_RUN_BATCHES
-        times that for a short run while every seated run is short (module docstring), else
-        `seqs`."""
-        return SHORT_RUN_BATCHES * seqs if t.short and not self._st.seated_long else seqs
+        times that for a short run while every seated run is short, else BATCHES_IN_ENGINE
+        times (module docstring)."""
+        return (SHORT_RUN_BATCHES if t.short and not self._st.seated_long
+                else BATCHES_IN_ENGINE) * seqs
 
-    def batch_used(self, but: Ticket | None = None) -> int:
-        """The engine batch seats the seated tickets take now (`but` left out)."""
-        st = self._st
-        return st.seated_seqs - (but.seqs if but is not None and but in st.seated else 0)
+    def batch_used(self, t: Ticket) -> int:
+        """The engine batch seats taken now by seated runs vLLM schedules before `t` or with
+        it: those of its tier and of more urgent ones."""
+        return self._st.seats_from(t.tier)
 
     @property
     def waiting(self) -> int:
@@ -106,8 +125,9 @@ class TierGate:
             raise
         finally:
             self._seats.pop(t, None)
-            t.gated += time.monotonic() - t.gate_since  # before gate_since clears: see Pending
-            t.gate_since = None
+            if not t.ahead:  # else its wait for a slot goes on inside vLLM (`_promote`)
+                t.gated += time.monotonic() - t.gate_since  # before gate_since clears: Pending
+                t.gate_since = None
 
     def hold(self, t: Ticket) -> None:
         """`t` runs now: it holds its slots (a re-run after an engine death comes here without
@@ -119,55 +139,89 @@ class TierGate:
         adapter failed): they go to the line's head."""
         st = self._st
         st.leave_line(t)
+        if t.ahead:
+            self._slot_found(t)  # its wait for a slot ends with it
         st.unseat(t)
         self.fill()
 
-    def fill(self) -> None:
-        """Seat the line's head while its slots are free (every ticket in the line at once
-        when the engine is gone or dead: its run meets that like any other, or has no batch
-        to wait for)."""
-        st = self._st
-        eng = st.engine
+    def _batch(self) -> int | None:
+        """The engine's batch (`max_num_seqs`); None when the engine is gone or dead, or has
+        none: every ticket may enter (its run meets that like any other, or has no batch to
+        wait for)."""
+        eng = self._st.engine
         seqs = getattr(eng, "max_num_seqs", None)
-        open_all = not seqs or getattr(eng, "dead", True)
-        used = self.batch_used()
+        return None if not seqs or getattr(eng, "dead", True) else seqs
+
+    def fill(self) -> None:
+        """Hand the free slots to `ahead` runs inside vLLM, then seat the line's head while
+        its seats are free (module docstring): within the batch, or past it (`ahead`)."""
+        st = self._st
+        seqs = self._batch()
+        for t in st.promote(seqs):
+            self._slot_found(t)
         while st.line:
             head = st.line[0]
-            if not open_all and used > 0 and used + head.seqs > self.room(head, seqs):
+            used = self.batch_used(head)
+            if seqs is not None and used > 0 and used + head.seqs > self.room(head, seqs):
                 return
             st.pop_line()
-            st.seat(head)
-            used += head.seqs
+            # Past the batch, a run waits inside vLLM on no clock; not a short run among short
+            # ones only (a few steps, and none of them yields).
+            st.seat(head, ahead=seqs is not None and not (head.short and not st.seated_long)
+                    and st.running_seqs + head.seqs > seqs)
+            if head.ahead:
+                head.gate_since = time.monotonic()
             wake = self._seats.get(head)
             if wake is not None and not wake.done():
                 wake.set_result(None)
 
+    def _slot_found(self, t: Ticket) -> None:
+        """`t`, seated ahead, has a slot of the batch now (or left): its wait for a slot ends
+        (counted as `gated`, workers/engine/pending.py) and its wedge clock starts."""
+        since = t.gate_since
+        if since is not None:
+            t.gated += time.monotonic() - since  # before gate_since clears: see Pending
+            t.gate_since = None
+        clock = t.clock
+        if clock is not None and not clock.expired():
+            clock.reschedule(self._st.loop.time() + t.timeout)
+
+    def entered(self, t: Ticket, engine) -> None:
+        """`t`, seated ahead, has entered vLLM (its run's clock is set, not started): an
+        interactive one makes bulk runs yield the slots it lacks (`preempt_for`), and any
+        slot free now is handed out."""
+        if t.urgent:
+            self.preempt_for(t, engine)
+        self.fill()
+
     def preempt_for(self, urgent: Ticket, engine) -> None:
-        """An interactive request was admitted (it is in the line): when the seated runs and
-        the line up to it leave it short of slots, the preemptible bulk runs cheapest to
-        rebuild (fewest prompt and prefix tokens to prefill again: `rebuild_cost`; of equals,
-        the one started last) yield as many slots as it lacks, at the engine's next token
-        boundary. Never a run whose resume would be refused (its tokens would be thrown away:
+        """An interactive request entered vLLM past the batch (`ahead`, its adapter loaded):
+        when the runs in the batch and those inside vLLM ahead of it leave it short of slots
+        (vLLM gives a freed slot to the most urgent run inside it), the preemptible bulk runs
+        cheapest to rebuild (fewest prompt and prefix tokens to prefill again: `rebuild_cost`;
+        of equals, the one started last) yield as many slots as it lacks, at the engine's next
+        token boundary. Never a run whose resume would be refused (its tokens would be thrown away:
         workers/engine/resume.py). Each victim's tokens are read into its tap first, then its
         run is cancelled with reason PREEMPTED: its caller hands it back to resume from them.
         An engine that can (`yield_run`: vllm_pause.py) pauses first, so nothing is made between
-        the read and the abort. The line keeps the freed slots for the interactive request. A
-        short run never yields: its seat is free within a few steps anyway."""
+        the read and the abort. Runs inside vLLM that wait for a slot never yield: that frees
+        none. A short run never yields: its seat is free within a few steps anyway."""
         st = self._st
         seqs = getattr(engine, "max_num_seqs", None)
-        if not seqs or urgent not in st.lined:
+        if not seqs or not urgent.ahead:
             return
-        need = sum(x.seqs for x in st.seated if not x.preempting) - self.room(urgent, seqs)
-        for x in st.line:
-            need += x.seqs
-            if x is urgent:
-                break
+        # The slots taken by the runs in the batch, by those inside vLLM that it schedules
+        # before `urgent`, and by `urgent`, against the batch.
+        batch = SHORT_RUN_BATCHES * seqs if urgent.short and not st.seated_long else seqs
+        need = sum(x.seqs for x in st.seated if not x.preempting and not x.ahead) - batch
+        need += sum(x.seqs for x in st.ahead if x.place < urgent.place and not x.preempting
+                    and x.clock is not None) + urgent.seqs
         if need <= 0:
             return  # its slots are free, or are being freed for it
         picks = []
         for x in st.running:
             if (x is not urgent and x.preemptible and x.bulk and not x.short
-                    and not x.preempting and not x.gone):
+                    and not x.preempting and not x.gone and not x.ahead):
                 cost = rebuild_cost(x, engine)
                 if cost is not None:
                     picks.append((cost, -st.running[x], id(x), x))
