@@ -167,15 +167,16 @@ def test_every_tier_gets_slots_in_tier_order_then_arrival_order(make_host):
 
 def test_waiting_for_a_slot_does_not_use_up_the_wait_for_an_engine(make_host):
     """Given a wait bound for an engine (2 x timeout + the engine start bound = 1.05 s) shorter
-    than the last requests' wait for a slot (3 x 0.3 s) plus their run, then they still end ok,
-    not engine_restarting: a slot that frees as the batch makes progress is not an engine that
-    does not come."""
+    than the last requests' wait for a slot (4 x 0.3 s: three in the line, the last inside the
+    engine) plus their run, then they still end ok, not engine_restarting: a slot that frees
+    as the batch makes progress is not an engine that does not come, wherever it is waited
+    for."""
     eng = Queueing(max_num_seqs=2, work_s=0.3)
     failures: list[str] = []
     host = make_host(eng, on_failure=failures.append, engine_start_timeout=0.05)
     pendings = host.submit_many([(req(f"p{i}"), SPEC, f"r{i}-1", 0.5, None, None, False)
-                                 for i in range(8)])
-    assert [host.result(p).text for p in pendings] == [f"p{i}" for i in range(8)]
+                                 for i in range(10)])
+    assert [host.result(p).text for p in pendings] == [f"p{i}" for i in range(10)]
     assert failures == []
 
 

@@ -125,8 +125,9 @@ class TierGate:
             raise
         finally:
             self._seats.pop(t, None)
-            if not t.ahead:  # else its wait for a slot goes on inside vLLM (`_promote`)
-                t.gated += time.monotonic() - t.gate_since  # before gate_since clears: Pending
+            since = t.gate_since
+            if not t.ahead and since is not None:  # else it goes on inside vLLM: `_slot_found`
+                t.gated += time.monotonic() - since  # before gate_since clears: see Pending
                 t.gate_since = None
 
     def hold(self, t: Ticket) -> None:
@@ -169,7 +170,7 @@ class TierGate:
             # ones only (a few steps, and none of them yields).
             st.seat(head, ahead=seqs is not None and not (head.short and not st.seated_long)
                     and st.running_seqs + head.seqs > seqs)
-            if head.ahead:
+            if head.ahead and head.gate_since is None:  # its wait for a slot goes on inside
                 head.gate_since = time.monotonic()
             wake = self._seats.get(head)
             if wake is not None and not wake.done():
