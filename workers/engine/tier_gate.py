@@ -26,8 +26,8 @@ more urgent ones seated, so when runs end, the next ones are already inside and 
 their slots in the same step, as a bare AsyncLLM given them all would. Held to one batch, every
 slot stayed empty from the step its run ended until the worker's loop had taken in that run's
 output and added the next run: in 512 runs of 128 tokens (all ending together) the worker's
-engine made 521-535 steps of 122-126 runs against the bare engine's 514-515 of 127.5, and one
-batch ahead made 514-516 of 127.0-127.5 (docs/performance.md, "The fifteenth pass"). A run
+engine made 518-536 steps of 122-127 runs against the bare engine's 514-515 of 127-128, and
+one batch ahead made 513-518 of 126-128 (docs/performance.md, "The fifteenth pass"). A run
 seated past the batch is `ahead`: it waits inside vLLM, and its wedge clock and its wait for
 a slot (`gated`) go on until the gate hands it a slot that a run's end freed (`_slot_found`),
 in the order vLLM schedules them (tier, then arrival). An interactive request enters ahead of
