@@ -1,7 +1,7 @@
 """Unit tier: waiting is not wedging, for any tier (docs/failure-modes.md, "Wedges").
 
-The engine host lets at most one batch past the engine's own wait inside vLLM for its slots
-(the batch gate, workers/engine/tier_gate.py, "One batch ahead"), and `VIGIL_REQUEST_TIMEOUT`
+The engine host lets about one batch of each tier past the engine's own wait inside vLLM for
+its slots (the batch gate, workers/engine/tier_gate.py, "One batch ahead"), and `VIGIL_REQUEST_TIMEOUT`
 (the wedge clock) of such a run starts only when the gate hands it a slot, so it never counts
 time a request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
 as vLLM does: it runs at most `max_num_seqs` requests, the rest wait inside it in vLLM's
@@ -140,6 +140,27 @@ def test_a_run_waiting_inside_the_engine_starts_its_wedge_clock_when_it_gets_a_s
         pool.shutdown(wait=False)
         host.abort_requests({"hang"})
     assert eng.started == ["first-1", "hang-1"] and len(failures) == 1
+
+
+def test_a_request_of_more_samples_than_the_batch_runs_alone_on_its_wedge_clock(make_host):
+    """Given an engine of 2 slots and a request of n = 3 (more seats than the batch) that never
+    finishes, with a timeout of 0.5 s, then it enters the empty engine within the batch, not
+    ahead of it, and ends `wedged` (red when it is seated ahead: no slot ever fits it, its
+    clock never starts, it never ends)."""
+    eng = Queueing(max_num_seqs=2)
+    eng.hang.add("wide")
+    failures: list[str] = []
+    host = make_host(eng, on_failure=failures.append)
+    wide = host.submit(GenerateRequest(model="m", prompt="wide", n=3, temperature=1.0,
+                                       max_tokens=64), SPEC, "wide-1", 0.5)
+    pool = ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(TransientError, match="^wedged: request wide-1 got no answer"):
+            pool.submit(host.result, wide).result(timeout=10)
+    finally:
+        pool.shutdown(wait=False)
+        host.abort_requests({"wide"})
+    assert eng.started == ["wide-1"] and len(failures) == 1
 
 
 def test_every_tier_gets_slots_in_tier_order_then_arrival_order(make_host):

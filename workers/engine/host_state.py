@@ -335,11 +335,12 @@ class HostState:
         while i < len(self.ahead):
             t = self.ahead[i]
             if seqs is not None:
-                if self.running_seqs + t.seqs > seqs:
-                    break
                 if t.clock is None:  # not inside vLLM yet: vLLM schedules the next one
                     i += 1
                     continue
+                # One larger than the batch runs alone (vLLM runs the samples that fit).
+                if self.running_seqs > 0 and self.running_seqs + t.seqs > seqs:
+                    break
             self.ahead.pop(i)
             self.ahead_seqs -= t.seqs
             t.ahead = False

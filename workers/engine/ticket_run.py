@@ -82,9 +82,9 @@ class TicketRuns:
             # when the gate hands it one (workers/engine/tier_gate.py `_slot_found`).
             async with asyncio.timeout(None if t.ahead else t.timeout) as clock:
                 t.clock = clock
-                if t.ahead:
-                    self._tiers.entered(t, engine)
                 try:
+                    if t.ahead:
+                        self._tiers.entered(t, engine)
                     value = await engine.run(*args, **kw)
                 finally:
                     t.clock = None

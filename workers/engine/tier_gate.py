@@ -1,7 +1,7 @@
 """The tier gate of the engine host (workers/engine/host.py): every request enters the engine
-in tier order, at most one batch past the engine's own waits inside vLLM for its slots, and an
-interactive request admitted to a full batch makes the bulk runs cheapest to rebuild yield as
-many slots as it needs (docs/architecture.md, "Tiers"). It decides on the host's one state
+in tier order, about one batch of each tier past the engine's own waits inside vLLM for its
+slots, and an interactive request admitted to a full batch makes the bulk runs cheapest to
+rebuild yield as many slots as it needs (docs/architecture.md, "Tiers"). It decides on the host's one state
 (workers/engine/host_state.py), on the host's loop.
 
 Why a gate: vLLM runs `max_num_seqs` requests and queues the rest inside it, in its priority
@@ -169,7 +169,7 @@ class TierGate:
             # Past the batch, a run waits inside vLLM on no clock; not a short run among short
             # ones only (a few steps, and none of them yields).
             st.seat(head, ahead=seqs is not None and not (head.short and not st.seated_long)
-                    and st.running_seqs + head.seqs > seqs)
+                    and st.running_seqs > 0 and st.running_seqs + head.seqs > seqs)
             if head.ahead and head.gate_since is None:  # its wait for a slot goes on inside
                 head.gate_since = time.monotonic()
             wake = self._seats.get(head)
