@@ -97,6 +97,19 @@ class Queueing:
         self.dead = True
 
 
+def assert_wedged(host, pending, request_id: str) -> None:
+    """`pending`, a run that never finishes, ends `wedged` within 10 s (a run whose clock never
+    starts never ends: the wait is bounded here, and the run aborted after)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(TransientError,
+                           match=f"^wedged: request {request_id}-1 got no answer"):
+            pool.submit(host.result, pending).result(timeout=10)
+    finally:
+        pool.shutdown(wait=False)
+        host.abort_requests({request_id})
+
+
 def test_a_message_of_eight_on_two_slots_waits_for_slots_and_nothing_wedges(make_host):
     """The issue's scenario: an engine of 2 slots, 0.3 s per request, a request timeout of
     0.5 s, one message of 8 (the host's `submit_many`, as workers/service.py starts one).
@@ -132,13 +145,7 @@ def test_a_run_waiting_inside_the_engine_starts_its_wedge_clock_when_it_gets_a_s
     hung = host.submit(req("hang"), SPEC, "hang-1", 0.5)
     wait_until(lambda: eng.waited == ["hang-1"])
     assert host.result(first).text == "first"
-    pool = ThreadPoolExecutor(1)
-    try:
-        with pytest.raises(TransientError, match="^wedged: request hang-1 got no answer"):
-            pool.submit(host.result, hung).result(timeout=10)
-    finally:
-        pool.shutdown(wait=False)
-        host.abort_requests({"hang"})
+    assert_wedged(host, hung, "hang")
     assert eng.started == ["first-1", "hang-1"] and len(failures) == 1
 
 
@@ -153,13 +160,7 @@ def test_a_request_of_more_samples_than_the_batch_runs_alone_on_its_wedge_clock(
     host = make_host(eng, on_failure=failures.append)
     wide = host.submit(GenerateRequest(model="m", prompt="wide", n=3, temperature=1.0,
                                        max_tokens=64), SPEC, "wide-1", 0.5)
-    pool = ThreadPoolExecutor(1)
-    try:
-        with pytest.raises(TransientError, match="^wedged: request wide-1 got no answer"):
-            pool.submit(host.result, wide).result(timeout=10)
-    finally:
-        pool.shutdown(wait=False)
-        host.abort_requests({"wide"})
+    assert_wedged(host, wide, "wide")
     assert eng.started == ["wide-1"] and len(failures) == 1
 
 
