@@ -125,10 +125,8 @@ class TierGate:
             raise
         finally:
             self._seats.pop(t, None)
-            since = t.gate_since
-            if not t.ahead and since is not None:  # else it goes on inside vLLM: `_slot_found`
-                t.gated += time.monotonic() - since  # before gate_since clears: see Pending
-                t.gate_since = None
+            if not t.ahead:  # else it goes on inside vLLM, to `_slot_found`
+                wait_over(t)
 
     def hold(self, t: Ticket) -> None:
         """`t` runs now: it holds its slots (a re-run after an engine death comes here without
@@ -179,10 +177,7 @@ class TierGate:
     def _slot_found(self, t: Ticket) -> None:
         """`t`, seated ahead, has a slot of the batch now (or left): its wait for a slot ends
         (counted as `gated`, workers/engine/pending.py) and its wedge clock starts."""
-        since = t.gate_since
-        if since is not None:
-            t.gated += time.monotonic() - since  # before gate_since clears: see Pending
-            t.gate_since = None
+        wait_over(t)
         clock = t.clock
         if clock is not None and not clock.expired():
             clock.reschedule(self._st.loop.time() + t.timeout)
@@ -250,6 +245,15 @@ class TierGate:
         if read_now is not None:
             read_now(victim.engine_request_id())
         cancel()
+
+
+def wait_over(t: Ticket) -> None:
+    """`t`'s wait for a slot, if it waits, ends now: counted into `gated` before `gate_since`
+    clears (the order workers/engine/pending.py reads them in)."""
+    since = t.gate_since
+    if since is not None:
+        t.gated += time.monotonic() - since
+        t.gate_since = None
 
 
 def rebuild_cost(t: Ticket, engine) -> int | None:
