@@ -72,8 +72,11 @@ class WatchedRun:
     detokenize: bool = True  # False: the seam's text is not streamed (token ids only)
 
     def of(self, index: int) -> Progress:
-        """Sample `index`'s progress."""
-        return self.progress.setdefault(index, Progress())
+        """Sample `index`'s progress (made on first use)."""
+        prog = self.progress.get(index)
+        if prog is None:
+            prog = self.progress[index] = Progress()
+        return prog
 
     @property
     def own(self) -> Progress:
@@ -250,10 +253,12 @@ class StreamWatch:
     @staticmethod
     def _read(run: WatchedRun, state, made_at: float | None = None) -> None:
         """One sample's new tokens, their text and logprobs, out of its vLLM request state."""
-        index = run.index if run.index is not None else state.request_index
-        prog = run.of(index)
         det = state.detokenizer
         ids = det.output_token_ids
+        if not ids:  # nothing generated yet (a run waiting inside vLLM for a slot)
+            return
+        index = run.index if run.index is not None else state.request_index
+        prog = run.of(index)
         fed = len(prog.new_ids)
         if ids and run.want_prompt_logprobs and run.prompt_logprobs is None:
             # A token was generated, so the prefill (which made them) is complete.
