@@ -321,6 +321,11 @@ class HostState:
         """The seats of the seated tickets within the engine's batch (not `ahead`)."""
         return self.seated_seqs - self.ahead_seqs
 
+    def fits_batch(self, t: Ticket, seqs: int) -> bool:
+        """`t`'s seats fit beside the runs within the engine's batch of `seqs`; one larger than
+        the batch fits an empty batch (it runs alone: vLLM runs the samples that fit)."""
+        return self.running_seqs == 0 or self.running_seqs + t.seqs <= seqs
+
     def seats_from(self, tier: int) -> int:
         """The seats held by seated tickets of engine priority `tier` or a more urgent one
         (vLLM schedules those first)."""
@@ -338,8 +343,7 @@ class HostState:
                 if t.clock is None:  # not inside vLLM yet: vLLM schedules the next one
                     i += 1
                     continue
-                # One larger than the batch runs alone (vLLM runs the samples that fit).
-                if self.running_seqs > 0 and self.running_seqs + t.seqs > seqs:
+                if not self.fits_batch(t, seqs):
                     break
             self.ahead.pop(i)
             self.ahead_seqs -= t.seqs

@@ -79,8 +79,12 @@ class TierGate:
         """The batch seats `t` may be seated within, for an engine of `seqs`: SHORT_RUN_BATCHES
         times that for a short run while every seated run is short, else BATCHES_IN_ENGINE
         times (module docstring)."""
-        return (SHORT_RUN_BATCHES if t.short and not self._st.seated_long
-                else BATCHES_IN_ENGINE) * seqs
+        return (SHORT_RUN_BATCHES if self._among_shorts(t) else BATCHES_IN_ENGINE) * seqs
+
+    def _among_shorts(self, t: Ticket) -> bool:
+        """`t` is short and so is every seated run: short runs may take SHORT_RUN_BATCHES
+        batches, and none waits past the batch on no clock (module docstring)."""
+        return t.short and not self._st.seated_long
 
     def batch_used(self, t: Ticket) -> int:
         """The engine batch seats taken now by seated runs vLLM schedules before `t` or with
@@ -166,8 +170,8 @@ class TierGate:
             st.pop_line()
             # Past the batch, a run waits inside vLLM on no clock; not a short run among short
             # ones only (a few steps, and none of them yields).
-            st.seat(head, ahead=seqs is not None and not (head.short and not st.seated_long)
-                    and st.running_seqs > 0 and st.running_seqs + head.seqs > seqs)
+            st.seat(head, ahead=seqs is not None and not self._among_shorts(head)
+                    and not st.fits_batch(head, seqs))
             if head.ahead and head.gate_since is None:  # its wait for a slot goes on inside
                 head.gate_since = time.monotonic()
             wake = self._seats.get(head)
@@ -208,7 +212,7 @@ class TierGate:
             return
         # The slots taken by the runs in the batch, by those inside vLLM that it schedules
         # before `urgent`, and by `urgent`, against the batch.
-        batch = SHORT_RUN_BATCHES * seqs if urgent.short and not st.seated_long else seqs
+        batch = (SHORT_RUN_BATCHES if self._among_shorts(urgent) else 1) * seqs
         need = sum(x.seqs for x in st.seated if not x.preempting and not x.ahead) - batch
         need += sum(x.seqs for x in st.ahead if x.place < urgent.place and not x.preempting
                     and x.clock is not None) + urgent.seqs
