@@ -299,10 +299,7 @@ class HostState:
             if ahead:
                 t.ahead = True
                 self.ahead_seqs += t.seqs
-                if not self.ahead or self.ahead[-1].place <= t.place:
-                    self.ahead.append(t)
-                else:
-                    bisect.insort(self.ahead, t, key=lambda x: x.place)
+                bisect.insort(self.ahead, t, key=lambda x: x.place)  # after equal places
 
     def unseat(self, t: Ticket) -> None:
         """`t` gave its batch seats back."""
