@@ -260,7 +260,7 @@ class StreamWatch:
         index = run.index if run.index is not None else state.request_index
         prog = run.of(index)
         fed = len(prog.new_ids)
-        if ids and run.want_prompt_logprobs and run.prompt_logprobs is None:
+        if run.want_prompt_logprobs and run.prompt_logprobs is None:
             # A token was generated, so the prefill (which made them) is complete.
             run.prompt_logprobs = list(state.logprobs_processor.prompt_logprobs or ())
             run.prompt_ids = list(state.prompt_token_ids or ())
