@@ -1,9 +1,10 @@
 """Unit tier: waiting is not wedging, for any tier (docs/failure-modes.md, "Wedges").
 
 The engine host lets about one batch of each tier past the engine's own wait inside vLLM for
-its slots (the batch gate, workers/engine/tier_gate.py, "One batch ahead"), and `VIGIL_REQUEST_TIMEOUT`
-(the wedge clock) of such a run starts only when the gate hands it a slot, so it never counts
-time a request spends queued inside vLLM behind `max_num_seqs` running ones. The engine here queues
+its slots (the batch gate, workers/engine/tier_gate.py, "One batch ahead"), and
+`VIGIL_REQUEST_TIMEOUT` (the wedge clock) of such a run starts only when the gate hands it a
+slot, so it never counts time a request spends queued inside vLLM behind `max_num_seqs` running
+ones. The engine here queues
 as vLLM does: it runs at most `max_num_seqs` requests, the rest wait inside it in vLLM's
 priority order (tier, then arrival), and each request, once scheduled, takes `work_s`."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The tier gate of the engine host (workers/engine/host.py): every request enters the engine
 in tier order, about one batch of each tier past the engine's own waits inside vLLM for its
 slots, and an interactive request admitted to a full batch makes the bulk runs cheapest to
-rebuild yield as many slots as it needs (docs/architecture.md, "Tiers"). It decides on the host's one state
-(workers/engine/host_state.py), on the host's loop.
+rebuild yield as many slots as it needs (docs/architecture.md, "Tiers"). It decides on the
+host's one state (workers/engine/host_state.py), on the host's loop.
 
 Why a gate: vLLM runs `max_num_seqs` requests and queues the rest inside it, in its priority
 order (tier, then arrival), and a request's own timeout (`VIGIL_REQUEST_TIMEOUT`, the wedge
