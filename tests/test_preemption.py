@@ -54,6 +54,8 @@ class Batch:
         self.release = threading.Event()
         self.adapter_loads = threading.Event()  # cleared: an adapter's load waits for it
         self.adapter_loads.set()
+        # Runs it does not schedule yet, as vLLM skips a request whose grammar still compiles.
+        self.stalled: set[str] = set()
 
     def __call__(self, spec, plan=None):
         return self
@@ -71,7 +73,7 @@ class Batch:
         self.waiting.append(me)
         self.waiting.sort()
         try:
-            while not (self.waiting[0] is me and len(self.running) < self.max_num_seqs):
+            while not (self._next() is me and len(self.running) < self.max_num_seqs):
                 await asyncio.sleep(0.01)
         except asyncio.CancelledError:
             self.aborted.append(rid)
@@ -89,6 +91,14 @@ class Batch:
             raise
         finally:
             self.running.remove(rid)
+
+    def _next(self):
+        """The waiting run it schedules next: the first not stalled."""
+        return next((w for w in self.waiting if w[2] not in self.stalled), None)
+
+    def generating(self, rid) -> bool:
+        """Whether `rid` holds a slot (it runs)."""
+        return rid in self.running
 
     @property
     def queued(self) -> list[str]:
@@ -292,6 +302,37 @@ def test_bulk_beyond_the_batch_waits_inside_the_engine_and_only_a_running_one_yi
     assert urgent.result(10).text == "now"
     assert [host.result(p).text for p in (first, rest[1])] == ["b0", "b2"]
     assert eng.aborted == ["b1-1", "b3-1"]  # the victim, and the abort of one that waited
+    wait_until(lambda: host.snapshot()["in_flight"] == 0)
+    pool.shutdown()
+
+
+def test_a_run_seated_in_the_batch_but_waiting_inside_the_engine_never_yields(make_host):
+    """Given an engine whose batch holds two requests and four bulk requests started together,
+    the second seated within the batch but not scheduled by the engine (its grammar compiles),
+    so the engine runs the first and third; then an interactive request makes the first yield
+    (a run the engine made a token for), not the second (cheapest by its start, but it holds
+    no slot: the interactive request would wait for a run's end; f25accf's fresh-clone runs
+    failed tests/test_tiers_e2e.py so), and it runs before any bulk run ends."""
+    eng = Batch(max_num_seqs=2)
+    eng.stalled = {"b1-1"}
+    host = make_host(eng)
+    first = host.submit(req("b0"), SPEC, "b0-1", 30, None, None, True)
+    wait_until(lambda: "b0-1" in eng.running)
+    time.sleep(0.05)  # the others start strictly later
+    rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
+    wait_until(lambda: len(eng.running) == 2)
+    time.sleep(0.2)
+    assert eng.running == ["b0-1", "b2-1"] and eng.queued == ["b1-1", "b3-1"]
+    pool = ThreadPoolExecutor(1)
+    urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
+    with pytest.raises(Preempted):
+        host.result(first)
+    assert eng.read == ["b0-1"]
+    wait_until(lambda: "now-1" in eng.running)  # before any bulk run ended
+    eng.stalled.clear()
+    eng.release.set()
+    assert urgent.result(10).text == "now"
+    assert [host.result(p).text for p in rest] == ["b1", "b2", "b3"]
     wait_until(lambda: host.snapshot()["in_flight"] == 0)
     pool.shutdown()
 

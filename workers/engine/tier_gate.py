@@ -218,14 +218,18 @@ class TierGate:
                     and x.clock is not None) + urgent.seqs
         if need <= 0:
             return  # its slots are free, or are being freed for it
+        # Runs vLLM made a token for first: a run seated within the batch may still wait
+        # inside vLLM (its grammar compiling) while one seated ahead took its slot.
+        generating = getattr(engine, "generating", None)
         picks = []
         for x in st.running:
             if (x is not urgent and x.preemptible and x.bulk and not x.short
                     and not x.preempting and not x.gone and not x.ahead):
                 cost = rebuild_cost(x, engine)
                 if cost is not None:
-                    picks.append((cost, -st.running[x], id(x), x))
-        for _, _, _, victim in sorted(picks):
+                    idle = generating is not None and not generating(x.engine_request_id())
+                    picks.append((idle, cost, -st.running[x], id(x), x))
+        for *_, victim in sorted(picks):
             if need <= 0:
                 return
             need -= victim.seqs

@@ -27,6 +27,24 @@ class Pauses:
         if self._watch is not None:
             self._watch.read_one(request_id)
 
+    def generating(self, request_id: str) -> bool:
+        """Whether vLLM made a token for `request_id` in this run (in any of its engine
+        requests): it holds a slot of the batch, so its preemption frees one. A run that made
+        none may still wait inside vLLM (the tier gate's victims: workers/engine/tier_gate.py).
+        Call on the loop."""
+        if self._llm is None:
+            return False
+        states = self._llm.output_processor.request_states
+        return any(s is not None and s.detokenizer.num_output_tokens() > 0
+                   for s in map(states.get, self._engine_ids(request_id)))
+
+    def _engine_ids(self, request_id: str) -> list[str]:
+        """vLLM's own ids of `request_id`'s engine requests (`<id>`, or `<id>~<sample>` for a
+        continuing run's samples)."""
+        op = self._llm.output_processor
+        return [i for key, ids in list(op.external_req_ids.items())
+                if key == request_id or key.startswith(request_id + "~") for i in ids]
+
     def yield_run(self, request_id: str, cancel: Callable[[], object],
                   timeout: float = YIELD_PAUSE_S) -> None:
         """Make `request_id`'s run yield its slot (a preemption: workers/engine/tier_gate.py)
@@ -53,10 +71,7 @@ class Pauses:
                 paused = await self._pause_drained(timeout)
                 self.read_now(request_id)
                 if paused:
-                    op = self._llm.output_processor
-                    ids = [i for key, ids in list(op.external_req_ids.items())
-                           if key == request_id or key.startswith(request_id + "~")
-                           for i in ids]
+                    ids = self._engine_ids(request_id)
                     if ids:
                         await self._llm.engine_core.abort_requests_async(ids)
             except Exception as e:  # the engine died or did not pause: read it as it is
