@@ -266,6 +266,18 @@ def test_only_preemptible_bulk_runs_yield_and_only_when_the_batch_is_full(make_h
     pool.shutdown()
 
 
+def four_bulk(eng, host):
+    """Submit bulk runs b0 to b3, the first alone, the others strictly later, and wait until
+    the engine's batch of two is full; their handles (b0's, then the rest's)."""
+    first = host.submit(req("b0"), SPEC, "b0-1", 30, None, None, True)
+    wait_until(lambda: "b0-1" in eng.running)
+    time.sleep(0.05)  # the others start strictly later
+    rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
+    wait_until(lambda: len(eng.running) == 2)
+    time.sleep(0.2)
+    return first, rest
+
+
 def test_bulk_beyond_the_batch_waits_inside_the_engine_and_only_a_running_one_yields(
         make_host):
     """Given an engine whose batch holds two requests and four bulk requests started together
@@ -277,12 +289,7 @@ def test_bulk_beyond_the_batch_waits_inside_the_engine_and_only_a_running_one_yi
 
     eng = Batch(max_num_seqs=2)
     host = make_host(eng)
-    first = host.submit(req("b0"), SPEC, "b0-1", 30, None, None, True)
-    wait_until(lambda: "b0-1" in eng.running)
-    time.sleep(0.05)  # the others start strictly later
-    rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
-    wait_until(lambda: len(eng.running) == 2)
-    time.sleep(0.2)
+    first, rest = four_bulk(eng, host)
     assert eng.running == ["b0-1", "b1-1"] and eng.queued == ["b2-1", "b3-1"]
     assert host.snapshot()["in_flight"] == 4
     pool = ThreadPoolExecutor(1)
@@ -316,12 +323,7 @@ def test_a_run_seated_in_the_batch_but_waiting_inside_the_engine_never_yields(ma
     eng = Batch(max_num_seqs=2)
     eng.stalled = {"b1-1"}
     host = make_host(eng)
-    first = host.submit(req("b0"), SPEC, "b0-1", 30, None, None, True)
-    wait_until(lambda: "b0-1" in eng.running)
-    time.sleep(0.05)  # the others start strictly later
-    rest = [host.submit(req(f"b{i}"), SPEC, f"b{i}-1", 30, None, None, True) for i in (1, 2, 3)]
-    wait_until(lambda: len(eng.running) == 2)
-    time.sleep(0.2)
+    first, rest = four_bulk(eng, host)
     assert eng.running == ["b0-1", "b2-1"] and eng.queued == ["b1-1", "b3-1"]
     pool = ThreadPoolExecutor(1)
     urgent = pool.submit(host.generate, req("now", "interactive"), SPEC, "now-1", 30)
